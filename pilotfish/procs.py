@@ -1,0 +1,159 @@
+"""Child processes and loopback ports: start, wait until answering, stop by PID.
+
+Shared by `pilotfish up`, the benchmarks and the test fixtures, so every one of them stops
+exactly the processes it started and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class StartError(RuntimeError):
+    """A child could not be started or never became ready; the message says which and why."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the kernel's pick)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def port_answers(port: int, host: str = "127.0.0.1", timeout: float = 0.5) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=timeout):
+        return True
+    return False
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float,
+    what: str,
+    interval: float = 0.05,
+    alive: Callable[[], str | None] | None = None,
+) -> None:
+    """Poll `condition` until it holds; raise StartError naming `what` on timeout.
+
+    `alive` returns a reason string when the thing waited on has died, so a crash is
+    reported at once instead of after the whole timeout.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return
+        if alive is not None and (reason := alive()):
+            raise StartError(f"{what}: {reason}")
+        if time.monotonic() > deadline:
+            raise StartError(f"{what}: not ready after {timeout:.0f}s")
+        time.sleep(interval)
+
+
+class Child:
+    """One child process, in its own process group, stopped by PID."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        log_path: Path | None = None,
+        cwd: str | Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=env,
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C reaches the parent only; it stops us in order
+            )
+        except OSError as exc:
+            self._close_log()
+            raise StartError(f"{name}: cannot run {self.argv[0]}: {exc.strerror}") from None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> str | None:
+        """None while running; else a reason including the tail of its log."""
+        code = self.proc.poll()
+        if code is None:
+            return None
+        return f"exited with code {code}{self._log_tail()}"
+
+    def _log_tail(self, lines: int = 5) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        tail = self.log_path.read_bytes().decode(errors="replace").strip().splitlines()[-lines:]
+        return (" — last output: " + " | ".join(tail)) if tail else ""
+
+    def wait_port(self, port: int, timeout: float = 30.0, host: str = "127.0.0.1") -> None:
+        what = f"{self.name} on {host}:{port}"
+        wait_until(lambda: port_answers(port, host), timeout, what, alive=self.exited)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM this PID, then SIGKILL if it outlives `grace`; never touches other processes."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self._close_log()
+
+    def _close_log(self) -> None:
+        if self._log is not subprocess.DEVNULL:
+            self._log.close()
+            self._log = subprocess.DEVNULL
+
+
+class ChildGroup:
+    """Children started in order and stopped in reverse order."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, name: str, argv: Sequence[str], **kwargs: object) -> Child:
+        child = Child(name, argv, **kwargs)  # type: ignore[arg-type]
+        self.children.append(child)
+        return child
+
+    def first_exited(self) -> tuple[Child, str] | None:
+        for child in self.children:
+            if reason := child.exited():
+                return child, reason
+        return None
+
+    def stop_all(self) -> None:
+        for child in reversed(self.children):
+            child.stop()
+        self.children.clear()

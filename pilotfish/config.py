@@ -109,9 +109,7 @@ def _comma_list(convert: Any) -> Any:
     return parse
 
 
-def struct_from_args(
-    struct_type: type[S], args: argparse.Namespace, yaml_path: str | Path | None = None
-) -> S:
+def struct_from_args(struct_type: type[S], args: argparse.Namespace, yaml_path: str | Path | None = None) -> S:
     """YAML file values, then flags the user typed, validated into `struct_type`."""
     values: dict[str, Any] = {}
     if yaml_path:

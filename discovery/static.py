@@ -1,0 +1,50 @@
+"""Static discovery: instances named on the command line as `id=host:port` or `host:port`.
+
+The embedded default and the gateway's own fallback list use it; the Redis, etcd and
+Kubernetes backends (discovery issue) yield the same `Instance` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    instance_id: str
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        """`host:port` (`[v6]:port`), the value of x-gateway-destination-endpoint."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+
+def parse_instance(spec: str) -> Instance:
+    """`id=host:port` or `host:port` (the id is then the address); ValueError names the problem."""
+    text = spec.strip()
+    instance_id, sep, address = text.partition("=")
+    if not sep:
+        instance_id, address = text, text
+    host, colon, port_text = address.rpartition(":")
+    if not colon or not host or not instance_id.strip():
+        raise ValueError(f"instance {spec!r} is not id=host:port or host:port")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise ValueError(f"instance {spec!r} has a port that is not a number") from None
+    if not 0 < port < 65536:
+        raise ValueError(f"instance {spec!r} has port {port} outside 1-65535")
+    return Instance(instance_id.strip(), host.strip("[]"), port)
+
+
+def parse_instances(specs: list[str]) -> list[Instance]:
+    instances = [parse_instance(s) for s in specs]
+    seen: set[str] = set()
+    for inst in instances:
+        if inst.instance_id in seen:
+            raise ValueError(f"instance id {inst.instance_id!r} is listed twice")
+        seen.add(inst.instance_id)
+    return instances

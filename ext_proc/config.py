@@ -1,0 +1,39 @@
+"""Every ext_proc setting and its default, once; flags, YAML keys and the README table derive from it."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+
+class ExtProcConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    host: Annotated[str, Meta(description="address the gRPC server binds")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535, description="gRPC port Envoy's ext_proc filter connects to")] = 50061
+    scheduler_address: Annotated[
+        str, Meta(description="host:port of the scheduler's gRPC service; empty routes round-robin only")
+    ] = "127.0.0.1:50051"
+    instances: Annotated[
+        list[str],
+        Meta(description="engines the gateway knows itself, for fallback routing: id=host:port or host:port"),
+    ] = []
+    models: Annotated[list[str], Meta(description="model names served; other models get 404 (empty: any model)")] = []
+    schedule_timeout_ms: Annotated[
+        float, Meta(gt=0, description="deadline of one Schedule call; past it the request is routed round-robin")
+    ] = 200.0
+    report_interval_ms: Annotated[
+        float, Meta(gt=0, description="how often streamed token counts are reported to the scheduler, batched")
+    ] = 50.0
+    max_body_bytes: Annotated[int, Meta(ge=1024, description="largest request body accepted; larger gets 413")] = (
+        4 * 1024 * 1024
+    )
+    breaker_failures: Annotated[
+        int, Meta(ge=1, description="consecutive scheduler failures that open the circuit breaker")
+    ] = 3
+    breaker_open_seconds: Annotated[
+        float, Meta(gt=0, description="how long an open breaker skips the scheduler before probing it again")
+    ] = 2.0
+    tokenizer_path: Annotated[
+        str, Meta(description="local tokenizer.json for exact prompt token counts (empty: estimate)")
+    ] = ""

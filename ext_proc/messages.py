@@ -1,0 +1,99 @@
+"""Building and reading Envoy ext_proc messages (xds-protos), kept apart from the routing logic."""
+
+from __future__ import annotations
+
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.type.v3 import http_status_pb2
+from google.protobuf import struct_pb2
+
+# The Gateway API Inference Extension's names, so Pilotfish is a drop-in endpoint picker.
+DESTINATION_HEADER = "x-gateway-destination-endpoint"
+DESTINATION_METADATA_NAMESPACE = "envoy.lb"
+REQUEST_ID_HEADER = "x-request-id"
+# Added to responses so a client (and the end-to-end tests) can see who chose the engine.
+INSTANCE_HEADER = "x-pilotfish-instance"
+ROUTE_SOURCE_HEADER = "x-pilotfish-route"
+
+_OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+CONTINUE_REQUEST_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse()))
+CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
+CONTINUE_REQUEST_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Envoy sends values in `raw_value` (bytes); older builds used `value`."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        out[h.key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def _set_headers(pairs: list[tuple[str, str]]) -> ep.HeaderMutation:
+    return ep.HeaderMutation(
+        set_headers=[
+            base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
+            )
+            for k, v in pairs
+        ]
+    )
+
+
+def _destination_metadata(address: str) -> struct_pb2.Struct:
+    # The top-level key of dynamic_metadata is the namespace Envoy files it under.
+    metadata = struct_pb2.Struct()
+    metadata.update({DESTINATION_METADATA_NAMESPACE: {DESTINATION_HEADER: address}})
+    return metadata
+
+
+def route_on_headers(address: str, request_id: str) -> ep.ProcessingResponse:
+    """Route a request that has no body, answering its headers."""
+    common = ep.CommonResponse(
+        header_mutation=_set_headers([(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]),
+        clear_route_cache=True,
+    )
+    return ep.ProcessingResponse(
+        request_headers=ep.HeadersResponse(response=common), dynamic_metadata=_destination_metadata(address)
+    )
+
+
+def route_on_body(address: str, request_id: str) -> ep.ProcessingResponse:
+    """Route a request after its buffered body was read: the header mutation rides on the body reply."""
+    common = ep.CommonResponse(
+        header_mutation=_set_headers([(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]),
+        clear_route_cache=True,
+    )
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=common), dynamic_metadata=_destination_metadata(address)
+    )
+
+
+def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
+    """Answer the client directly; the request never reaches an engine."""
+    return ep.ProcessingResponse(
+        immediate_response=ep.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=status),
+            headers=_set_headers([("content-type", "application/json")]),
+            body=body,
+            details=details,
+        )
+    )
+
+
+def response_headers_reply(instance_id: str, source: str, stream_body: bool) -> ep.ProcessingResponse:
+    """Tag the response with the routing decision; stop body streaming unless it is SSE."""
+    reply = ep.ProcessingResponse(
+        response_headers=ep.HeadersResponse(
+            response=ep.CommonResponse(
+                header_mutation=_set_headers([(INSTANCE_HEADER, instance_id), (ROUTE_SOURCE_HEADER, source)])
+            )
+        )
+    )
+    if not stream_body:
+        reply.mode_override.CopyFrom(
+            processing_mode_pb2.ProcessingMode(response_body_mode=processing_mode_pb2.ProcessingMode.NONE)
+        )
+    return reply

@@ -1,0 +1,169 @@
+"""The ExternalProcessor servicer: one gRPC stream per HTTP request that Envoy proxies.
+
+Request path: headers (held) → buffered body → parse, count prompt tokens → Schedule →
+route by header mutation. Response path: SSE chunks are counted and reported as they pass;
+the request is released exactly once — at the end of the stream, or when the stream dies.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+
+from pilotfish.ext_proc import messages
+from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
+from pilotfish.ext_proc.routing import SCHEDULER, Decision, Router
+from pilotfish.ext_proc.sse import TokenCounter
+from pilotfish.protos import scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
+CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
+UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
+
+
+class _Stream:
+    """What one HTTP request's processing remembers between messages."""
+
+    __slots__ = ("counter", "decision", "path", "released", "request_id", "status")
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.path = ""
+        self.decision: Decision | None = None
+        self.counter: TokenCounter | None = None
+        self.status = 0
+        self.released = False
+
+
+class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+    def __init__(
+        self,
+        router: Router,
+        count_tokens: Callable[[str], int],
+        models: frozenset[str],
+        max_body_bytes: int,
+    ) -> None:
+        self._router = router
+        self._count_tokens = count_tokens
+        self._models = models
+        self._max_body_bytes = max_body_bytes
+        self.rejected: dict[int, int] = {}
+
+    async def Process(
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ep.ProcessingResponse]:
+        s = _Stream()
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if kind == "request_headers":
+                    yield await self._on_request_headers(s, message.request_headers)
+                elif kind == "request_body":
+                    yield await self._on_request_body(s, message.request_body)
+                elif kind == "response_headers":
+                    yield self._on_response_headers(s, message.response_headers)
+                elif kind == "response_body":
+                    yield self._on_response_body(s, message.response_body)
+                else:  # trailers are not requested by our config; answer so Envoy never waits
+                    yield _continue_for(kind)
+        finally:
+            # The stream ended without the response's end: client abort or upstream reset.
+            if s.decision is not None and not s.released:
+                self._release(s, UPSTREAM_ERROR if s.status >= 500 else CLIENT_ABORT)
+
+    async def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+        h = messages.header_map(headers)
+        s.path = route_path(h.get(":path", ""))
+        s.request_id = h.get(messages.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        if not headers.end_of_stream and s.path in ROUTED_PATHS:
+            return messages.CONTINUE_REQUEST_HEADERS  # the body decides where it goes
+        # No body to schedule on (GET /v1/models, /health, ...): any engine will do.
+        try:
+            inst = self._router.pick_round_robin()
+        except RequestError as exc:
+            return self._reject(exc)
+        return messages.route_on_headers(inst.address, s.request_id)
+
+    async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
+        if s.path not in ROUTED_PATHS:
+            # A body on a path we don't schedule: route it like a bodiless request.
+            try:
+                inst = self._router.pick_round_robin()
+            except RequestError as exc:
+                return self._reject(exc)
+            return messages.route_on_body(inst.address, s.request_id)
+        try:
+            if len(body.body) > self._max_body_bytes:
+                raise RequestError(413, f"request body of {len(body.body)} bytes exceeds {self._max_body_bytes}")
+            parsed = parse_request(s.path, body.body)
+            if self._models and parsed.model not in self._models:
+                raise RequestError(404, f"The model `{parsed.model}` does not exist.", "model")
+            request = scheduler_pb2.ScheduleRequest(
+                request_id=s.request_id,
+                model=parsed.model,
+                prompt_tokens=self._count_tokens(parsed.prompt_text),
+                max_tokens=parsed.max_tokens or 0,
+                stream=parsed.stream,
+            )
+            s.decision = await self._router.choose(request)
+        except RequestError as exc:
+            return self._reject(exc)
+        return messages.route_on_body(s.decision.address, s.request_id)
+
+    def _on_response_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+        h = messages.header_map(headers)
+        try:
+            s.status = int(h.get(":status", "0"))
+        except ValueError:
+            s.status = 0
+        decision = s.decision
+        stream_body = (
+            decision is not None
+            and s.status == 200
+            and not headers.end_of_stream
+            and h.get("content-type", "").startswith("text/event-stream")
+        )
+        if stream_body:
+            s.counter = TokenCounter()
+        elif decision is not None and (headers.end_of_stream or s.status != 200):
+            # Nothing more will come for this request that could change its load.
+            self._release(s, FINISHED if s.status == 200 else UPSTREAM_ERROR)
+        if decision is None:
+            return messages.response_headers_reply("", "", stream_body=False)
+        return messages.response_headers_reply(decision.instance_id, decision.source, stream_body)
+
+    def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
+        counter = s.counter
+        if counter is not None and s.decision is not None and not s.released:
+            counter.feed(body.body)
+            if body.end_of_stream:
+                counter.finish()
+                self._release(s, FINISHED)
+            elif counter.tokens and s.decision.source == SCHEDULER:
+                self._router.report(s.request_id, counter.tokens, prefill_done=True)
+        return messages.CONTINUE_RESPONSE_BODY
+
+    def _release(self, s: _Stream, reason: int) -> None:
+        s.released = True
+        # A round-robin fallback was never scheduled, so the scheduler holds nothing to release.
+        if s.decision is not None and s.decision.source == SCHEDULER:
+            self._router.release(s.request_id, reason)
+
+    def _reject(self, exc: RequestError) -> ep.ProcessingResponse:
+        self.rejected[exc.status] = self.rejected.get(exc.status, 0) + 1
+        return messages.immediate(exc.status, exc.body(), f"pilotfish_{exc.status}")
+
+
+def _continue_for(kind: str | None) -> ep.ProcessingResponse:
+    if kind == "request_trailers":
+        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+    if kind == "response_trailers":
+        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+    return messages.CONTINUE_REQUEST_BODY

@@ -1,0 +1,81 @@
+"""Run the ext_proc gRPC server (grpc.aio on uvloop) until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pilotfish.discovery.static import parse_instances
+from pilotfish.ext_proc.config import ExtProcConfig
+from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.ext_proc.routing import CircuitBreaker, Router
+from pilotfish.ext_proc.tokens import token_counter
+from pilotfish.procs import StartError
+
+log = logging.getLogger(__name__)
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+# Health names the Gateway API Inference Extension's endpoint pickers answer to.
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+
+
+class ExtProcServer:
+    """The servicer, its router and the gRPC server, started and stopped together."""
+
+    def __init__(self, config: ExtProcConfig) -> None:
+        self.config = config
+        try:
+            instances = parse_instances(config.instances)
+        except ValueError as exc:
+            raise StartError(f"--instances: {exc}") from None
+        self.router = Router(
+            config.scheduler_address,
+            instances,
+            schedule_timeout_s=config.schedule_timeout_ms / 1000,
+            report_interval_s=config.report_interval_ms / 1000,
+            breaker=CircuitBreaker(config.breaker_failures, config.breaker_open_seconds),
+        )
+        self.servicer = ExtProcServicer(
+            self.router, token_counter(config.tokenizer_path), frozenset(config.models), config.max_body_bytes
+        )
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.port = 0
+
+    async def start(self) -> int:
+        address = f"{self.config.host}:{self.config.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
+        if not self.port:
+            raise StartError(f"cannot listen on {address}: port in use or address unavailable")
+        await self.server.start()
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        for name in HEALTH_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace)
+        await self.router.close()
+
+
+async def serve(config: ExtProcConfig) -> None:
+    server = ExtProcServer(config)
+    port = await server.start()
+    print(f"ext_proc listening on {config.host}:{port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()

@@ -1,0 +1,38 @@
+"""Render envoy/sidecar.yaml for given ports: the one place the gateway's Envoy config is filled in."""
+
+from __future__ import annotations
+
+import json
+from string import Template
+
+from pilotfish.envoy_binary import config_path
+
+
+def _endpoints(addresses: list[tuple[str, int]]) -> str:
+    # JSON is YAML: a flow list drops into the template at any indentation.
+    return json.dumps(
+        [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addresses]
+    )
+
+
+def render_sidecar(
+    *,
+    listen_port: int,
+    admin_port: int,
+    ext_proc_ports: list[int],
+    default_endpoints: list[tuple[str, int]],
+    listen_host: str = "127.0.0.1",
+    max_body_bytes: int = 4 * 1024 * 1024,
+    ext_proc_timeout_s: float = 5.0,
+) -> str:
+    """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters."""
+    template = Template(config_path("sidecar.yaml").read_text())
+    return template.substitute(
+        listen_host=listen_host,
+        listen_port=listen_port,
+        admin_port=admin_port,
+        max_body_bytes=max_body_bytes,
+        ext_proc_timeout=f"{ext_proc_timeout_s}s",
+        ext_proc_endpoints=_endpoints([("127.0.0.1", p) for p in ext_proc_ports]),
+        default_endpoints=_endpoints(default_endpoints),
+    )

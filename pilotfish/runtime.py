@@ -14,4 +14,4 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         import uvloop
     except ImportError:
         return asyncio.run(main)
-    return asyncio.run(main, loop_factory=uvloop.new_event_loop)
+    return uvloop.run(main)

@@ -1,0 +1,100 @@
+"""Start the whole lite-mode stack on loopback: engines, scheduler, ext_proc, Envoy.
+
+`pilotfish up`, the end-to-end tests and the gateway benchmarks all start it through here, so
+they run exactly the same processes with exactly the same flags.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pilotfish.envoy_binary import find_envoy_binary
+from pilotfish.envoy_bootstrap import render_sidecar
+from pilotfish.procs import ChildGroup, free_port
+
+
+@dataclass(slots=True)
+class StackSpec:
+    engines: int = 2
+    model: str = "pilotfish-sim"
+    listen_host: str = "127.0.0.1"
+    listen_port: int = 0  # 0: a free port
+    start_timeout: float = 60.0
+    scheduler_metrics: bool = False
+    with_scheduler: bool = True
+    engine_args: list[str] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Stack:
+    engines: list[tuple[str, int]]  # (instance id, port)
+    listen_host: str
+    listen_port: int
+    admin_port: int
+    scheduler_port: int
+    scheduler_metrics_port: int
+    ext_proc_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.listen_host}:{self.listen_port}"
+
+
+def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
+    """Start every piece in dependency order, each waited on until it answers."""
+    envoy_binary = find_envoy_binary()
+    py = [sys.executable, "-m", "pilotfish"]
+    engines = [(f"sim-{i}", free_port()) for i in range(spec.engines)]
+    scheduler_port = free_port() if spec.with_scheduler else 0
+    metrics_port = free_port() if spec.scheduler_metrics else 0
+    ext_proc_port, admin_port = free_port(), free_port()
+    listen_port = spec.listen_port or free_port()
+    instances = ",".join(f"{name}=127.0.0.1:{port}" for name, port in engines)
+
+    sim = group.start(
+        "engines",
+        [*py, "sim", "serve", "--ports", ",".join(str(p) for _, p in engines), "--model", spec.model,
+         *spec.engine_args],
+        log_path=log_dir / "engines.log",
+    )
+    for _, port in engines:
+        sim.wait_port(port, spec.start_timeout)
+
+    if spec.with_scheduler:
+        scheduler = group.start(
+            "scheduler",
+            [*py, "scheduler", "--port", str(scheduler_port), "--instances", instances, "--model", spec.model,
+             "--metrics-port", str(metrics_port)],
+            log_path=log_dir / "scheduler.log",
+        )
+        scheduler.wait_port(scheduler_port, spec.start_timeout)
+
+    ext_proc = group.start(
+        "ext_proc",
+        [*py, "ext-proc", "--port", str(ext_proc_port),
+         "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
+         "--instances", instances, "--models", spec.model],
+        log_path=log_dir / "ext_proc.log",
+    )
+    ext_proc.wait_port(ext_proc_port, spec.start_timeout)
+
+    bootstrap = log_dir / "envoy.yaml"
+    bootstrap.write_text(
+        render_sidecar(
+            listen_host=spec.listen_host,
+            listen_port=listen_port,
+            admin_port=admin_port,
+            ext_proc_ports=[ext_proc_port],
+            default_endpoints=[("127.0.0.1", port) for _, port in engines],
+        )
+    )
+    envoy = group.start(
+        "envoy",
+        [str(envoy_binary), "--config-path", str(bootstrap), "--use-dynamic-base-id",
+         "--log-level", "warn", "--log-path", str(log_dir / "envoy.log")],
+        log_path=log_dir / "envoy.stdout.log",
+    )
+    envoy.wait_port(listen_port, spec.start_timeout, host=spec.listen_host)
+    return Stack(engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port)

@@ -1,0 +1,110 @@
+"""`pilotfish up`: the embedded default — simulated engines, scheduler, ext_proc and Envoy on loopback.
+
+Lite mode with static discovery: no Redis, etcd or Kubernetes. Every child runs in its own
+process group and is stopped by PID, in reverse start order, on Ctrl-C, on SIGTERM, when any
+child dies, and after `--demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.config import add_struct_arguments, struct_from_args
+from pilotfish.procs import ChildGroup, StartError, port_is_free
+
+
+class UpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    engines: Annotated[int, Meta(ge=1, le=64, description="simulated engines to start")] = 2
+    host: Annotated[str, Meta(description="address Envoy's listener binds")] = "127.0.0.1"
+    port: Annotated[int, Meta(ge=1, le=65535, description="Envoy's listener: where clients send requests")] = 8080
+    model: Annotated[str, Meta(description="model name the simulated engines serve")] = "pilotfish-sim"
+    demo: Annotated[bool, Meta(description="send a short workload through Envoy, print a table, and exit")] = False
+    demo_requests: Annotated[int, Meta(ge=1, description="requests the demo sends")] = 40
+    demo_concurrency: Annotated[int, Meta(ge=1, description="requests the demo keeps in flight")] = 8
+    log_dir: Annotated[str, Meta(description="where each child's log goes (empty: a new temporary folder)")] = ""
+    start_timeout: Annotated[float, Meta(gt=0, description="seconds each child may take to start answering")] = 60.0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "up",
+        help="run the embedded default: engines, scheduler, ext_proc and Envoy on loopback",
+        description="Start simulated engines, the scheduler (lite mode, static discovery), the ext_proc "
+        "and Envoy on loopback. Ctrl-C stops everything it started.",
+    )
+    add_struct_arguments(parser, UpConfig)
+    parser.set_defaults(run=run)
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise _Stopped
+
+
+def run(args: argparse.Namespace) -> int:
+    config = struct_from_args(UpConfig, args)
+    from pilotfish.envoy_binary import find_envoy_binary
+    from pilotfish.stack import StackSpec, start_stack
+
+    find_envoy_binary()  # a missing binary fails here, before anything starts
+    if not port_is_free(config.port, config.host):
+        raise StartError(f"port {config.port} on {config.host} is in use; choose another with --port")
+
+    log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="pilotfish-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    group = ChildGroup()
+    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    try:
+        spec = StackSpec(
+            engines=config.engines, model=config.model, listen_host=config.host, listen_port=config.port,
+            start_timeout=config.start_timeout,
+        )
+        stack = start_stack(spec, group, log_dir)
+        base_url = stack.base_url
+        if config.demo:
+            return _demo(config, base_url)
+        print(
+            f"Pilotfish is up: {len(stack.engines)} engines, scheduler, ext_proc and Envoy (logs in {log_dir}).\n"
+            f"  curl {base_url}/v1/completions -H 'content-type: application/json' "
+            f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"hello\", \"max_tokens\": 16}}'\n"
+            "Ctrl-C stops everything.",
+            flush=True,
+        )
+        while (dead := group.first_exited()) is None:
+            time.sleep(0.5)
+        child, reason = dead
+        print(f"pilotfish up: error: {child.name} {reason}; stopping", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, _Stopped):
+        return 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        group.stop_all()
+
+
+def _demo(config: UpConfig, base_url: str) -> int:
+    import asyncio
+
+    from pilotfish.demo import format_table, run_workload
+
+    print(f"Sending {config.demo_requests} requests through Envoy at {base_url} ...", flush=True)
+    outcomes = asyncio.run(run_workload(base_url, config.model, config.demo_requests, config.demo_concurrency))
+    print(format_table(outcomes))
+    served = {o.engine for o in outcomes if o.ok}
+    failed = sum(not o.ok for o in outcomes)
+    if failed or (config.engines > 1 and len(served) < 2):
+        print(f"pilotfish up: error: demo saw {failed} failed requests across {len(served)} engines", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,162 @@
+"""End to end through the real Envoy, the real ext_proc and scheduler, to two simulated engines.
+
+Routing must follow the scheduler: every response names the instance ext_proc routed to
+(`x-pilotfish-instance`, set from the scheduler's reply) and the engine that actually served it
+(`x-pilotfish-engine`, set by the engine); the two must agree for every request, and the
+scheduler's own dispatch counters must equal what each engine served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from pilotfish import services
+from pilotfish.procs import ChildGroup, wait_until
+from pilotfish.stack import Stack, StackSpec, start_stack
+
+pytestmark = pytest.mark.integration
+
+MODEL = "pilotfish-sim"
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    try:
+        services.envoy_binary()
+    except services.MissingBinary as exc:
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"{exc} (CI is set: a missing binary fails instead of skipping)")
+        pytest.skip(str(exc))
+    group = ChildGroup()
+    with tempfile.TemporaryDirectory(prefix="pilotfish-e2e-") as tmp:
+        try:
+            yield start_stack(StackSpec(engines=2, model=MODEL, scheduler_metrics=True), group, Path(tmp))
+        finally:
+            group.stop_all()
+
+
+def scheduler_metric(stack: Stack, name: str) -> dict[str, float]:
+    """Per-instance values of one of the scheduler's Prometheus series."""
+    status, body = services.http_call(f"http://127.0.0.1:{stack.scheduler_metrics_port}/metrics")
+    assert status == 200
+    values: dict[str, float] = {}
+    for line in body.decode().splitlines():
+        m = re.match(rf'{name}\{{instance="([^"]+)"\}} (\S+)', line)
+        if m:
+            values[m.group(1)] = float(m.group(2))
+    return values
+
+
+async def completion(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> dict:
+    body = {"model": MODEL, "prompt": f"request {i} " + "lorem ipsum " * (i % 7 + 1), "max_tokens": 5 + i % 9,
+            "stream": stream}
+    async with session.post(f"{url}/v1/completions", json=body, headers={"x-request-id": f"e2e-{i}"}) as resp:
+        raw = await resp.read()
+        return {"i": i, "stream": stream, "status": resp.status, "headers": resp.headers, "raw": raw,
+                "max_tokens": body["max_tokens"]}
+
+
+def sse_texts(raw: bytes) -> tuple[list[str], list[str]]:
+    """(text of each completion event, every data payload in order)."""
+    payloads = [line[5:].strip().decode() for line in raw.split(b"\n") if line.startswith(b"data:")]
+    texts = [json.loads(p)["choices"][0]["text"] for p in payloads if p != "[DONE]"]
+    return texts, payloads
+
+
+async def run_mixed(url: str) -> list[dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        gate = asyncio.Semaphore(8)
+
+        async def one(i: int) -> dict:
+            async with gate:
+                return await completion(session, url, i, stream=i % 2 == 0)
+
+        return list(await asyncio.gather(*(one(i) for i in range(40))))
+
+
+def test_routing_follows_the_scheduler_and_streams_arrive_whole(stack: Stack) -> None:
+    before = scheduler_metric(stack, "pilotfish_scheduler_dispatch_total")
+    results = asyncio.run(run_mixed(stack.base_url))
+
+    assert sum(r["stream"] for r in results) == 20
+    for r in results:
+        assert r["status"] == 200, r["raw"][:300]
+        headers = r["headers"]
+        assert headers["x-pilotfish-route"] == "scheduler", f"request {r['i']} took Envoy's fallback route"
+        assert headers["x-pilotfish-instance"] == headers["x-pilotfish-engine"], f"request {r['i']} misrouted"
+        assert headers["x-request-id"] == f"e2e-{r['i']}"
+        if r["stream"]:
+            texts, payloads = sse_texts(r["raw"])
+            assert payloads[-1] == "[DONE]" and payloads.count("[DONE]") == 1
+            assert len(texts) == r["max_tokens"]
+        else:
+            assert json.loads(r["raw"])["usage"]["completion_tokens"] == r["max_tokens"]
+
+    served = Counter(r["headers"]["x-pilotfish-engine"] for r in results)
+    assert set(served) == {name for name, _ in stack.engines}, f"both engines must serve: {served}"
+
+    after = scheduler_metric(stack, "pilotfish_scheduler_dispatch_total")
+    dispatched = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert dispatched == {k: float(v) for k, v in served.items()}
+
+    # Every request was released: the scheduler's local account drains back to zero.
+    wait_until(
+        lambda: all(v == 0 for v in scheduler_metric(stack, "pilotfish_scheduler_inflight_requests").values()),
+        timeout=30,
+        what="scheduler in-flight account draining to zero",
+    )
+
+
+def test_streamed_tokens_arrive_in_order(stack: Stack) -> None:
+    async def both() -> tuple[dict, dict]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            return (await completion(session, stack.base_url, 3, stream=True),
+                    await completion(session, stack.base_url, 3, stream=False))
+
+    streamed, whole = asyncio.run(both())
+    texts, _ = sse_texts(streamed["raw"])
+    assert "".join(texts) == json.loads(whole["raw"])["choices"][0]["text"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "pilotfish-sim"}', 400, "'prompt'"),
+        (b'{"model": "other-model", "prompt": "x"}', 404, "other-model"),
+        (b'{"model": "pilotfish-sim", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+        (b"\xff\xfe", 400, "UTF-8"),
+    ],
+)
+def test_bad_requests_are_answered_by_the_gateway(stack: Stack, body: bytes, status: int, fragment: str) -> None:
+    async def send() -> tuple[int, bytes, dict]:
+        headers = {"content-type": "application/json"}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{stack.base_url}/v1/completions", data=body, headers=headers) as resp,
+        ):
+            return resp.status, await resp.read(), dict(resp.headers)
+
+    got_status, raw, headers = asyncio.run(send())
+    assert got_status == status
+    error = json.loads(raw)
+    assert error["object"] == "error" and error["code"] == status and fragment in error["message"]
+    assert "x-pilotfish-engine" not in headers, "a rejected request must never reach an engine"
+    # ... and the gateway is still up and routing
+    ok = asyncio.run(run_one(stack.base_url))
+    assert ok == 200
+
+
+async def run_one(url: str) -> int:
+    async with aiohttp.ClientSession() as session:
+        return (await completion(session, url, 1, stream=False))["status"]

@@ -1,0 +1,110 @@
+"""pilotfish.procs: port helpers, start-up failure reports, stop escalation and stop order."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from pilotfish.procs import Child, ChildGroup, StartError, free_port, port_answers, port_is_free, wait_until
+
+# Generous: these only bound a failure; a passing run returns as soon as the condition holds.
+READY_TIMEOUT = 60.0
+
+# Prints `ready <name>` once its SIGTERM handler is installed; on SIGTERM appends its name to
+# argv[2] and exits, or (with argv[3] == "ignore") just notes the signal and keeps running.
+_TRAP_TERM = """
+import signal, sys, time
+name, record, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+def on_term(signum, frame):
+    with open(record, "a") as f:
+        f.write(name + "\\n")
+    print("got TERM", flush=True)
+    if mode != "ignore":
+        sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+print("ready", name, flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+def _log_has(path: Path, text: str) -> bool:
+    return path.exists() and text in path.read_text()
+
+
+def _trapping_child(tmp_path: Path, name: str, mode: str = "exit") -> Child:
+    log = tmp_path / f"{name}.log"
+    argv = [sys.executable, "-c", _TRAP_TERM, name, str(tmp_path / "terms"), mode]
+    child = Child(name, argv, log_path=log)
+    wait_until(lambda: _log_has(log, f"ready {name}"), READY_TIMEOUT, name, alive=child.exited)
+    return child
+
+
+def test_port_helpers_follow_a_listening_socket() -> None:
+    port = free_port()
+    assert port_is_free(port)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", port))
+        listener.listen()
+        assert not port_is_free(port)
+        assert port_answers(port)
+    assert not port_answers(port)
+
+
+def test_wait_until_reports_the_reason_a_thing_died() -> None:
+    with pytest.raises(StartError, match="thing: it died"):
+        wait_until(lambda: False, READY_TIMEOUT, "thing", alive=lambda: "it died")
+
+
+def test_wait_until_times_out_naming_what() -> None:
+    with pytest.raises(StartError, match="thing: not ready after"):
+        wait_until(lambda: False, 0.2, "thing")
+
+
+def test_wait_port_reports_an_early_exit_with_its_log_tail(tmp_path: Path) -> None:
+    log = tmp_path / "early.log"
+    child = Child("early", [sys.executable, "-c", "print('cannot start: marker-42'); raise SystemExit(3)"],
+                  log_path=log)  # fmt: skip
+    with pytest.raises(StartError, match=r"early on 127\.0\.0\.1:\d+: exited with code 3 .*marker-42"):
+        child.wait_port(free_port(), timeout=READY_TIMEOUT)
+    child.stop()
+
+
+def test_a_missing_executable_is_a_start_error(tmp_path: Path) -> None:
+    with pytest.raises(StartError, match="cannot run"):
+        Child("ghost", [str(tmp_path / "no-such-program")])
+
+
+def test_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> None:
+    child = _trapping_child(tmp_path, "stubborn", mode="ignore")
+    child.stop(grace=3.0)
+    assert child.proc.returncode == -signal.SIGKILL
+    assert (tmp_path / "terms").read_text() == "stubborn\n"  # SIGTERM came first
+
+
+def test_stop_is_harmless_after_the_child_exited(tmp_path: Path) -> None:
+    child = Child("quick", [sys.executable, "-c", "pass"])
+    child.proc.wait(READY_TIMEOUT)
+    child.stop()
+    assert child.exited() == "exited with code 0"
+
+
+def test_child_group_stops_in_reverse_order(tmp_path: Path) -> None:
+    group = ChildGroup()
+    for name in ("first", "second", "third"):
+        log = tmp_path / f"{name}.log"
+        argv = [sys.executable, "-c", _TRAP_TERM, name, str(tmp_path / "terms"), "exit"]
+        child = group.start(name, argv, log_path=log)
+        ready = f"ready {name}"
+        wait_until(lambda log=log, ready=ready: _log_has(log, ready), READY_TIMEOUT, name, alive=child.exited)
+    assert group.first_exited() is None
+    children = list(group.children)
+    group.stop_all()
+    # Each stop() waits for its child's exit, so the order of the record is the stop order.
+    assert (tmp_path / "terms").read_text().split() == ["third", "second", "first"]
+    assert all(c.proc.returncode == 0 for c in children)
+    assert group.children == []

@@ -1,0 +1,1 @@
+"""The policy framework: metrics -> filters -> selector, composed by name (see registry.py)."""

@@ -1,0 +1,1 @@
+"""Filters: single-instance ones judge each candidate, global ones (failure domains) run after."""

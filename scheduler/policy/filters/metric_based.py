@@ -1,0 +1,30 @@
+"""metricBasedFilter: block instances whose metric is worse than a threshold."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pilotfish.scheduler.policy.base import Candidate, InstanceFilter, Metric
+from pilotfish.scheduler.view.types import RequestInfo
+
+
+class MetricBasedFilter(InstanceFilter):
+    """Passes an instance whose metric is no worse than `threshold` (<= when lower is better)."""
+
+    name = "metric_based"
+
+    def __init__(self, metric: Metric, threshold: float, *, not_skip_when_fallback: bool = False) -> None:
+        super().__init__(not_skip_when_fallback=not_skip_when_fallback)
+        self.metric = metric
+        self.threshold = threshold
+
+    @property
+    def metrics(self) -> Sequence[Metric]:
+        return (self.metric,)
+
+    def passes(self, cand: Candidate, req: RequestInfo) -> bool:
+        return not self.metric.better(self.threshold, cand.values[self.metric.name])
+
+    def describe(self) -> str:
+        op = ">" if self.metric.lower_is_better else "<"
+        return f"{self.metric.name} {op} {self.threshold:g}"

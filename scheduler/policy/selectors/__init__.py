@@ -1,0 +1,1 @@
+"""Selectors: pick the target among the candidates that passed the filters, and rank fallbacks."""

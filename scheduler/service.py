@@ -1,0 +1,235 @@
+"""The scheduler's gRPC service: translates protos, calls the core, maps errors to status codes.
+
+`SchedulerServer` owns the grpc.aio server (Scheduler + standard health service), the
+Prometheus endpoint and the periodic expiry of the local account, all on one event loop.
+`run_forever` is what `pilotfish scheduler` runs: uvloop, signals, one line when listening.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import signal
+import socket
+import sys
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from pilotfish.procs import StartError
+from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.core import Decision, SchedulerCore
+from pilotfish.scheduler.errors import SchedulerError
+from pilotfish.scheduler.view.types import Endpoint, InferType, RequestInfo
+
+if TYPE_CHECKING:
+    from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "pilotfish.v1.Scheduler"
+
+
+def _endpoint(ep: Endpoint) -> scheduler_pb2.Endpoint:
+    return scheduler_pb2.Endpoint(instance_id=ep.instance_id, address=ep.address, infer_type=int(ep.infer_type))
+
+
+def decision_to_proto(decision: Decision) -> scheduler_pb2.ScheduleResponse:
+    response = scheduler_pb2.ScheduleResponse(
+        target=_endpoint(decision.target), fallbacks=[_endpoint(e) for e in decision.fallbacks]
+    )
+    if decision.decode_target is not None:
+        response.decode_target.CopyFrom(_endpoint(decision.decode_target))
+    return response
+
+
+def request_from_proto(request: scheduler_pb2.ScheduleRequest) -> RequestInfo:
+    try:
+        hint = InferType(request.infer_type_hint)
+    except ValueError:  # a newer gateway's enum value: treat as no hint
+        hint = InferType.UNSPECIFIED
+    return RequestInfo(
+        request_id=request.request_id,
+        model=request.model,
+        prompt_tokens=request.prompt_tokens,
+        prefix_block_hashes=tuple(request.prefix_block_hashes),
+        prefix_block_size=request.prefix_block_size,
+        infer_type_hint=hint,
+        max_tokens=request.max_tokens,
+        stream=request.stream,
+    )
+
+
+def _probe_port(host: str, port: int, flag: str) -> None:
+    """Fail with one line if `port` is taken; grpc would log its own multi-line error first."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host.strip("[]") or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror}") from None
+    for family, kind, proto, _, sockaddr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+            try:
+                probe.bind(sockaddr)
+            except OSError as exc:
+                # other failures (an address family the host lacks) are grpc's to judge
+                if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                    raise _bind_error(host, port, flag, exc) from None
+
+
+def _bind_error(host: str, port: int, flag: str, exc: OSError) -> StartError:
+    reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+    return StartError(f"cannot listen on {host}:{port} ({flag}): {reason}")
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, core: SchedulerCore) -> None:
+        self.core = core
+
+    async def Schedule(
+        self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ScheduleResponse:
+        try:
+            decision = self.core.schedule(request_from_proto(request))
+        except SchedulerError as exc:
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+        return decision_to_proto(decision)
+
+    async def Report(
+        self, request: scheduler_pb2.ReportRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReportResponse:
+        unknown = self.core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in request.reports)
+        return scheduler_pb2.ReportResponse(unknown_requests=unknown)
+
+    async def Release(
+        self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.ReleaseResponse:
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id))
+
+
+class SchedulerServer:
+    """One core behind gRPC (and /metrics when configured); start() binds, stop() drains."""
+
+    def __init__(self, config: SchedulerConfig, core: SchedulerCore | None = None) -> None:
+        self.config = config
+        self.core = core if core is not None else SchedulerCore(config)
+        self.port = 0
+        self.metrics_port = 0
+        self._server: grpc.aio.Server | None = None
+        self._health = health_aio.HealthServicer()
+        self._metrics_runner: web.AppRunner | None = None
+        self._expiry: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Bind and serve; raises StartError naming the address when a port cannot be bound."""
+        host, port, metrics_port = self.config.host, self.config.port, self.config.metrics_port
+        _probe_port(host, port, "--port")
+        if metrics_port:
+            _probe_port(host, metrics_port, "--metrics-port")
+        # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
+        server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.core), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        try:
+            self.port = server.add_insecure_port(f"{host}:{port}")
+        except RuntimeError:
+            self.port = 0
+        if not self.port:  # lost a race with another process after the probe
+            raise StartError(f"cannot listen on {host}:{port} (--port): address in use")
+        await server.start()
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        if metrics_port:
+            try:
+                await self._start_metrics()
+            except OSError as exc:
+                await self.stop(0)
+                raise _bind_error(host, metrics_port, "--metrics-port", exc) from None
+        self._expiry = asyncio.create_task(self._expire_periodically(), name="scheduler-expiry")
+
+    async def _start_metrics(self) -> None:
+        from aiohttp import web
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        registry = self.core.registry
+
+        async def metrics(_: web.Request) -> web.Response:
+            # rendered on the loop that owns the core, so the scrape sees consistent counts
+            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, self.config.host, self.config.metrics_port, reuse_port=False)
+        try:
+            await site.start()
+        except OSError:
+            await runner.cleanup()
+            raise
+        self._metrics_runner = runner
+        self.metrics_port = self.config.metrics_port
+
+    async def _expire_periodically(self) -> None:
+        # Schedule expires lazily too; this keeps the account honest when no requests arrive
+        period = min(self.config.request_local_account_staleness_seconds / 2, 5.0)
+        while True:
+            await asyncio.sleep(period)
+            self.core.expire()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        """Report NOT_SERVING, let in-flight RPCs finish for up to `grace` seconds, then close."""
+        await self._health.enter_graceful_shutdown()
+        expiry, server, runner = self._expiry, self._server, self._metrics_runner
+        self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
+        if expiry is not None:
+            expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await expiry
+        if server is not None:
+            await server.stop(grace)
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def serve(config: SchedulerConfig, core: SchedulerCore | None = None) -> None:
+    """Serve until SIGTERM or SIGINT, then stop gracefully."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    # handlers first: a supervisor may send SIGTERM the moment the port answers
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    server = SchedulerServer(config, core)
+    try:
+        await server.start()
+        metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
+        print(f"scheduler listening on {config.host}:{server.port}{metrics}", flush=True)
+        await stop.wait()
+    finally:
+        await server.stop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+def run_forever(config: SchedulerConfig) -> int:
+    """Build the core (config errors surface here), then serve on uvloop; 0 after a clean stop."""
+    core = SchedulerCore(config)
+    try:
+        import uvloop
+
+        loop_factory = uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep working without it
+        loop_factory = None
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(config, core))
+    sys.stdout.flush()
+    return 0

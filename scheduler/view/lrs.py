@@ -1,0 +1,141 @@
+"""LRS: the requests this scheduler dispatched and has not seen released, and their load.
+
+Every change is incremental: dispatch adds one request and its prompt tokens to the target's
+`LrsLoad`, a report adds the generated-token delta, release or expiry subtracts exactly what
+the entry added. So the per-instance counts are always the sum over held entries, never
+negative, and zero once everything is released.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from pilotfish.scheduler.view.types import InstanceView, LrsLoad
+
+
+@dataclass(slots=True, eq=False)
+class RequestEntry:
+    request_id: str
+    model: str
+    instance_id: str
+    load: LrsLoad  # the target's counters, shared with its InstanceView
+    prompt_tokens: int
+    last_touch: float
+    generated_tokens: int = 0
+    decoding: bool = False
+    # what Schedule answered, returned again when the gateway retries the same request id
+    decision: object = None
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.generated_tokens
+
+
+class LocalRealtimeState:
+    """Held requests by id, ordered by last activity so expiry pops from the front in O(1).
+
+    An entry is touched by its dispatch, its reports and duplicate Schedules; one untouched for
+    `staleness_seconds` is dropped with its load, so a lost Release can never leak load. Not
+    thread-safe: one owner (the service's event loop, or the gateway's when colocated).
+    """
+
+    def __init__(self, staleness_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.staleness_seconds = staleness_seconds
+        self._clock = clock
+        self._entries: OrderedDict[str, RequestEntry] = OrderedDict()
+        self.num_expired = 0  # monotonic; exported as pilotfish_scheduler_expired_total
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[RequestEntry]:
+        return iter(self._entries.values())
+
+    def get(self, request_id: str) -> RequestEntry | None:
+        return self._entries.get(request_id)
+
+    def touch(self, entry: RequestEntry) -> None:
+        entry.last_touch = self._clock()
+        self._entries.move_to_end(entry.request_id)
+
+    def dispatch(
+        self, request_id: str, model: str, inst: InstanceView, prompt_tokens: int, decision: object = None
+    ) -> RequestEntry:
+        """Hold a new request on `inst` and raise its load at once (dispatch is a load change)."""
+        if request_id in self._entries:
+            raise KeyError(f"request {request_id!r} is already held")
+        load = inst.lrs
+        entry = RequestEntry(
+            request_id=request_id,
+            model=model,
+            instance_id=inst.instance_id,
+            load=load,
+            prompt_tokens=prompt_tokens,
+            last_touch=self._clock(),
+            decision=decision,
+        )
+        self._entries[request_id] = entry
+        load.num_requests += 1
+        load.num_tokens += prompt_tokens
+        load.num_dispatched += 1
+        return entry
+
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool = False) -> bool:
+        """Apply a cumulative token count; False if the request is not held.
+
+        Reports may repeat or arrive out of order, so a count lower than the one held is ignored
+        (the entry still counts as alive).
+        """
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        if generated_tokens > entry.generated_tokens:
+            entry.load.num_tokens += generated_tokens - entry.generated_tokens
+            entry.generated_tokens = generated_tokens
+        # a generated token proves the prefill is done even if the flag was batched away
+        if not entry.decoding and (prefill_done or entry.generated_tokens > 0):
+            entry.decoding = True
+            entry.load.num_decode_requests += 1
+        self.touch(entry)
+        return True
+
+    def release(self, request_id: str) -> bool:
+        """Drop the request and its load at once; False if it was not held (idempotent)."""
+        entry = self._entries.pop(request_id, None)
+        if entry is None:
+            return False
+        self._unload(entry)
+        return True
+
+    def drop_instance(self, instance_id: str) -> int:
+        """Forget every request held on an instance that left the cluster; returns how many."""
+        gone = [e for e in self._entries.values() if e.instance_id == instance_id]
+        for entry in gone:
+            del self._entries[entry.request_id]
+            self._unload(entry)
+        return len(gone)
+
+    def expire(self) -> int:
+        """Drop entries untouched for `staleness_seconds`; returns how many."""
+        deadline = self._clock() - self.staleness_seconds
+        dropped = 0
+        while self._entries:
+            entry = next(iter(self._entries.values()))
+            if entry.last_touch > deadline:
+                break
+            self._entries.popitem(last=False)
+            self._unload(entry)
+            dropped += 1
+        self.num_expired += dropped
+        return dropped
+
+    @staticmethod
+    def _unload(entry: RequestEntry) -> None:
+        load = entry.load
+        load.num_requests -= 1
+        load.num_tokens -= entry.tokens
+        if entry.decoding:
+            load.num_decode_requests -= 1

@@ -1,0 +1,32 @@
+"""`pilotfish bench <benchmark>`: one sub-subcommand per benchmark.
+
+A benchmark module exposes `add_arguments(parser)` and `run(args) -> int`, and imports only the
+standard library at module level (heavy imports go inside `run`) so `pilotfish --help` stays fast.
+Adding a benchmark is one line in BENCHMARKS. Every benchmark gets `--out DIR` from here, since
+DESIGN.md promises it for all of them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+# sub-subcommand -> (module, one-line help), in the order `pilotfish bench --help` lists them
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "protos": (
+        "pilotfish.bench.ext_proc_protos",
+        "CPU per request of ext_proc protobuf work: xds-protos vs envoy-data-plane",
+    ),
+}
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("bench", help="benchmarks; each writes DIR/result.json and DIR/report.md")
+    benches = parser.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, (module_name, help_text) in BENCHMARKS.items():
+        module = importlib.import_module(module_name)
+        sub = benches.add_parser(name, help=help_text, description=help_text)
+        sub.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder for the report")
+        module.add_arguments(sub)
+        sub.set_defaults(run=module.run)

@@ -50,7 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse would blame the top-level command; name the subcommand the flag was given to.
+        print(f"pilotfish {args.command}: error: unrecognized arguments: {' '.join(unknown)}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=getattr(logging, args.log_level),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -10,9 +10,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pilotfish.envoy_binary import find_envoy_binary
 from pilotfish.envoy_bootstrap import render_sidecar
 from pilotfish.procs import ChildGroup, free_port
+from pilotfish.services import envoy_binary, start_envoy
 
 
 @dataclass(slots=True)
@@ -44,7 +44,7 @@ class Stack:
 
 def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     """Start every piece in dependency order, each waited on until it answers."""
-    envoy_binary = find_envoy_binary()
+    envoy_binary()  # fail before starting anything when Envoy is missing
     py = [sys.executable, "-m", "pilotfish"]
     engines = [(f"sim-{i}", free_port()) for i in range(spec.engines)]
     scheduler_port = free_port() if spec.with_scheduler else 0
@@ -80,21 +80,15 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     )
     ext_proc.wait_port(ext_proc_port, spec.start_timeout)
 
-    bootstrap = log_dir / "envoy.yaml"
-    bootstrap.write_text(
-        render_sidecar(
-            listen_host=spec.listen_host,
-            listen_port=listen_port,
-            admin_port=admin_port,
-            ext_proc_ports=[ext_proc_port],
-            default_endpoints=[("127.0.0.1", port) for _, port in engines],
-        )
+    bootstrap = render_sidecar(
+        listen_host=spec.listen_host,
+        listen_port=listen_port,
+        admin_port=admin_port,
+        ext_proc_ports=[ext_proc_port],
+        default_endpoints=[("127.0.0.1", port) for _, port in engines],
     )
-    envoy = group.start(
-        "envoy",
-        [str(envoy_binary), "--config-path", str(bootstrap), "--use-dynamic-base-id",
-         "--log-level", "warn", "--log-path", str(log_dir / "envoy.log")],
-        log_path=log_dir / "envoy.stdout.log",
-    )
+    envoy = start_envoy(bootstrap, log_dir, admin_port, timeout=spec.start_timeout).child
+    assert envoy is not None
+    group.children.append(envoy)  # stopped with the rest, in reverse start order
     envoy.wait_port(listen_port, spec.start_timeout, host=spec.listen_host)
     return Stack(engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port)

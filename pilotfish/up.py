@@ -65,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="pilotfish-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     group = ChildGroup()
-    previous = signal.signal(signal.SIGTERM, _raise_stopped)
+    # Handle SIGINT ourselves too: a shell starts background jobs with SIGINT ignored.
+    previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         spec = StackSpec(
             engines=config.engines, model=config.model, listen_host=config.host, listen_port=config.port,
@@ -90,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, _Stopped):
         return 0
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         group.stop_all()
 
 

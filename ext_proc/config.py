@@ -18,7 +18,7 @@ class ExtProcConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         list[str],
         Meta(description="engines the gateway knows itself, for fallback routing: id=host:port or host:port"),
     ] = []
-    models: Annotated[list[str], Meta(description="model names served; other models get 404 (empty: any model)")] = []
+    model: Annotated[list[str], Meta(description="served model names; other models get 404 (empty: any model)")] = []
     schedule_timeout_ms: Annotated[
         float, Meta(gt=0, description="deadline of one Schedule call; past it the request is routed round-robin")
     ] = 200.0

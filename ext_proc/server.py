@@ -41,7 +41,7 @@ class ExtProcServer:
             breaker=CircuitBreaker(config.breaker_failures, config.breaker_open_seconds),
         )
         self.servicer = ExtProcServicer(
-            self.router, token_counter(config.tokenizer_path), frozenset(config.models), config.max_body_bytes
+            self.router, token_counter(config.tokenizer_path), frozenset(config.model), config.max_body_bytes
         )
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)

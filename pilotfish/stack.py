@@ -75,7 +75,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         "ext_proc",
         [*py, "ext-proc", "--port", str(ext_proc_port),
          "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
-         "--instances", instances, "--models", spec.model],
+         "--instances", instances, "--model", spec.model],
         log_path=log_dir / "ext_proc.log",
     )
     ext_proc.wait_port(ext_proc_port, spec.start_timeout)

@@ -1,0 +1,55 @@
+"""The Redis key layout of the Cluster Metadata Store, in one place for writer and reader.
+
+    pilotfish:<cluster>:meta:<instance>     InstanceMetadata (protobuf), with a TTL
+    pilotfish:<cluster>:status:<instance>   InstanceStatus (protobuf), with a TTL
+    pilotfish:<cluster>:events              pub/sub channel: "<kind>:<instance>" on every write
+
+A dead llumlet stops refreshing its keys, they expire, and readers drop the instance.
+"""
+
+from __future__ import annotations
+
+PREFIX = "pilotfish"
+META = "meta"
+STATUS = "status"
+EVENTS = "events"
+
+# Ids become part of Redis keys and channel messages: keep them printable and bounded.
+MAX_ID_LENGTH = 200
+_FORBIDDEN = set(" \t\r\n:*?[]")
+
+
+class BadId(ValueError):
+    pass
+
+
+def check_id(value: str, what: str) -> str:
+    if not value or len(value) > MAX_ID_LENGTH or any(c in _FORBIDDEN or not c.isprintable() for c in value):
+        raise BadId(f"{what} {value!r} must be 1-{MAX_ID_LENGTH} printable characters without spaces, ':' or globs")
+    return value
+
+
+def meta_key(cluster: str, instance_id: str) -> str:
+    return f"{PREFIX}:{cluster}:{META}:{instance_id}"
+
+
+def status_key(cluster: str, instance_id: str) -> str:
+    return f"{PREFIX}:{cluster}:{STATUS}:{instance_id}"
+
+
+def meta_pattern(cluster: str) -> str:
+    return f"{PREFIX}:{cluster}:{META}:*"
+
+
+def status_pattern(cluster: str) -> str:
+    return f"{PREFIX}:{cluster}:{STATUS}:*"
+
+
+def events_channel(cluster: str) -> str:
+    return f"{PREFIX}:{cluster}:{EVENTS}"
+
+
+def instance_of(key: str | bytes) -> str:
+    """The instance id at the end of a meta or status key."""
+    text = key.decode() if isinstance(key, bytes) else key
+    return text.rsplit(":", 1)[-1]

@@ -22,6 +22,8 @@ SUBCOMMAND_MODULES = [
     "pilotfish.up",
     "pilotfish.scheduler.cli",
     "pilotfish.ext_proc.cli",
+    "pilotfish.discovery.cli",
+    "pilotfish.vllm_plugin.cli",
     "pilotfish.simulator.cli",
     "pilotfish.bench.cli",
 ]

@@ -1,0 +1,237 @@
+"""The engine model: vLLM V1's scheduler over a paged KV cache, one step at a time.
+
+Each step, under a token budget (`max_num_batched_tokens`):
+  1. running requests first, in order: each gets the tokens it lacks (1 for a decode, a chunk of
+     prompt for a prefill). When blocks run out the last running request is preempted (its
+     blocks freed, to recompute later) until the current one fits, or it is itself preempted.
+  2. then, if nothing was preempted, waiting requests in FCFS order while there are seats
+     (`max_num_seqs`), budget and blocks; a prefix-cache hit skips its computed tokens.
+A request whose computed tokens reach all its tokens samples one token at the end of the step.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from pilotfish.config import ConfigError
+from pilotfish.simulator.config import EngineConfig
+from pilotfish.simulator.engine.base import EngineStats, StepPlan, StepResult, TokenOutput
+from pilotfish.simulator.engine.events import EngineObserver
+from pilotfish.simulator.engine.kv_cache import KVCacheManager
+from pilotfish.simulator.engine.request import FinishReason, RequestStatus, SimRequest
+from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for
+from pilotfish.simulator.tokens import generated_token_id
+
+
+class V1Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: StepTimeProfile | None = None,
+        observers: Sequence[EngineObserver] = (),
+    ) -> None:
+        if config.num_gpu_blocks * config.block_size < config.max_model_len:
+            # vLLM refuses to start in this case too: one long request could never be scheduled
+            raise ConfigError(
+                f"--num-gpu-blocks {config.num_gpu_blocks} x --block-size {config.block_size} holds fewer "
+                f"tokens than --max-model-len {config.max_model_len}"
+            )
+        self.config = config
+        self.profile = profile or profile_for(config)
+        self.kv = KVCacheManager(config.num_gpu_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.observers: list[EngineObserver] = list(observers)
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._preemptions = 0
+        self._cache_queries = 0
+        self._cache_hits = 0
+        self._finished: dict[str, int] = {}
+
+    def add_observer(self, observer: EngineObserver) -> None:
+        self.observers.append(observer)
+
+    # ---- requests in and out --------------------------------------------------------------
+
+    def add_request(self, request: SimRequest, now: float) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request {request.request_id!r} is already in the engine")
+        if not 0 < request.num_prompt_tokens < self.config.max_model_len:
+            raise ValueError(f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len")
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+        for o in self.observers:
+            o.request_added(request, now)
+
+    def abort_request(self, request_id: str, now: float) -> bool:
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._finish(request, FinishReason.ABORT, now)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self, now: float) -> StepResult:
+        plan = self.begin_step(now)
+        outputs = self.end_step(plan)
+        return StepResult(plan.duration, outputs, plan.num_prefill_tokens, plan.num_decode_requests)
+
+    def begin_step(self, now: float) -> StepPlan:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[tuple[SimRequest, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(
+                request.num_tokens - request.num_computed_tokens,
+                budget,
+                self.config.max_model_len - 1 - request.num_computed_tokens,
+            )
+            if num_new <= 0:
+                i += 1
+                continue
+            new_blocks = self.kv.allocate(request, num_new)
+            while new_blocks is None:
+                victim = self.running.pop()  # the latest arrival loses its blocks first (FCFS)
+                self._preempt(victim, now)
+                preempted = True
+                if victim is request:
+                    break
+                new_blocks = self.kv.allocate(request, num_new)
+            if new_blocks is None:
+                break
+            self._allocated(request, new_blocks, now)
+            scheduled.append((request, num_new))
+            budget -= num_new
+            i += 1
+
+        # vLLM admits nothing in a step that had to preempt: memory is short
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            cached = self.kv.computed_blocks(request)
+            hit = len(cached) * self.config.block_size
+            num_new = min(request.num_tokens - hit, budget)
+            new_blocks = self.kv.allocate(request, num_new, cached)
+            if new_blocks is None:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit
+            self._cache_queries += request.num_tokens
+            self._cache_hits += hit
+            for o in self.observers:
+                o.request_scheduled(request, now)
+                o.cache_hit(request, hit, now)
+            self._allocated(request, new_blocks, now)
+            scheduled.append((request, num_new))
+            budget -= num_new
+
+        prefill_tokens = decodes = context = 0
+        for request, num_new in scheduled:
+            if _is_decode(request, num_new):
+                decodes += 1
+            else:
+                prefill_tokens += num_new
+            context += request.num_computed_tokens + num_new
+        duration = self.profile.step_seconds(prefill_tokens, decodes, context)
+        return StepPlan(now, duration, scheduled, prefill_tokens, decodes)
+
+    def end_step(self, plan: StepPlan) -> list[TokenOutput]:
+        end = plan.end
+        outputs: list[TokenOutput] = []
+        any_finished = False
+        for request, num_new in plan.scheduled:
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            decode = _is_decode(request, num_new)
+            request.num_computed_tokens += num_new
+            if not decode:
+                for o in self.observers:
+                    o.prefill_chunk(request, num_new, end)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            if request.num_output_tokens == 0:
+                self._prompt_tokens += request.num_prompt_tokens
+            token_id = generated_token_id(request.num_output_tokens)
+            request.output_token_ids.append(token_id)
+            self._generation_tokens += 1
+            for o in self.observers:
+                o.token_generated(request, token_id, end)
+            reason = request.length_limit_reached(self.config.max_model_len)
+            outputs.append(TokenOutput(request.request_id, token_id, request.num_output_tokens - 1, reason))
+            if reason is not None:
+                self._finish(request, reason, end)
+                any_finished = True
+        if any_finished:
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        for o in self.observers:
+            o.step_finished(plan.start, plan.duration, plan.num_prefill_tokens, plan.num_decode_requests)
+        return outputs
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _allocated(self, request: SimRequest, blocks: list, now: float) -> None:
+        if blocks and self.observers:
+            ids = [b.block_id for b in blocks]
+            for o in self.observers:
+                o.blocks_allocated(request, ids, now)
+
+    def _preempt(self, request: SimRequest, now: float) -> None:
+        self._free(request, now)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0  # recompute, as vLLM V1 does: no swapping
+        request.num_preemptions += 1
+        self._preemptions += 1
+        self.waiting.appendleft(request)
+        for o in self.observers:
+            o.preempted(request, now)
+
+    def _free(self, request: SimRequest, now: float) -> None:
+        freed = self.kv.free(request)
+        if freed:
+            for o in self.observers:
+                o.blocks_freed(request, freed, now)
+
+    def _finish(self, request: SimRequest, reason: FinishReason, now: float) -> None:
+        self._free(request, now)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        del self.requests[request.request_id]
+        self._finished[reason.value] = self._finished.get(reason.value, 0) + 1
+        for o in self.observers:
+            o.finished(request, reason, now)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prompt_tokens_total=self._prompt_tokens,
+            generation_tokens_total=self._generation_tokens,
+            num_preemptions_total=self._preemptions,
+            prefix_cache_queries_total=self._cache_queries,
+            prefix_cache_hits_total=self._cache_hits,
+            finished_total=dict(self._finished),
+        )
+
+
+def _is_decode(request: SimRequest, num_new: int) -> bool:
+    """One new token right after a sampled one: a decode, not a (re)compute of known tokens."""
+    return num_new == 1 and request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1

@@ -1,0 +1,65 @@
+"""Step duration from what the step did, with coefficients from a named profile file.
+
+t_ms = base_ms + prefill_ms_per_token * P + decode_ms_per_token * D + context_ms_per_token * C
+where P is the prefill tokens computed, D the requests decoding and C the sum of the context
+lengths attended. Linear terms only: a GPU step is bound by weight reads (base), prefill FLOPs
+(P) and KV reads (C); `pilotfish sim calibrate` fits the same four numbers to a real engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.config import ConfigError, load_yaml_mapping, struct_from_mapping
+from pilotfish.simulator.config import EngineConfig
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+class StepTimeProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    name: str
+    base_ms: Annotated[float, Meta(ge=0)]
+    prefill_ms_per_token: Annotated[float, Meta(ge=0)]
+    decode_ms_per_token: Annotated[float, Meta(ge=0)]
+    context_ms_per_token: Annotated[float, Meta(ge=0)] = 0.0
+
+    def step_seconds(self, prefill_tokens: int, decode_requests: int, context_tokens: int) -> float:
+        ms = (
+            self.base_ms
+            + self.prefill_ms_per_token * prefill_tokens
+            + self.decode_ms_per_token * decode_requests
+            + self.context_ms_per_token * context_tokens
+        )
+        return ms / 1000.0
+
+
+def profile_names() -> list[str]:
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def load_profile(name_or_path: str) -> StepTimeProfile:
+    """A profile by name (simulator/profiles/<name>.yaml) or by path to a YAML file."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = PROFILES_DIR / f"{name_or_path}.yaml"
+        if not path.is_file():
+            raise ConfigError(f"--profile {name_or_path!r}: no such profile (known: {', '.join(profile_names())})")
+    try:
+        return struct_from_mapping(StepTimeProfile, load_yaml_mapping(path))
+    except ConfigError as exc:
+        raise ConfigError(f"profile {path}: {exc}") from None
+
+
+def profile_for(config: EngineConfig) -> StepTimeProfile:
+    """The configured profile with the per-flag overrides applied."""
+    profile = load_profile(config.profile)
+    overrides = {
+        "base_ms": config.step_ms,
+        "prefill_ms_per_token": config.prefill_ms_per_token,
+        "decode_ms_per_token": config.decode_ms_per_token,
+    }
+    return msgspec.structs.replace(profile, **{k: v for k, v in overrides.items() if v is not None})

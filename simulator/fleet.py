@@ -1,0 +1,127 @@
+"""Many simulated engines in one asyncio loop, one port each: the in-process API.
+
+    async with serve_engines(ServeConfig(engines=2, base_port=0)) as fleet:
+        fleet.urls  # ["http://127.0.0.1:41234", ...]
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from pilotfish.simulator.config import EngineConfig, ServeConfig
+from pilotfish.simulator.engine.base import EngineCore
+from pilotfish.simulator.server.app import EngineApp
+from pilotfish.simulator.server.driver import EngineDriver
+from pilotfish.simulator.tokens import Tokenizer, load_tokenizer
+
+CoreFactory = Callable[[EngineConfig], EngineCore]
+
+
+def default_core(config: EngineConfig) -> EngineCore:
+    from pilotfish.simulator.engine.scheduler import V1Engine
+
+    return V1Engine(config)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAddress:
+    engine_id: str
+    host: str
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def endpoint(self) -> str:
+        """host:port, as the gateway's destination header names it."""
+        return f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class SimEngine:
+    address: EngineAddress
+    config: EngineConfig
+    driver: EngineDriver
+
+    @property
+    def core(self) -> EngineCore:
+        return self.driver.core
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    engines: list[SimEngine]
+
+    @property
+    def addresses(self) -> list[EngineAddress]:
+        return [e.address for e in self.engines]
+
+    @property
+    def urls(self) -> list[str]:
+        return [e.address.url for e in self.engines]
+
+    def by_id(self, engine_id: str) -> SimEngine:
+        for engine in self.engines:
+            if engine.address.engine_id == engine_id:
+                return engine
+        raise KeyError(engine_id)
+
+
+@contextlib.asynccontextmanager
+async def serve_engines(
+    serve: ServeConfig | None = None,
+    engine: EngineConfig | Sequence[EngineConfig] | None = None,
+    *,
+    core_factory: CoreFactory = default_core,
+    tokenizer: Tokenizer | None = None,
+) -> AsyncIterator[Fleet]:
+    """Start every engine (listening when this yields) and stop them all on exit.
+
+    `engine` is one config for all engines or one per engine (heterogeneous fleets).
+    """
+    serve = serve or ServeConfig()
+    ports = serve.resolved_ports()
+    engine = engine or EngineConfig()
+    configs = [engine] * len(ports) if isinstance(engine, EngineConfig) else list(engine)
+    if len(configs) != len(ports):
+        raise ValueError(f"{len(configs)} engine configs for {len(ports)} engines")
+    tokenizer = tokenizer or load_tokenizer(serve.tokenizer_path)
+    runners: list[web.AppRunner] = []
+    drivers: list[EngineDriver] = []
+    engines: list[SimEngine] = []
+    try:
+        for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
+            engine_id = f"{serve.engine_id_prefix}-{i}"
+            driver = EngineDriver(core_factory(config))
+            driver.start()
+            drivers.append(driver)
+            app = EngineApp(engine_id, serve, config, driver, tokenizer).build()
+            # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
+            runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+            await runner.setup()
+            runners.append(runner)
+            site = web.TCPSite(runner, serve.host, port, reuse_address=True)
+            await site.start()
+            bound = _bound_port(runner, port)
+            engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver))
+        yield Fleet(engines)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+        for driver in drivers:
+            await driver.stop()
+
+
+def _bound_port(runner: web.AppRunner, asked: int) -> int:
+    if asked:
+        return asked
+    for address in runner.addresses:
+        if isinstance(address, tuple):
+            return int(address[1])
+    raise RuntimeError("engine site has no TCP address")

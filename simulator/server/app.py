@@ -1,0 +1,174 @@
+"""One simulated engine's aiohttp application: routes, headers and the request lifecycle."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from pilotfish.simulator.config import EngineConfig, ServeConfig
+from pilotfish.simulator.engine.request import SimRequest
+from pilotfish.simulator.server.driver import EngineDriver
+from pilotfish.simulator.server.metrics import render_metrics
+from pilotfish.simulator.server.protocol import (
+    SSE_DONE,
+    ApiError,
+    ResponseShape,
+    context_length_error,
+    decode_body,
+    models_response,
+    parse_request,
+    sse,
+)
+from pilotfish.simulator.tokens import Tokenizer, generated_word
+
+log = logging.getLogger(__name__)
+
+ENGINE_HEADER = "x-pilotfish-engine"
+REQUEST_ID_HEADER = "x-request-id"
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    # compact, like vLLM's FastAPI responses, and faster than json.dumps
+    return web.Response(body=msgspec.json.encode(body), status=status, content_type="application/json")
+
+
+class EngineApp:
+    def __init__(
+        self,
+        engine_id: str,
+        serve: ServeConfig,
+        engine: EngineConfig,
+        driver: EngineDriver,
+        tokenizer: Tokenizer,
+    ) -> None:
+        self.engine_id = engine_id
+        self.serve = serve
+        self.engine = engine
+        self.driver = driver
+        self.tokenizer = tokenizer
+        # internal ids stay unique even when clients reuse an x-request-id
+        self._seq = itertools.count()
+
+    def build(self) -> web.Application:
+        # long-context prompts exceed aiohttp's 1 MiB default body limit; vLLM takes them
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app.on_response_prepare.append(self._tag_response)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/metrics", self._metrics)
+        return app
+
+    async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers[ENGINE_HEADER] = self.engine_id
+        request_id = request.headers.get(REQUEST_ID_HEADER)
+        if request_id:
+            response.headers[REQUEST_ID_HEADER] = request_id
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _json(exc.body(), status=exc.status)
+        except web.HTTPException:
+            raise
+        except Exception:
+            log.exception("engine %s: unexpected error on %s", self.engine_id, request.path)
+            error = ApiError(500, "internal error in the engine simulator", "InternalServerError")
+            return _json(error.body(), status=500)
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return _json(models_response(self.serve.model, self.engine.max_model_len))
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self.driver.core.stats(), self.serve.model)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
+        data = decode_body(await http.read())
+        parsed = parse_request(data, chat=chat, served_model=self.serve.model, tokenizer=self.tokenizer)
+        prompt_len = len(parsed.prompt_token_ids)
+        limit = self.engine.max_model_len
+        stop_after: int | None = None
+        if parsed.max_tokens is None:
+            if prompt_len >= limit:
+                raise context_length_error(limit, prompt_len, None)
+            max_tokens = limit - prompt_len
+            # a real model ends with EOS at some point; the simulated one after a fixed length
+            stop_after = None if parsed.ignore_eos else self.serve.default_output_tokens
+        else:
+            max_tokens = parsed.max_tokens
+            if prompt_len + max_tokens > limit:
+                raise context_length_error(limit, prompt_len, max_tokens)
+
+        base_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        internal_id = f"{base_id}#{next(self._seq)}"
+        loop = asyncio.get_running_loop()
+        sim_request = SimRequest(internal_id, parsed.prompt_token_ids, max_tokens, stop_after, loop.time())
+        shape = ResponseShape(base_id, parsed.model, chat, prompt_len)
+        queue = self.driver.submit(sim_request)
+        finished = False
+        response: web.StreamResponse | None = None
+        try:
+            if parsed.stream:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(http)
+                if chat:  # vLLM opens a chat stream with the assistant role before any token
+                    await response.write(sse(shape.chunk(None, None, role=True)))
+                completion_tokens = 0
+                while True:
+                    out = await queue.get()
+                    text = ""
+                    if out.token_id is not None:
+                        text = generated_word(out.index)
+                        completion_tokens += 1
+                    reason = out.finish_reason.value if out.finish_reason else None
+                    finished = reason is not None
+                    usage = shape.usage(completion_tokens) if parsed.include_usage and \
+                        parsed.continuous_usage_stats else None
+                    await response.write(sse(shape.chunk(text, reason, usage=usage)))
+                    if finished:
+                        break
+                if parsed.include_usage:
+                    await response.write(sse(shape.usage_chunk(completion_tokens)))
+                await response.write(SSE_DONE)
+                await response.write_eof()
+                return response
+
+            words: list[str] = []
+            while True:
+                out = await queue.get()
+                if out.token_id is not None:
+                    words.append(generated_word(out.index))
+                if out.finish_reason is not None:
+                    finished = True
+                    body = shape.full("".join(words), out.finish_reason.value, len(words))
+                    return _json(body)
+        except ConnectionError:
+            # the client went away mid-stream; the finally clause frees its slot
+            return response if response is not None else web.Response(status=499)
+        finally:
+            if not finished:
+                self.driver.abort(internal_id)

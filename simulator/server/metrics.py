@@ -1,0 +1,46 @@
+"""/metrics in Prometheus text format under vLLM's metric names and labels."""
+
+from __future__ import annotations
+
+from pilotfish.simulator.engine.base import EngineStats
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def render_metrics(stats: EngineStats, model: str) -> str:
+    # vLLM V1 labels every series with the model and the engine-core index (one core here).
+    labels = f'model_name="{_escape(model)}",engine="0"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_: str, value: float, extra: str = "") -> None:
+        family = name.removesuffix("_total") if kind == "counter" else name
+        if not any(line.startswith(f"# HELP {family} ") for line in lines):
+            lines.append(f"# HELP {family} {help_}")
+            lines.append(f"# TYPE {family} {kind}")
+        lines.append(f"{name}{{{labels}{extra}}} {float(value)}")
+
+    metric("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.",
+           stats.num_running)
+    metric("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.",
+           stats.num_waiting)
+    metric("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.",
+           stats.kv_cache_usage)
+    # the pre-0.10 name of the same gauge, still read by many dashboards and routers
+    metric("vllm:gpu_cache_usage_perc", "gauge", "GPU KV-cache usage. 1 means 100 percent usage.",
+           stats.kv_cache_usage)
+    metric("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.",
+           stats.prompt_tokens_total)
+    metric("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.",
+           stats.generation_tokens_total)
+    metric("vllm:num_preemptions_total", "counter", "Cumulative number of preemption from the engine.",
+           stats.num_preemptions_total)
+    metric("vllm:prefix_cache_queries_total", "counter",
+           "Prefix cache queries, in terms of number of queried tokens.", stats.prefix_cache_queries_total)
+    metric("vllm:prefix_cache_hits_total", "counter",
+           "Prefix cache hits, in terms of number of cached tokens.", stats.prefix_cache_hits_total)
+    for reason in ("stop", "length", "abort"):
+        metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
+               stats.finished_total.get(reason, 0), f',finished_reason="{reason}"')
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,93 @@
+"""Prompt tokens and generated text, shared by the simulator and the gateway.
+
+Without a tokenizer file both sides use `fallback_token_ids`, so the gateway's prompt count and
+prefix hashes agree with the engine's exactly. Pieces mimic BPE roughly (a word with its
+leading space is one token, long words split every 10 letters), giving about as many tokens as
+a real English tokenizer without loading one.
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+# Every character falls in exactly one alternative, so the pieces rejoin to the text.
+_PIECE = re.compile(r" ?[^\W\d_]{1,10}| ?\d{1,3}| ?[^\w\s]| ?_|\s+")
+_VOCAB = 100_000
+
+# Generated text cycles through these; each is one fallback token, so a conversation that sends
+# an answer back as its next prompt counts it as the same number of tokens.
+WORDS = (
+    " the", " of", " and", " to", " in", " is", " that", " for", " it", " as",
+    " was", " with", " be", " by", " on", " not", " he", " this", " are", " or",
+    " his", " from", " at", " which", " but", " have", " an", " had", " they", " you",
+)
+
+
+def fallback_pieces(text: str) -> list[str]:
+    return _PIECE.findall(text)
+
+
+def fallback_token_ids(text: str) -> list[int]:
+    """Deterministic token ids for `text` (crc32 of each piece): stable across processes."""
+    return [zlib.crc32(p.encode()) % _VOCAB for p in _PIECE.findall(text)]
+
+
+def render_chat(messages: Sequence[dict[str, Any]]) -> str:
+    """A fixed chat template: the prompt a chat request stands for, before tokenizing."""
+    parts = []
+    for message in messages:
+        parts.append(f"<|{message.get('role', 'user')}|>\n{message_text(message)}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's content as text: a string, or the text parts of a content list."""
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+
+
+def generated_word(index: int) -> str:
+    return WORDS[index % len(WORDS)]
+
+
+def generated_token_id(index: int) -> int:
+    # above the fallback vocabulary, so generated tokens never collide with prompt pieces
+    return _VOCAB + index % len(WORDS)
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+
+class FallbackTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return fallback_token_ids(text)
+
+
+class FileTokenizer:
+    """A Hugging Face `tokenizers` file (tokenizer.json)."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        from pilotfish.config import ConfigError
+
+        try:
+            self._tok = HFTokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises a bare Exception for every failure
+            raise ConfigError(f"--tokenizer-path {path}: cannot load tokenizer: {exc}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+
+def load_tokenizer(path: str | None) -> Tokenizer:
+    return FileTokenizer(path) if path else FallbackTokenizer()

@@ -28,6 +28,7 @@ setup(
         "pilotfish": ["py.typed"],
         "pilotfish.envoy": ["*.yaml", "gateway-api/*.yaml"],
         "pilotfish.protos": ["*.proto", "*.pyi"],
+        "pilotfish.simulator": ["profiles/*.yaml", "README.md"],
     },
     include_package_data=True,
 )

@@ -28,6 +28,7 @@ class StepPlan:
     scheduled: list[tuple[SimRequest, int]] = field(default_factory=list)  # (request, new tokens)
     num_prefill_tokens: int = 0
     num_decode_requests: int = 0
+    decode_flags: list[bool] = field(default_factory=list)  # per scheduled entry: a decode, not a prefill
 
     @property
     def end(self) -> float:

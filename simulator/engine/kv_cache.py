@@ -128,8 +128,17 @@ class KVCacheManager:
 
         Returns the newly taken blocks, or None, holding nothing new, when too few are free.
         """
-        cached = cached or []
         held = self.req_blocks.get(request.request_id, [])
+        if not cached:
+            total = request.num_computed_tokens + num_new_tokens
+            if total <= len(held) * self.block_size:
+                # the common decode step: the tokens fit in blocks already held
+                if self.enable_prefix_caching and total // self.block_size > self._num_registered.get(
+                    request.request_id, 0
+                ):
+                    self._register(request, held, total)
+                return []
+        cached = cached or []
         num_computed = request.num_computed_tokens + len(cached) * self.block_size
         needed = math.ceil((num_computed + num_new_tokens) / self.block_size) - len(held) - len(cached)
         # cached blocks that sit in the free queue stop being free once this request holds them

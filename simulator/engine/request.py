@@ -38,9 +38,11 @@ class SimRequest:
     finish_reason: FinishReason | None = None
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids, grown lazily
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+    # read every step for every running request; the prompt never changes, so its length is kept
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -48,7 +50,7 @@ class SimRequest:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.num_prompt_tokens + len(self.output_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -144,44 +144,51 @@ class V1Engine:
             budget -= num_new
 
         prefill_tokens = decodes = context = 0
+        decode_flags: list[bool] = []
         for request, num_new in scheduled:
-            if _is_decode(request, num_new):
+            decode = _is_decode(request, num_new)
+            decode_flags.append(decode)
+            if decode:
                 decodes += 1
             else:
                 prefill_tokens += num_new
             context += request.num_computed_tokens + num_new
         duration = self.profile.step_seconds(prefill_tokens, decodes, context)
-        return StepPlan(now, duration, scheduled, prefill_tokens, decodes)
+        return StepPlan(now, duration, scheduled, prefill_tokens, decodes, decode_flags)
 
     def end_step(self, plan: StepPlan) -> list[TokenOutput]:
         end = plan.end
         outputs: list[TokenOutput] = []
         any_finished = False
-        for request, num_new in plan.scheduled:
-            if request.status is not RequestStatus.RUNNING:
+        observers = self.observers
+        max_model_len = self.config.max_model_len
+        running = RequestStatus.RUNNING
+        for (request, num_new), decode in zip(plan.scheduled, plan.decode_flags, strict=True):
+            if request.status is not running:
                 continue  # aborted while the step ran
-            decode = _is_decode(request, num_new)
             request.num_computed_tokens += num_new
             if not decode:
-                for o in self.observers:
+                for o in observers:
                     o.prefill_chunk(request, num_new, end)
-            if request.num_computed_tokens < request.num_tokens:
+            output_ids = request.output_token_ids
+            index = len(output_ids)
+            if request.num_computed_tokens < request.num_prompt_tokens + index:
                 continue  # a prefill chunk that does not reach the end samples nothing
-            if request.num_output_tokens == 0:
+            if index == 0:
                 self._prompt_tokens += request.num_prompt_tokens
-            token_id = generated_token_id(request.num_output_tokens)
-            request.output_token_ids.append(token_id)
+            token_id = generated_token_id(index)
+            output_ids.append(token_id)
             self._generation_tokens += 1
-            for o in self.observers:
+            for o in observers:
                 o.token_generated(request, token_id, end)
-            reason = request.length_limit_reached(self.config.max_model_len)
-            outputs.append(TokenOutput(request.request_id, token_id, request.num_output_tokens - 1, reason))
+            reason = request.length_limit_reached(max_model_len)
+            outputs.append(TokenOutput(request.request_id, token_id, index, reason))
             if reason is not None:
                 self._finish(request, reason, end)
                 any_finished = True
         if any_finished:
-            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
-        for o in self.observers:
+            self.running = [r for r in self.running if r.status is running]
+        for o in observers:
             o.step_finished(plan.start, plan.duration, plan.num_prefill_tokens, plan.num_decode_requests)
         return outputs
 

@@ -37,3 +37,11 @@ class ExtProcConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     tokenizer_path: Annotated[
         str, Meta(description="local tokenizer.json for exact prompt token counts (empty: estimate)")
     ] = ""
+    exact_usage: Annotated[
+        bool,
+        Meta(
+            description="add stream_options.include_usage to streaming requests so generated-token counts are "
+            "exact; the extra usage chunk is removed before a client that did not ask for it sees it"
+        ),
+    ] = True
+    metrics_port: Annotated[int, Meta(ge=0, le=65535, description="Prometheus /metrics port (0: off)")] = 0

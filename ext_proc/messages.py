@@ -60,14 +60,23 @@ def route_on_headers(address: str, request_id: str) -> ep.ProcessingResponse:
     )
 
 
-def route_on_body(address: str, request_id: str) -> ep.ProcessingResponse:
+def route_on_body(address: str, request_id: str, new_body: bytes | None = None) -> ep.ProcessingResponse:
     """Route a request after its buffered body was read: the header mutation rides on the body reply."""
-    common = ep.CommonResponse(
-        header_mutation=_set_headers([(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]),
-        clear_route_cache=True,
-    )
+    headers = [(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]
+    if new_body is not None:
+        headers.append(("content-length", str(len(new_body))))
+    common = ep.CommonResponse(header_mutation=_set_headers(headers), clear_route_cache=True)
+    if new_body is not None:
+        common.body_mutation.body = new_body
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=common), dynamic_metadata=_destination_metadata(address)
+    )
+
+
+def replace_response_body(body: bytes) -> ep.ProcessingResponse:
+    """Pass on `body` instead of the chunk Envoy sent (usage stripping)."""
+    return ep.ProcessingResponse(
+        response_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=body)))
     )
 
 

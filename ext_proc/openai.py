@@ -62,6 +62,12 @@ class ParsedRequest:
     stream: bool
     max_tokens: int | None
     include_usage: bool
+    body: dict[str, Any]
+
+    def body_requesting_usage(self) -> bytes:
+        """The body re-encoded with `stream_options.include_usage`, for an exact generated-token count."""
+        options = self.body.get("stream_options") or {}
+        return _json_encoder.encode({**self.body, "stream_options": {**options, "include_usage": True}})
 
 
 def route_path(path: str) -> str:
@@ -103,7 +109,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         if not isinstance(options, dict):
             raise RequestError(400, "'stream_options' must be an object", "stream_options")
         include_usage = options.get("include_usage") is True
-    return ParsedRequest(path, model, prompt_text, stream, max_tokens, include_usage)
+    return ParsedRequest(path, model, prompt_text, stream, max_tokens, include_usage, data)
 
 
 def _max_tokens(data: dict[str, Any], chat: bool) -> int | None:

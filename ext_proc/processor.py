@@ -8,6 +8,7 @@ the request is released exactly once — at the end of the stream, or when the s
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 
@@ -18,7 +19,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from pilotfish.ext_proc import messages
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import SCHEDULER, Decision, Router
-from pilotfish.ext_proc.sse import TokenCounter
+from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
+from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
@@ -26,18 +28,20 @@ log = logging.getLogger(__name__)
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
 UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
+_REASON_LABELS = {FINISHED: "finished", CLIENT_ABORT: "stream_ended_early", UPSTREAM_ERROR: "upstream_error"}
 
 
 class _Stream:
     """What one HTTP request's processing remembers between messages."""
 
-    __slots__ = ("counter", "decision", "path", "released", "request_id", "status")
+    __slots__ = ("counter", "decision", "path", "released", "request_id", "status", "stripper")
 
     def __init__(self) -> None:
         self.request_id = ""
         self.path = ""
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
+        self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
         self.status = 0
         self.released = False
 
@@ -49,22 +53,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         count_tokens: Callable[[str], int],
         models: frozenset[str],
         max_body_bytes: int,
+        metrics: ExtProcMetrics,
+        exact_usage: bool = True,
     ) -> None:
         self._router = router
         self._count_tokens = count_tokens
         self._models = models
         self._max_body_bytes = max_body_bytes
-        self.rejected: dict[int, int] = {}
+        self._metrics = metrics
+        self._exact_usage = exact_usage
 
     async def Process(
         self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ep.ProcessingResponse]:
         s = _Stream()
+        self._metrics.active_streams.inc()
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
                 if kind == "request_headers":
-                    yield await self._on_request_headers(s, message.request_headers)
+                    yield self._on_request_headers(s, message.request_headers)
                 elif kind == "request_body":
                     yield await self._on_request_body(s, message.request_body)
                 elif kind == "response_headers":
@@ -74,11 +82,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 else:  # trailers are not requested by our config; answer so Envoy never waits
                     yield _continue_for(kind)
         finally:
-            # The stream ended without the response's end: client abort or upstream reset.
+            self._metrics.active_streams.dec()
+            # The stream ended before the response did: the client went away or the upstream reset
+            # (Envoy does not tell the ext_proc which).
             if s.decision is not None and not s.released:
                 self._release(s, UPSTREAM_ERROR if s.status >= 500 else CLIENT_ABORT)
 
-    async def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+    def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
         s.path = route_path(h.get(":path", ""))
         s.request_id = h.get(messages.REQUEST_ID_HEADER) or uuid.uuid4().hex
@@ -99,12 +109,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             except RequestError as exc:
                 return self._reject(exc)
             return messages.route_on_body(inst.address, s.request_id)
+        new_body = None
         try:
             if len(body.body) > self._max_body_bytes:
                 raise RequestError(413, f"request body of {len(body.body)} bytes exceeds {self._max_body_bytes}")
             parsed = parse_request(s.path, body.body)
             if self._models and parsed.model not in self._models:
                 raise RequestError(404, f"The model `{parsed.model}` does not exist.", "model")
+            if parsed.stream and not parsed.include_usage and self._exact_usage:
+                new_body = parsed.body_requesting_usage()
+                s.stripper = UsageStripper()
             request = scheduler_pb2.ScheduleRequest(
                 request_id=s.request_id,
                 model=parsed.model,
@@ -112,10 +126,13 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 max_tokens=parsed.max_tokens or 0,
                 stream=parsed.stream,
             )
+            started = time.perf_counter()
             s.decision = await self._router.choose(request)
+            self._metrics.schedule_seconds.observe(time.perf_counter() - started)
         except RequestError as exc:
             return self._reject(exc)
-        return messages.route_on_body(s.decision.address, s.request_id)
+        self._metrics.routed.labels(s.decision.source).inc()
+        return messages.route_on_body(s.decision.address, s.request_id, new_body)
 
     def _on_response_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
@@ -131,7 +148,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             and h.get("content-type", "").startswith("text/event-stream")
         )
         if stream_body:
-            s.counter = TokenCounter()
+            s.counter = s.stripper.counter if s.stripper is not None else TokenCounter()
         elif decision is not None and (headers.end_of_stream or s.status != 200):
             # Nothing more will come for this request that could change its load.
             self._release(s, FINISHED if s.status == 200 else UPSTREAM_ERROR)
@@ -141,23 +158,34 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
     def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
         counter = s.counter
-        if counter is not None and s.decision is not None and not s.released:
+        if counter is None or s.decision is None or s.released:
+            return messages.CONTINUE_RESPONSE_BODY
+        stripper = s.stripper
+        if stripper is not None:
+            out = stripper.feed(body.body)
+            if body.end_of_stream:
+                out += stripper.finish()
+        else:
             counter.feed(body.body)
             if body.end_of_stream:
                 counter.finish()
-                self._release(s, FINISHED)
-            elif counter.tokens and s.decision.source == SCHEDULER:
-                self._router.report(s.request_id, counter.tokens, prefill_done=True)
-        return messages.CONTINUE_RESPONSE_BODY
+        if body.end_of_stream:
+            self._release(s, FINISHED)
+        elif counter.tokens and s.decision.source == SCHEDULER:
+            self._router.report(s.request_id, counter.tokens, prefill_done=True)
+        return messages.replace_response_body(out) if stripper is not None else messages.CONTINUE_RESPONSE_BODY
 
     def _release(self, s: _Stream, reason: int) -> None:
         s.released = True
+        if s.counter is not None:
+            self._metrics.generated_tokens.inc(s.counter.tokens)
         # A round-robin fallback was never scheduled, so the scheduler holds nothing to release.
         if s.decision is not None and s.decision.source == SCHEDULER:
+            self._metrics.releases.labels(_REASON_LABELS[reason]).inc()
             self._router.release(s.request_id, reason)
 
     def _reject(self, exc: RequestError) -> ep.ProcessingResponse:
-        self.rejected[exc.status] = self.rejected.get(exc.status, 0) + 1
+        self._metrics.rejected.labels(str(exc.status)).inc()
         return messages.immediate(exc.status, exc.body(), f"pilotfish_{exc.status}")
 
 

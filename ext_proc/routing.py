@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -114,7 +115,7 @@ class Router:
         self._pending_reports: dict[str, scheduler_pb2.TokenReport] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[object]] = set()
-        self.counts = {SCHEDULER: 0, FALLBACK: 0}
+        self.on_breaker_change: Callable[[bool], None] = lambda is_open: None
 
     async def choose(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
         if self._stub is not None and self.breaker.allow():
@@ -122,20 +123,25 @@ class Router:
                 reply = await self._stub.Schedule(request, timeout=self._timeout)
             except grpc.aio.AioRpcError as exc:
                 if (status := _CLIENT_ERRORS.get(exc.code())) is not None:
-                    self.breaker.success()
+                    self._breaker_success()
                     raise RequestError(status, exc.details() or exc.code().name) from None
                 self.breaker.failure()
+                self.on_breaker_change(self.breaker.is_open)
                 log.debug("Schedule failed (%s: %s); routing round-robin", exc.code().name, exc.details())
             else:
-                self.breaker.success()
-                self.counts[SCHEDULER] += 1
+                self._breaker_success()
                 target = reply.target
                 return Decision(
                     target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks)
                 )
         inst = self._round_robin.pick()
-        self.counts[FALLBACK] += 1
         return Decision(inst.instance_id, inst.address, FALLBACK)
+
+    def _breaker_success(self) -> None:
+        was_open = self.breaker.is_open
+        self.breaker.success()
+        if was_open:
+            self.on_breaker_change(False)
 
     def pick_round_robin(self) -> Instance:
         return self._round_robin.pick()

@@ -7,6 +7,7 @@ import logging
 import signal
 
 import grpc
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -14,7 +15,9 @@ from pilotfish.discovery.static import parse_instances
 from pilotfish.ext_proc.config import ExtProcConfig
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router
+from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import token_counter
+from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 
 log = logging.getLogger(__name__)
@@ -40,14 +43,22 @@ class ExtProcServer:
             report_interval_s=config.report_interval_ms / 1000,
             breaker=CircuitBreaker(config.breaker_failures, config.breaker_open_seconds),
         )
+        self.metrics = ExtProcMetrics()
         self.servicer = ExtProcServicer(
-            self.router, token_counter(config.tokenizer_path), frozenset(config.model), config.max_body_bytes
+            self.router,
+            token_counter(config.tokenizer_path),
+            frozenset(config.model),
+            config.max_body_bytes,
+            self.metrics,
+            exact_usage=config.exact_usage,
         )
+        self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
+        self._metrics_runner: web.AppRunner | None = None
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -57,6 +68,9 @@ class ExtProcServer:
             self.port = 0
         if not self.port:
             raise StartError(f"cannot listen on {address}: port in use or address unavailable")
+        if self.config.metrics_port:
+            registry, host = self.metrics.registry, self.config.host
+            self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port)
         await self.server.start()
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -67,6 +81,8 @@ class ExtProcServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
         await self.router.close()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
 
 
 async def serve(config: ExtProcConfig) -> None:

@@ -35,15 +35,17 @@ class TokenCounter:
             data = data.replace(b"\r\n", b"\n")
         *complete, self._tail = data.split(b"\n\n")
         for event in complete:
-            self._event(event)
+            self.count_event(event)
 
     def finish(self) -> None:
         """The body ended: an unterminated last event still counts."""
         if self._tail.strip():
-            self._event(self._tail)
+            self.count_event(self._tail)
         self._tail = b""
 
-    def _event(self, event: bytes) -> None:
+    def count_event(self, event: bytes) -> bool:
+        """Count one event; True when it is a usage-only event (no choices)."""
+        usage_only = False
         for line in event.split(b"\n"):
             if not line.startswith(b"data:"):
                 continue
@@ -52,20 +54,21 @@ class TokenCounter:
                 self.done = True
                 continue
             self.events += 1
-            self._payload(payload)
+            usage_only = self._payload(payload) or usage_only
+        return usage_only
 
-    def _payload(self, payload: bytes) -> None:
+    def _payload(self, payload: bytes) -> bool:
         try:
             obj = _decoder.decode(payload)
         except msgspec.DecodeError:
-            return
+            return False
         if not isinstance(obj, dict):
-            return
+            return False
         usage = obj.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
             self.tokens = usage["completion_tokens"]
             self.exact = True
-            return
+            return not obj.get("choices")
         if self.exact:
             return
         for choice in obj.get("choices") or ():
@@ -78,4 +81,40 @@ class TokenCounter:
                 text = delta.get("content") if isinstance(delta, dict) else None
             if text:
                 self.tokens += 1
-                return
+                return False
+        return False
+
+
+@dataclass(slots=True)
+class UsageStripper:
+    """Counts like TokenCounter and removes the usage-only event from the bytes passed on.
+
+    Used when the gateway added `stream_options.include_usage` for exact counts and the client
+    did not ask for it: the client must see the stream it asked for. Complete events pass at
+    once; an event split across chunks is held until its end arrives.
+    """
+
+    counter: TokenCounter = field(default_factory=TokenCounter)
+    _tail: bytes = field(default=b"", repr=False)
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._tail + chunk
+        cut = data.rfind(b"\n\n")
+        if cut < 0:
+            self._tail = data
+            return b""
+        complete, self._tail = data[: cut + 2], data[cut + 2 :]
+        return self._filter(complete)
+
+    def finish(self) -> bytes:
+        rest, self._tail = self._tail, b""
+        return self._filter(rest) if rest.strip() else rest
+
+    def _filter(self, data: bytes) -> bytes:
+        kept = []
+        for event in data.split(b"\n\n"):
+            if not event.strip():
+                continue
+            if not self.counter.count_event(event.replace(b"\r\n", b"\n")):
+                kept.append(event + b"\n\n")
+        return b"".join(kept)

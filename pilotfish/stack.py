@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pilotfish.envoy_bootstrap import render_sidecar
-from pilotfish.procs import ChildGroup, free_port
+from pilotfish.procs import Child, ChildGroup, free_port
 from pilotfish.services import envoy_binary, start_envoy
 
 
@@ -23,6 +23,8 @@ class StackSpec:
     listen_port: int = 0  # 0: a free port
     start_timeout: float = 60.0
     scheduler_metrics: bool = False
+    ext_proc_metrics: bool = False
+    ext_proc_args: list[str] = field(default_factory=list)
     with_scheduler: bool = True
     engine_args: list[str] = field(default_factory=list)
 
@@ -36,6 +38,8 @@ class Stack:
     scheduler_port: int
     scheduler_metrics_port: int
     ext_proc_port: int
+    ext_proc_metrics_port: int = 0
+    children: dict[str, Child] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
@@ -50,6 +54,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     scheduler_port = free_port() if spec.with_scheduler else 0
     metrics_port = free_port() if spec.scheduler_metrics else 0
     ext_proc_port, admin_port = free_port(), free_port()
+    ext_proc_metrics_port = free_port() if spec.ext_proc_metrics else 0
     listen_port = spec.listen_port or free_port()
     instances = ",".join(f"{name}=127.0.0.1:{port}" for name, port in engines)
 
@@ -75,7 +80,8 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         "ext_proc",
         [*py, "ext-proc", "--port", str(ext_proc_port),
          "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
-         "--instances", instances, "--model", spec.model],
+         "--instances", instances, "--model", spec.model, "--metrics-port", str(ext_proc_metrics_port),
+         *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
     )
     ext_proc.wait_port(ext_proc_port, spec.start_timeout)
@@ -91,4 +97,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     assert envoy is not None
     group.children.append(envoy)  # stopped with the rest, in reverse start order
     envoy.wait_port(listen_port, spec.start_timeout, host=spec.listen_host)
-    return Stack(engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port)
+    return Stack(
+        engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
+        ext_proc_metrics_port, {child.name: child for child in group.children},
+    )

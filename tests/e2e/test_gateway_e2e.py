@@ -10,51 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import re
-import tempfile
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from pilotfish import services
-from pilotfish.procs import ChildGroup, wait_until
-from pilotfish.stack import Stack, StackSpec, start_stack
+from pilotfish.procs import wait_until
+from pilotfish.prom_scrape import scrape
+from pilotfish.stack import Stack
 
 pytestmark = pytest.mark.integration
 
 MODEL = "pilotfish-sim"
 
 
-@pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
-    try:
-        services.envoy_binary()
-    except services.MissingBinary as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(f"{exc} (CI is set: a missing binary fails instead of skipping)")
-        pytest.skip(str(exc))
-    group = ChildGroup()
-    with tempfile.TemporaryDirectory(prefix="pilotfish-e2e-") as tmp:
-        try:
-            yield start_stack(StackSpec(engines=2, model=MODEL, scheduler_metrics=True), group, Path(tmp))
-        finally:
-            group.stop_all()
-
-
 def scheduler_metric(stack: Stack, name: str) -> dict[str, float]:
     """Per-instance values of one of the scheduler's Prometheus series."""
-    status, body = services.http_call(f"http://127.0.0.1:{stack.scheduler_metrics_port}/metrics")
-    assert status == 200
-    values: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        m = re.match(rf'{name}\{{instance="([^"]+)"\}} (\S+)', line)
-        if m:
-            values[m.group(1)] = float(m.group(2))
-    return values
+    return {labels["instance"]: v for labels, v in scrape(stack.scheduler_metrics_port).get(name, [])}
 
 
 async def completion(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> dict:

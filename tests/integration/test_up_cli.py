@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from pilotfish import services
 from pilotfish.procs import free_port, port_answers, wait_until
 
 pytestmark = pytest.mark.integration
@@ -53,17 +52,7 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-@pytest.fixture
-def needs_envoy() -> None:
-    try:
-        services.envoy_binary()
-    except services.MissingBinary as exc:
-        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-
-
-def test_demo_serves_through_two_engines(needs_envoy: None, tmp_path: Path) -> None:
+def test_demo_serves_through_two_engines(envoy_binary: Path, tmp_path: Path) -> None:
     proc, marker = up("--demo", "--port", str(free_port()), "--demo-requests", "16", "--log-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| sim-")]
@@ -72,7 +61,7 @@ def test_demo_serves_through_two_engines(needs_envoy: None, tmp_path: Path) -> N
     assert processes_with(marker) == []
 
 
-def test_sigint_stops_every_child(needs_envoy: None, tmp_path: Path) -> None:
+def test_sigint_stops_every_child(envoy_binary: Path, tmp_path: Path) -> None:
     port = free_port()
     marker = uuid.uuid4().hex
     proc = subprocess.Popen(
@@ -99,7 +88,7 @@ def test_unknown_flag_is_one_line() -> None:
     assert last_line(proc.stderr) == "pilotfish up: error: unrecognized arguments: --bogus"
 
 
-def test_port_in_use_is_one_line_and_starts_nothing(needs_envoy: None) -> None:
+def test_port_in_use_is_one_line_and_starts_nothing(envoy_binary: Path) -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

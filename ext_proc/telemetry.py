@@ -1,0 +1,36 @@
+"""The gateway's Prometheus metrics, in a registry of its own (several gateways can share a process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ExtProcMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.routed = Counter(
+            "pilotfish_ext_proc_routed", "Requests routed, by who chose the engine.", ["route"], registry=self.registry
+        )
+        self.rejected = Counter(
+            "pilotfish_ext_proc_rejected", "Requests answered by the gateway itself, by status.", ["status"],
+            registry=self.registry,
+        )
+        self.generated_tokens = Counter(
+            "pilotfish_ext_proc_generated_tokens", "Generated tokens counted in streamed responses.",
+            registry=self.registry,
+        )
+        self.releases = Counter(
+            "pilotfish_ext_proc_releases", "Release calls sent to the scheduler, by reason.", ["reason"],
+            registry=self.registry,
+        )
+        self.schedule_seconds = Histogram(
+            "pilotfish_ext_proc_schedule_seconds", "Schedule call latency, including fallback decisions.",
+            buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
+            registry=self.registry,
+        )
+        self.breaker_open = Gauge(
+            "pilotfish_ext_proc_breaker_open", "1 while the breaker skips the scheduler.", registry=self.registry
+        )
+        self.active_streams = Gauge(
+            "pilotfish_ext_proc_active_streams", "ext_proc streams (HTTP requests) in progress.", registry=self.registry
+        )

@@ -1,0 +1,69 @@
+"""The shipped Envoy and Gateway API configs parse, agree with each other, and use real flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from pilotfish.cli import build_parser
+from pilotfish.envoy_bootstrap import render_sidecar
+
+GATEWAY_API = Path(__file__).resolve().parents[2] / "envoy" / "gateway-api"
+
+
+def documents(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((GATEWAY_API / name).read_text()) if d]
+
+
+def by_kind(docs: list[dict], kind: str) -> list[dict]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def test_inference_pool_points_at_the_pilotfish_picker():
+    docs = documents("inferencepool.yaml")
+    (pool,) = by_kind(docs, "InferencePool")
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    spec = pool["spec"]
+    assert spec["selector"]["matchLabels"]
+    assert all(isinstance(p["number"], int) for p in spec["targetPorts"])
+    ref = spec["endpointPickerRef"]
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
+    picker = services[ref["name"]]
+    assert ref["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
+    (route,) = by_kind(docs, "HTTPRoute")
+    assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == pool["metadata"]["name"]
+
+
+def test_manifest_commands_parse_with_the_real_cli():
+    parser = build_parser()
+    for deployment in by_kind(documents("inferencepool.yaml"), "Deployment"):
+        for container in deployment["spec"]["template"]["spec"]["containers"]:
+            assert container["command"] == ["pilotfish"]
+            args, unknown = parser.parse_known_args(container["args"])
+            assert not unknown, f"{deployment['metadata']['name']}: unknown flags {unknown}"
+            ports = {p["containerPort"] for p in container["ports"]}
+            assert args.port in ports
+
+
+def test_envoy_gateway_policy_buffers_requests_and_streams_responses():
+    (policy,) = documents("envoy-gateway-extension-policy.yaml")
+    assert policy["kind"] == "EnvoyExtensionPolicy"
+    ext_proc = policy["spec"]["extProc"][0]
+    assert ext_proc["processingMode"]["request"]["body"] == "Buffered"
+    assert ext_proc["processingMode"]["response"]["body"] == "Streamed"
+    assert ext_proc["backendRefs"][0]["name"] == "pilotfish-epp"
+
+
+def test_sidecar_bootstrap_renders_to_valid_yaml():
+    config = yaml.safe_load(
+        render_sidecar(listen_port=1, admin_port=2, ext_proc_ports=[3, 4], default_endpoints=[("127.0.0.1", 5)])
+    )
+    clusters = {c["name"]: c for c in config["static_resources"]["clusters"]}
+    ext_proc = clusters["pilotfish_ext_proc"]
+    assert "http2_protocol_options" in str(ext_proc["typed_extension_protocol_options"])
+    assert len(ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
+    picked = clusters["picked_endpoint"]
+    assert picked["type"] == "ORIGINAL_DST"
+    assert picked["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"

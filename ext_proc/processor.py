@@ -13,6 +13,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
+from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -76,7 +77,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 elif kind == "request_body":
                     yield await self._on_request_body(s, message.request_body)
                 elif kind == "response_headers":
-                    yield self._on_response_headers(s, message.response_headers)
+                    yield self._on_response_headers(s, message.response_headers, message.metadata_context)
                 elif kind == "response_body":
                     yield self._on_response_body(s, message.response_body)
                 else:  # trailers are not requested by our config; answer so Envoy never waits
@@ -132,10 +133,17 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         except RequestError as exc:
             return self._reject(exc)
         self._metrics.routed.labels(s.decision.source).inc()
-        return messages.route_on_body(s.decision.address, s.request_id, new_body)
+        return messages.route_on_body(s.decision.address, s.request_id, new_body, s.decision.fallbacks)
 
-    def _on_response_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+    def _on_response_headers(
+        self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata
+    ) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
+        served = messages.served_endpoint(metadata)
+        if served and s.decision is not None and served != s.decision.address:
+            # The gateway retried elsewhere; the scheduler's account still names the first choice.
+            self._metrics.served_elsewhere.inc()
+            log.debug("request %s served by %s, not %s", s.request_id, served, s.decision.address)
         try:
             s.status = int(h.get(":status", "0"))
         except ValueError:

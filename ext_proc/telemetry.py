@@ -31,6 +31,11 @@ class ExtProcMetrics:
         self.breaker_open = Gauge(
             "pilotfish_ext_proc_breaker_open", "1 while the breaker skips the scheduler.", registry=self.registry
         )
+        self.served_elsewhere = Counter(
+            "pilotfish_ext_proc_served_elsewhere",
+            "Responses whose x-gateway-destination-endpoint-served differs from the endpoint chosen.",
+            registry=self.registry,
+        )
         self.active_streams = Gauge(
             "pilotfish_ext_proc_active_streams", "ext_proc streams (HTTP requests) in progress.", registry=self.registry
         )

@@ -1,0 +1,115 @@
+"""Router against a fake scheduler: error mapping, deadline fallback, breaker, batched reports."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pilotfish.discovery.static import Instance
+from pilotfish.ext_proc.openai import RequestError
+from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, CircuitBreaker, Router
+from pilotfish.procs import free_port
+from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+
+INSTANCES = [Instance("a", "127.0.0.1", 1), Instance("b", "127.0.0.1", 2)]
+
+
+class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.answer: grpc.StatusCode | None = None
+        self.delay = 0.0
+        self.reports: list[scheduler_pb2.ReportRequest] = []
+        self.releases: list[str] = []
+
+    async def Schedule(self, request, context):
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.answer is not None:
+            await context.abort(self.answer, f"fake {self.answer.name}")
+        target = scheduler_pb2.Endpoint(instance_id="b", address="127.0.0.1:2")
+        return scheduler_pb2.ScheduleResponse(target=target, fallbacks=[scheduler_pb2.Endpoint(address="127.0.0.1:1")])
+
+    async def Report(self, request, context):
+        self.reports.append(request)
+        return scheduler_pb2.ReportResponse()
+
+    async def Release(self, request, context):
+        self.releases.append(request.request_id)
+        return scheduler_pb2.ReleaseResponse(found=True)
+
+
+@pytest.fixture
+async def fake():
+    server = grpc.aio.server()
+    servicer = FakeScheduler()
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    router = Router(f"127.0.0.1:{port}", INSTANCES, schedule_timeout_s=0.5, report_interval_s=0.01,
+                    breaker=CircuitBreaker(2, 60))
+    yield servicer, router
+    await router.close()
+    await server.stop(0)
+
+
+def request(rid: str = "r1") -> scheduler_pb2.ScheduleRequest:
+    return scheduler_pb2.ScheduleRequest(request_id=rid, model="m", prompt_tokens=5)
+
+
+async def test_scheduler_choice_and_fallbacks(fake):
+    _, router = fake
+    decision = await router.choose(request())
+    assert (decision.instance_id, decision.address, decision.source) == ("b", "127.0.0.1:2", SCHEDULER)
+    assert decision.fallbacks == ("127.0.0.1:1",)
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [
+        (grpc.StatusCode.NOT_FOUND, 404),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
+        (grpc.StatusCode.INVALID_ARGUMENT, 400),
+    ],
+)
+async def test_client_errors_pass_through_without_tripping_the_breaker(fake, code, status):
+    servicer, router = fake
+    servicer.answer = code
+    for _ in range(3):
+        with pytest.raises(RequestError) as info:
+            await router.choose(request())
+        assert info.value.status == status
+    assert not router.breaker.is_open
+
+
+async def test_unavailable_and_late_answers_fall_back_then_open_the_breaker(fake):
+    servicer, router = fake
+    servicer.answer = grpc.StatusCode.UNAVAILABLE
+    assert (await router.choose(request())).source == FALLBACK
+    servicer.answer, servicer.delay = None, 2.0  # past the 0.5 s deadline
+    assert (await router.choose(request())).source == FALLBACK
+    assert router.breaker.is_open
+    servicer.delay = 0.0
+    # open: the healthy scheduler is not asked until the breaker lets a probe through
+    assert (await router.choose(request())).source == FALLBACK
+
+
+async def test_reports_are_batched_latest_wins_and_release_drops_pending(fake):
+    servicer, router = fake
+    for tokens in (1, 2, 3):
+        router.report("r1", tokens, prefill_done=True)
+    router.report("r2", 7, prefill_done=True)
+    router.report("r3", 1, prefill_done=True)
+    router.release("r3", scheduler_pb2.RELEASE_REASON_FINISHED)
+    await router.close()
+    sent = [(r.request_id, r.generated_tokens) for batch in servicer.reports for r in batch.reports]
+    assert sorted(sent) == [("r1", 3), ("r2", 7)]
+    assert servicer.releases == ["r3"]
+
+
+async def test_no_scheduler_configured_routes_round_robin():
+    router = Router("", INSTANCES, 0.1, 0.01, CircuitBreaker(1, 1))
+    picks = [(await router.choose(request())).instance_id for _ in range(3)]
+    assert picks == ["a", "b", "a"]
+    await router.close()

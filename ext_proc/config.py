@@ -35,7 +35,10 @@ class ExtProcConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         float, Meta(gt=0, description="how long an open breaker skips the scheduler before probing it again")
     ] = 2.0
     tokenizer_path: Annotated[
-        str, Meta(description="local tokenizer.json for exact prompt token counts (empty: estimate)")
+        str, Meta(description="local tokenizer.json (or its folder) for exact prompt token counts (empty: estimate)")
+    ] = ""
+    tokenizer_name: Annotated[
+        str, Meta(description="an installed package that ships a tokenizer.json: package or package:path/in/it")
     ] = ""
     exact_usage: Annotated[
         bool,

@@ -46,7 +46,7 @@ class ExtProcServer:
         self.metrics = ExtProcMetrics()
         self.servicer = ExtProcServicer(
             self.router,
-            token_counter(config.tokenizer_path),
+            token_counter(config.tokenizer_path, config.tokenizer_name),
             frozenset(config.model),
             config.max_body_bytes,
             self.metrics,

@@ -18,6 +18,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "pilotfish.bench.ext_proc_protos",
         "CPU per request of ext_proc protobuf work: xds-protos vs envoy-data-plane",
     ),
+    "gateway": (
+        "pilotfish.bench.gateway",
+        "the ext_proc hop: added latency, capacity, per-SSE-event delay vs Envoy alone",
+    ),
 }
 
 

@@ -36,3 +36,19 @@ def render_sidecar(
         ext_proc_endpoints=_endpoints([("127.0.0.1", p) for p in ext_proc_ports]),
         default_endpoints=_endpoints(default_endpoints),
     )
+
+
+def render_plain_proxy(sidecar_yaml: str) -> str:
+    """The same bootstrap with the ext_proc filter taken out: Envoy alone, for comparisons."""
+    import yaml
+
+    config = yaml.safe_load(sidecar_yaml)
+    for listener in config["static_resources"]["listeners"]:
+        for chain in listener["filter_chains"]:
+            for net_filter in chain["filters"]:
+                hcm = net_filter["typed_config"]
+                hcm["http_filters"] = [f for f in hcm["http_filters"] if f["name"] != "envoy.filters.http.ext_proc"]
+    config["static_resources"]["clusters"] = [
+        c for c in config["static_resources"]["clusters"] if c["name"] != "pilotfish_ext_proc"
+    ]
+    return yaml.safe_dump(config, sort_keys=False)

@@ -1,0 +1,300 @@
+"""`pilotfish bench gateway`: what the ext_proc hop costs, side by side with Envoy alone.
+
+All arms run in one process tree at once and are measured in interleaved rounds, so machine
+noise hits them alike; figures are reported as differences and ratios against Envoy alone.
+
+- latency: sequential small non-streaming completions through each arm (p50/p99, and what
+  the ext_proc adds over Envoy alone);
+- throughput: a fixed concurrency for a fixed time, with the CPU time each ext_proc process
+  used, which gives its capacity in requests/s per core independent of what else shares the
+  machine; and one ext_proc against two behind the same Envoy;
+- streaming: the delay the ext_proc adds to each SSE event (STREAMED response bodies make
+  Envoy wait for the ext_proc's reply to every chunk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL = "bench-sim"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=300, help="sequential requests per arm per round")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all arms")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight in the throughput phase")
+    parser.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
+    parser.add_argument("--streams", type=int, default=20, help="streams per arm per round in the streaming phase")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
+
+
+@dataclass
+class Arm:
+    name: str
+    port: int
+    ext_proc_pids: list[int] = field(default_factory=list)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far (from /proc, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pilotfish.bench.report import write_report
+    from pilotfish.procs import ChildGroup
+
+    group = ChildGroup()
+    with tempfile.TemporaryDirectory(prefix="pilotfish-bench-gateway-") as tmp:
+        try:
+            arms, streaming_arms = _start(Path(tmp), group)
+            print("stack up; measuring", file=sys.stderr)
+            result = asyncio.run(_measure(args, arms, streaming_arms))
+        finally:
+            group.stop_all()
+    write_report(args.out, "gateway", result, _markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+def _start(tmp: Path, group: Any) -> tuple[dict[str, Arm], dict[str, Arm]]:
+    from pilotfish.envoy_bootstrap import render_plain_proxy, render_sidecar
+    from pilotfish.procs import free_port
+    from pilotfish.services import start_envoy
+
+    py = [sys.executable, "-m", "pilotfish"]
+    fast, paced = free_port(), free_port()
+    # fast: answers as soon as the loop turns; paced: a 5 ms decode step, for per-event timing
+    fast_engine = group.start(
+        "engine-fast",
+        [*py, "sim", "serve", "--ports", str(fast), "--model", MODEL, "--engine-id-prefix", "fast",
+         "--step-ms", "0.05", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0"],
+        log_path=tmp / "fast.log",
+    )
+    paced_engine = group.start(
+        "engine-paced",
+        [*py, "sim", "serve", "--ports", str(paced), "--model", MODEL, "--engine-id-prefix", "paced",
+         "--step-ms", "5", "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0"],
+        log_path=tmp / "paced.log",
+    )
+    fast_engine.wait_port(fast)
+    paced_engine.wait_port(paced)
+
+    sched_port = free_port()
+    scheduler = group.start(
+        "scheduler",
+        [*py, "scheduler", "--port", str(sched_port), "--instances", f"fast=127.0.0.1:{fast}", "--model", MODEL],
+        log_path=tmp / "scheduler.log",
+    )
+    scheduler.wait_port(sched_port)
+
+    def ext_proc(name: str, instances: str, with_scheduler: bool) -> tuple[int, int]:
+        port = free_port()
+        child = group.start(
+            name,
+            [*py, "ext-proc", "--port", str(port), "--instances", instances, "--model", MODEL,
+             "--scheduler-address", f"127.0.0.1:{sched_port}" if with_scheduler else ""],
+            log_path=tmp / f"{name}.log",
+        )
+        child.wait_port(port)
+        return port, child.pid
+
+    xp1 = ext_proc("ext_proc-1", f"fast=127.0.0.1:{fast}", True)
+    xp2 = ext_proc("ext_proc-2", f"fast=127.0.0.1:{fast}", True)
+    xp_rr = ext_proc("ext_proc-rr", f"fast=127.0.0.1:{fast}", False)
+    xp_paced = ext_proc("ext_proc-paced", f"paced=127.0.0.1:{paced}", False)
+
+    def envoy(name: str, ext_proc_ports: list[int], upstream: int) -> int:
+        listen = free_port()
+        yaml_text = render_sidecar(
+            listen_port=listen, admin_port=free_port(), ext_proc_ports=ext_proc_ports,
+            default_endpoints=[("127.0.0.1", upstream)],
+        )
+        if not ext_proc_ports:
+            yaml_text = render_plain_proxy(yaml_text)
+        # one worker thread each: the same share of the machine for every arm
+        service = start_envoy(yaml_text, tmp / name, extra_args=["--concurrency", "1"])
+        assert service.child is not None
+        group.children.append(service.child)
+        service.child.wait_port(listen)
+        return listen
+
+    arms = {
+        "envoy": Arm("envoy", envoy("envoy-plain", [], fast)),
+        "envoy+ext_proc": Arm("envoy+ext_proc", envoy("envoy-xp1", [xp1[0]], fast), [xp1[1]]),
+        "envoy+ext_proc, no scheduler": Arm(
+            "envoy+ext_proc, no scheduler", envoy("envoy-rr", [xp_rr[0]], fast), [xp_rr[1]]
+        ),
+        "envoy+2 ext_procs": Arm("envoy+2 ext_procs", envoy("envoy-xp2", [xp1[0], xp2[0]], fast), [xp1[1], xp2[1]]),
+    }
+    streaming = {
+        "envoy": Arm("envoy", envoy("envoy-plain-paced", [], paced)),
+        "envoy+ext_proc": Arm("envoy+ext_proc", envoy("envoy-xp-paced", [xp_paced[0]], paced), [xp_paced[1]]),
+    }
+    return arms, streaming
+
+
+async def _measure(args: argparse.Namespace, arms: dict[str, Arm], streaming: dict[str, Arm]) -> dict[str, Any]:
+    import resource
+
+    import aiohttp
+
+    from pilotfish.stats import percentile
+
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    latency_arms = ["envoy", "envoy+ext_proc", "envoy+ext_proc, no scheduler"]
+    latencies: dict[str, list[float]] = {a: [] for a in latency_arms}
+    round_p50: dict[str, list[float]] = {a: [] for a in latency_arms}
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        # warm every path (connections, Envoy's ORIGINAL_DST hosts, ext_proc streams)
+        for arm in arms.values():
+            for _ in range(20):
+                await _one(session, arm.port, body)
+        for _ in range(args.rounds):
+            for name in latency_arms:
+                samples = [await _one(session, arms[name].port, body) for _ in range(args.requests)]
+                latencies[name] += samples
+                round_p50[name].append(percentile(samples, 50))
+
+        throughput: dict[str, dict[str, float]] = {}
+        for name in ("envoy", "envoy+ext_proc", "envoy+2 ext_procs"):
+            arm = arms[name]
+            cpu_before = sum(_cpu_seconds(p) for p in arm.ext_proc_pids)
+            client_before = resource.getrusage(resource.RUSAGE_SELF)
+            done, elapsed = await _saturate(session, arm.port, body, args.concurrency, args.seconds)
+            client_after = resource.getrusage(resource.RUSAGE_SELF)
+            cpu = sum(_cpu_seconds(p) for p in arm.ext_proc_pids) - cpu_before
+            client_cpu = sum(getattr(client_after, f) - getattr(client_before, f) for f in ("ru_utime", "ru_stime"))
+            entry = {"requests": done, "seconds": elapsed, "req_per_s": done / elapsed,
+                     "client_cpu_share": client_cpu / elapsed}
+            if arm.ext_proc_pids:
+                entry["ext_proc_cpu_us_per_request"] = cpu / done * 1e6
+                entry["ext_proc_capacity_req_per_s_per_core"] = done / cpu if cpu else float("inf")
+            throughput[name] = entry
+
+        stream_gaps: dict[str, list[float]] = {a: [] for a in streaming}
+        stream_ttft: dict[str, list[float]] = {a: [] for a in streaming}
+        sbody = {"model": MODEL, "prompt": "hi", "max_tokens": args.stream_tokens, "stream": True}
+        for _ in range(args.rounds):
+            for name, arm in streaming.items():
+                for _ in range(args.streams):
+                    ttft, gaps = await _stream(session, arm.port, sbody)
+                    stream_ttft[name].append(ttft)
+                    stream_gaps[name] += gaps
+
+    def summary(values: list[float]) -> dict[str, float]:
+        return {"p50_ms": percentile(values, 50) * 1e3, "p99_ms": percentile(values, 99) * 1e3,
+                "mean_ms": sum(values) / len(values) * 1e3}
+
+    base = summary(latencies["envoy"])
+    latency = {}
+    for name in latency_arms:
+        s = summary(latencies[name])
+        s["added_p50_ms"] = s["p50_ms"] - base["p50_ms"]
+        s["added_p99_ms"] = s["p99_ms"] - base["p99_ms"]
+        s["round_p50_ms"] = [v * 1e3 for v in round_p50[name]]
+        latency[name] = s
+    gap = {name: summary(values) for name, values in stream_gaps.items()}
+    ttft = {name: summary(values) for name, values in stream_ttft.items()}
+    return {
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "settings": vars(args) | {"out": str(args.out)},
+        "latency": latency,
+        "throughput": throughput,
+        "streaming": {
+            "inter_event_gap": gap,
+            "ttft": ttft,
+            "added_per_event_ms": gap["envoy+ext_proc"]["mean_ms"] - gap["envoy"]["mean_ms"],
+        },
+    }
+
+
+async def _one(session: Any, port: int, body: dict[str, Any]) -> float:
+    start = time.perf_counter()
+    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+        await resp.read()
+        if resp.status != 200:
+            raise RuntimeError(f"port {port}: HTTP {resp.status}")
+    return time.perf_counter() - start
+
+
+async def _saturate(
+    session: Any, port: int, body: dict[str, Any], concurrency: int, seconds: float
+) -> tuple[int, float]:
+    import asyncio
+
+    deadline = time.perf_counter() + seconds
+    done = 0
+
+    async def worker() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            await _one(session, port, body)
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done, time.perf_counter() - start
+
+
+async def _stream(session: Any, port: int, body: dict[str, Any]) -> tuple[float, list[float]]:
+    start = time.perf_counter()
+    stamps: list[float] = []
+    async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+        async for line in resp.content:
+            if line.startswith(b"data:") and b"[DONE]" not in line:
+                stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in itertools.pairwise(stamps)]
+    return stamps[0] - start, gaps
+
+
+def _markdown(r: dict[str, Any]) -> str:
+    lines = [
+        "# Gateway benchmark: Envoy alone vs Envoy + Pilotfish ext_proc",
+        "",
+        f"Machine: {r['machine']['cpus']} CPUs, 1-min load {r['machine']['load_avg_1m']:.2f} at the end. "
+        "Every process (client, Envoys, ext_procs, scheduler, engines) shares these cores; each Envoy runs one "
+        "worker thread.",
+        "",
+        "## Latency (sequential small completions)",
+        "",
+        "| arm | p50 ms | p99 ms | added p50 ms | added p99 ms | per-round p50 ms |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
+    for name, s in r["latency"].items():
+        rounds = ", ".join(f"{v:.2f}" for v in s["round_p50_ms"])
+        lines.append(
+            f"| {name} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {s['added_p50_ms']:+.2f} | "
+            f"{s['added_p99_ms']:+.2f} | {rounds} |"
+        )
+    lines += ["", "## Throughput", "", "| arm | req/s | ext_proc CPU µs/request | ext_proc capacity req/s per core |",
+              "|---|---:|---:|---:|"]
+    for name, t in r["throughput"].items():
+        cpu = t.get("ext_proc_cpu_us_per_request")
+        cap = t.get("ext_proc_capacity_req_per_s_per_core")
+        lines.append(f"| {name} | {t['req_per_s']:.0f} | {cpu:.0f} | {cap:.0f} |" if cpu else
+                     f"| {name} | {t['req_per_s']:.0f} | - | - |")
+    st = r["streaming"]
+    lines += [
+        "",
+        "## Streaming (5 ms decode step)",
+        "",
+        "| arm | mean gap between SSE events ms | p99 gap ms | TTFT p50 ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, g in st["inter_event_gap"].items():
+        lines.append(f"| {name} | {g['mean_ms']:.3f} | {g['p99_ms']:.3f} | {st['ttft'][name]['p50_ms']:.2f} |")
+    lines += ["", f"Added delay per SSE event: {st['added_per_event_ms']:+.3f} ms (mean gap difference)."]
+    return "\n".join(lines)

@@ -1,12 +1,18 @@
 """Static discovery: instances named on the command line as `id=host:port` or `host:port`.
 
 The embedded default and the gateway's own fallback list use it; the Redis, etcd and
-Kubernetes backends (discovery issue) yield the same `Instance` records.
+Kubernetes backends (`pilotfish.discovery.backends`) yield the same `Instance` records.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class MetadataUnavailable(ConnectionError):
+    """An instance's /metadata endpoint could not be read; the message says where and why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -14,12 +20,35 @@ class Instance:
     instance_id: str
     host: str
     port: int
+    # "" matches any namespace/component: a static list serves every query.
+    namespace: str = ""
+    component: str = ""
+    # What metadata() returns: the snapshot a record carried (static, file, Redis, etcd) ...
+    metadata_snapshot: Mapping[str, Any] | None = field(default=None, compare=False, repr=False)
+    # ... or where the instance serves it itself (Kubernetes: no store holds metadata).
+    metadata_url: str | None = field(default=None, compare=False, repr=False)
 
     @property
     def address(self) -> str:
         """`host:port` (`[v6]:port`), the value of x-gateway-destination-endpoint."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    async def metadata(self, timeout: float = 2.0) -> dict[str, Any]:
+        """The instance's metadata: the record's copy, or a GET of its `/metadata` endpoint."""
+        if self.metadata_url is None:
+            return dict(self.metadata_snapshot or {})
+        from pilotfish.discovery.httpget import get_json_object
+
+        return await get_json_object(self.metadata_url, timeout)
+
+    def same_as(self, other: Instance) -> bool:
+        """Equal including the metadata: an update that a watcher must hear about."""
+        return (
+            self == other
+            and self.metadata_url == other.metadata_url
+            and dict(self.metadata_snapshot or {}) == dict(other.metadata_snapshot or {})
+        )
 
 
 def parse_instance(spec: str) -> Instance:

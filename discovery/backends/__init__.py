@@ -1,0 +1,1 @@
+"""One module per backend; `pilotfish.discovery.urls` picks one by URL scheme."""

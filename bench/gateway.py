@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
     parser.add_argument("--streams", type=int, default=20, help="streams per arm per round in the streaming phase")
     parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
+    parser.add_argument(
+        "--vllm-router", default="", metavar="PATH",
+        help="a vllm-router executable (pip install vllm-router) to measure beside Envoy as a peer arm",
+    )
 
 
 @dataclass
@@ -58,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     group = ChildGroup()
     with tempfile.TemporaryDirectory(prefix="pilotfish-bench-gateway-") as tmp:
         try:
-            arms, streaming_arms = _start(Path(tmp), group)
+            arms, streaming_arms = _start(Path(tmp), group, args.vllm_router)
             print("stack up; measuring", file=sys.stderr)
             result = asyncio.run(_measure(args, arms, streaming_arms))
         finally:
@@ -68,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _start(tmp: Path, group: Any) -> tuple[dict[str, Arm], dict[str, Arm]]:
+def _start(tmp: Path, group: Any, vllm_router: str) -> tuple[dict[str, Arm], dict[str, Arm]]:
     from pilotfish.envoy_bootstrap import render_plain_proxy, render_sidecar
     from pilotfish.procs import free_port
     from pilotfish.services import start_envoy
@@ -99,12 +103,12 @@ def _start(tmp: Path, group: Any) -> tuple[dict[str, Arm], dict[str, Arm]]:
     )
     scheduler.wait_port(sched_port)
 
-    def ext_proc(name: str, instances: str, with_scheduler: bool) -> tuple[int, int]:
+    def ext_proc(name: str, instances: str, with_scheduler: bool, *extra: str) -> tuple[int, int]:
         port = free_port()
         child = group.start(
             name,
             [*py, "ext-proc", "--port", str(port), "--instances", instances, "--model", MODEL,
-             "--scheduler-address", f"127.0.0.1:{sched_port}" if with_scheduler else ""],
+             "--scheduler-address", f"127.0.0.1:{sched_port}" if with_scheduler else "", *extra],
             log_path=tmp / f"{name}.log",
         )
         child.wait_port(port)
@@ -113,6 +117,7 @@ def _start(tmp: Path, group: Any) -> tuple[dict[str, Arm], dict[str, Arm]]:
     xp1 = ext_proc("ext_proc-1", f"fast=127.0.0.1:{fast}", True)
     xp2 = ext_proc("ext_proc-2", f"fast=127.0.0.1:{fast}", True)
     xp_rr = ext_proc("ext_proc-rr", f"fast=127.0.0.1:{fast}", False)
+    xp_colo = ext_proc("ext_proc-colocated", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
     xp_paced = ext_proc("ext_proc-paced", f"paced=127.0.0.1:{paced}", False)
 
     def envoy(name: str, ext_proc_ports: list[int], upstream: int) -> int:
@@ -136,8 +141,21 @@ def _start(tmp: Path, group: Any) -> tuple[dict[str, Arm], dict[str, Arm]]:
         "envoy+ext_proc, no scheduler": Arm(
             "envoy+ext_proc, no scheduler", envoy("envoy-rr", [xp_rr[0]], fast), [xp_rr[1]]
         ),
+        "envoy+ext_proc, colocated scheduler": Arm(
+            "envoy+ext_proc, colocated scheduler", envoy("envoy-colo", [xp_colo[0]], fast), [xp_colo[1]]
+        ),
         "envoy+2 ext_procs": Arm("envoy+2 ext_procs", envoy("envoy-xp2", [xp1[0], xp2[0]], fast), [xp1[1], xp2[1]]),
     }
+    if vllm_router:
+        port = free_port()
+        router = group.start(
+            "vllm-router",
+            [vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{fast}",
+             "--policy", "round_robin", "--log-level", "warning"],
+            log_path=tmp / "vllm-router.log",
+        )
+        router.wait_port(port, 60)
+        arms["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
     streaming = {
         "envoy": Arm("envoy", envoy("envoy-plain-paced", [], paced)),
         "envoy+ext_proc": Arm("envoy+ext_proc", envoy("envoy-xp-paced", [xp_paced[0]], paced), [xp_paced[1]]),
@@ -153,7 +171,8 @@ async def _measure(args: argparse.Namespace, arms: dict[str, Arm], streaming: di
     from pilotfish.stats import percentile
 
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    latency_arms = ["envoy", "envoy+ext_proc", "envoy+ext_proc, no scheduler"]
+    latency_arms = ["envoy", "envoy+ext_proc", "envoy+ext_proc, colocated scheduler", "envoy+ext_proc, no scheduler"]
+    latency_arms += [name for name in arms if name.startswith("vllm-router")]
     latencies: dict[str, list[float]] = {a: [] for a in latency_arms}
     round_p50: dict[str, list[float]] = {a: [] for a in latency_arms}
     timeout = aiohttp.ClientTimeout(total=60)
@@ -169,7 +188,7 @@ async def _measure(args: argparse.Namespace, arms: dict[str, Arm], streaming: di
                 round_p50[name].append(percentile(samples, 50))
 
         throughput: dict[str, dict[str, float]] = {}
-        for name in ("envoy", "envoy+ext_proc", "envoy+2 ext_procs"):
+        for name in ("envoy", "envoy+ext_proc", "envoy+ext_proc, colocated scheduler", "envoy+2 ext_procs"):
             arm = arms[name]
             cpu_before = sum(_cpu_seconds(p) for p in arm.ext_proc_pids)
             client_before = resource.getrusage(resource.RUSAGE_SELF)

@@ -4,16 +4,30 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
+from pilotfish.discovery.config import DiscoveryConfig
 
-class ExtProcConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+
+class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
+    """The gateway's own engine list (for fallback routing) comes from --instances and, when it
+    is not the default static:, from --discovery, watched live."""
+
     host: Annotated[str, Meta(description="address the gRPC server binds")] = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535, description="gRPC port Envoy's ext_proc filter connects to")] = 50061
     scheduler_address: Annotated[
         str, Meta(description="host:port of the scheduler's gRPC service; empty routes round-robin only")
     ] = "127.0.0.1:50051"
+    colocated_scheduling: Annotated[
+        bool,
+        Meta(
+            description="run the scheduler's core inside this process (no gRPC hop; each ext_proc process then "
+            "keeps its own load view); --scheduler-address is ignored"
+        ),
+    ] = False
+    scheduler_config: Annotated[
+        str, Meta(description="YAML of scheduler settings (pilotfish scheduler's flag names) for colocated scheduling")
+    ] = ""
     instances: Annotated[
         list[str],
         Meta(description="engines the gateway knows itself, for fallback routing: id=host:port or host:port"),

@@ -3,23 +3,21 @@
 The gateway keeps its own list of engines (discovery) so a dead or slow scheduler never stops
 traffic: each failed or late Schedule call falls back to round-robin, and after enough
 consecutive failures a circuit breaker skips the scheduler entirely for a while, then lets one
-probe through to detect its recovery.
+probe through to detect its recovery. The scheduler itself is a backend: remote over gRPC
+(scheduler_client.py) or colocated in this process (colocated.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import grpc
+from typing import Protocol
 
 from pilotfish.discovery.static import Instance
 from pilotfish.ext_proc.openai import RequestError
-from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.protos import scheduler_pb2
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +33,19 @@ class Decision:
     fallbacks: tuple[str, ...] = ()
 
 
+class SchedulerUnavailable(Exception):
+    """The scheduler did not answer (down, late, overloaded): route without it."""
+
+
+class SchedulerBackend(Protocol):
+    async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision: ...
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None: ...
+    def release(self, request_id: str, reason: int) -> None: ...
+    def instance_added(self, instance: Instance) -> None: ...
+    def instance_removed(self, instance_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
 class RoundRobin:
     def __init__(self, instances: list[Instance]) -> None:
         self._instances = list(instances)
@@ -42,6 +53,13 @@ class RoundRobin:
 
     def __bool__(self) -> bool:
         return bool(self._instances)
+
+    def add(self, instance: Instance) -> None:
+        """Add, or replace the instance with the same id (a new address)."""
+        self._instances = [i for i in self._instances if i.instance_id != instance.instance_id] + [instance]
+
+    def remove(self, instance_id: str) -> None:
+        self._instances = [i for i in self._instances if i.instance_id != instance_id]
 
     def pick(self) -> Instance:
         if not self._instances:
@@ -84,56 +102,29 @@ class CircuitBreaker:
             self._open_until = time.monotonic() + self.open_seconds
 
 
-# Scheduler answers that are the client's fault, not the scheduler's: passed on, never retried.
-_CLIENT_ERRORS = {
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-}
-
-
 class Router:
-    """Schedule, Report and Release against the scheduler, with round-robin fallback."""
+    """Schedule through the backend with round-robin fallback; Report and Release pass through."""
 
-    def __init__(
-        self,
-        scheduler_address: str,
-        instances: list[Instance],
-        schedule_timeout_s: float,
-        report_interval_s: float,
-        breaker: CircuitBreaker,
-    ) -> None:
+    def __init__(self, backend: SchedulerBackend | None, instances: list[Instance], breaker: CircuitBreaker) -> None:
+        self._backend = backend
         self._round_robin = RoundRobin(instances)
-        self._timeout = schedule_timeout_s
-        self._report_interval = report_interval_s
         self.breaker = breaker
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: scheduler_pb2_grpc.SchedulerStub | None = None
-        if scheduler_address:
-            self._channel = grpc.aio.insecure_channel(scheduler_address)
-            self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._pending_reports: dict[str, scheduler_pb2.TokenReport] = {}
-        self._flusher: asyncio.Task[None] | None = None
-        self._background: set[asyncio.Task[object]] = set()
         self.on_breaker_change: Callable[[bool], None] = lambda is_open: None
 
     async def choose(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
-        if self._stub is not None and self.breaker.allow():
+        if self._backend is not None and self.breaker.allow():
             try:
-                reply = await self._stub.Schedule(request, timeout=self._timeout)
-            except grpc.aio.AioRpcError as exc:
-                if (status := _CLIENT_ERRORS.get(exc.code())) is not None:
-                    self._breaker_success()
-                    raise RequestError(status, exc.details() or exc.code().name) from None
+                decision = await self._backend.schedule(request)
+            except RequestError:
+                self._breaker_success()  # the scheduler answered; the request was at fault
+                raise
+            except SchedulerUnavailable as exc:
                 self.breaker.failure()
                 self.on_breaker_change(self.breaker.is_open)
-                log.debug("Schedule failed (%s: %s); routing round-robin", exc.code().name, exc.details())
+                log.debug("Schedule failed (%s); routing round-robin", exc)
             else:
                 self._breaker_success()
-                target = reply.target
-                return Decision(
-                    target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks)
-                )
+                return decision
         inst = self._round_robin.pick()
         return Decision(inst.instance_id, inst.address, FALLBACK)
 
@@ -146,47 +137,25 @@ class Router:
     def pick_round_robin(self) -> Instance:
         return self._round_robin.pick()
 
-    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
-        """Queue a cumulative count; the latest per request wins and goes out in the next batch."""
-        if self._stub is None:
-            return
-        self._pending_reports[request_id] = scheduler_pb2.TokenReport(
-            request_id=request_id, generated_tokens=generated_tokens, prefill_done=prefill_done
-        )
-        if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.get_running_loop().create_task(self._flush_later())
+    def instance_added(self, instance: Instance) -> None:
+        """Discovery saw an engine become ready: fallback routing (and a colocated core) may use it."""
+        self._round_robin.add(instance)
+        if self._backend is not None:
+            self._backend.instance_added(instance)
 
-    async def _flush_later(self) -> None:
-        await asyncio.sleep(self._report_interval)
-        batch, self._pending_reports = list(self._pending_reports.values()), {}
-        if batch and self._stub is not None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._stub.Report(scheduler_pb2.ReportRequest(reports=batch), timeout=self._timeout * 5)
+    def instance_removed(self, instance_id: str) -> None:
+        self._round_robin.remove(instance_id)
+        if self._backend is not None:
+            self._backend.instance_removed(instance_id)
+
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
+        if self._backend is not None:
+            self._backend.report(request_id, generated_tokens, prefill_done)
 
     def release(self, request_id: str, reason: int) -> None:
-        """Tell the scheduler the request is over; never delays the response path."""
-        if self._stub is None:
-            return
-        self._pending_reports.pop(request_id, None)
-        task = asyncio.get_running_loop().create_task(self._release(request_id, reason))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-    async def _release(self, request_id: str, reason: int) -> None:
-        assert self._stub is not None
-        try:
-            await self._stub.Release(
-                scheduler_pb2.ReleaseRequest(request_id=request_id, reason=reason), timeout=self._timeout * 5
-            )
-        except grpc.aio.AioRpcError as exc:
-            # The scheduler's staleness expiry reclaims what a lost Release leaves behind.
-            log.debug("Release %s failed: %s", request_id, exc.code().name)
+        if self._backend is not None:
+            self._backend.release(request_id, reason)
 
     async def close(self) -> None:
-        if self._flusher is not None:
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flusher
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
-        if self._channel is not None:
-            await self._channel.close()
+        if self._backend is not None:
+            await self._backend.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 
@@ -14,7 +15,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pilotfish.discovery.static import parse_instances
 from pilotfish.ext_proc.config import ExtProcConfig
 from pilotfish.ext_proc.processor import ExtProcServicer
-from pilotfish.ext_proc.routing import CircuitBreaker, Router
+from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
+from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import token_counter
 from pilotfish.metrics_http import serve_metrics
@@ -36,14 +38,12 @@ class ExtProcServer:
             instances = parse_instances(config.instances)
         except ValueError as exc:
             raise StartError(f"--instances: {exc}") from None
+        self.metrics = ExtProcMetrics()
         self.router = Router(
-            config.scheduler_address,
+            _scheduler_backend(config, self.metrics),
             instances,
-            schedule_timeout_s=config.schedule_timeout_ms / 1000,
-            report_interval_s=config.report_interval_ms / 1000,
             breaker=CircuitBreaker(config.breaker_failures, config.breaker_open_seconds),
         )
-        self.metrics = ExtProcMetrics()
         self.servicer = ExtProcServicer(
             self.router,
             token_counter(config.tokenizer_path, config.tokenizer_name),
@@ -59,6 +59,7 @@ class ExtProcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self._metrics_runner: web.AppRunner | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
 
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
@@ -72,17 +73,60 @@ class ExtProcServer:
             registry, host = self.metrics.registry, self.config.host
             self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port)
         await self.server.start()
+        if self.config.discovery.strip() not in ("", "static:"):
+            self._discovery_task = asyncio.get_running_loop().create_task(self._follow_discovery())
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
+
+    async def _follow_discovery(self) -> None:
+        """Keep the router's engine list equal to what discovery reports ready."""
+        from pilotfish.discovery import open_discovery
+        from pilotfish.discovery.api import InstanceAddedEvent
+
+        c = self.config
+        discovery = open_discovery(c.discovery, ttl=c.discovery_ttl_seconds, interval=c.discovery_interval_seconds)
+        async with (
+            discovery,
+            contextlib.aclosing(discovery.watch(c.discovery_namespace, c.discovery_component)) as events,
+        ):
+            async for event in events:
+                if isinstance(event, InstanceAddedEvent):
+                    self.router.instance_added(event.instance)
+                else:
+                    self.router.instance_removed(event.instance.instance_id)
 
     async def stop(self, grace: float = 2.0) -> None:
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace)
+        if self._discovery_task is not None:
+            self._discovery_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._discovery_task
         await self.router.close()
         if self._metrics_runner is not None:
             await self._metrics_runner.cleanup()
+
+
+def _scheduler_backend(config: ExtProcConfig, metrics: ExtProcMetrics) -> SchedulerBackend | None:
+    if config.colocated_scheduling:
+        from pilotfish.config import load_yaml_mapping, struct_from_mapping
+        from pilotfish.ext_proc.colocated import LocalScheduler
+        from pilotfish.scheduler.config import SchedulerConfig
+        from pilotfish.scheduler.core import SchedulerCore
+
+        values = load_yaml_mapping(config.scheduler_config) if config.scheduler_config else {}
+        values.setdefault("instances", config.instances)
+        values.setdefault("model", config.model)
+        # the core's pilotfish_scheduler_* series join the gateway's own on its /metrics
+        core = SchedulerCore(struct_from_mapping(SchedulerConfig, values), registry=metrics.registry)
+        return LocalScheduler(core, frozenset(config.model))
+    if config.scheduler_address:
+        return GrpcScheduler(
+            config.scheduler_address, config.schedule_timeout_ms / 1000, config.report_interval_ms / 1000
+        )
+    return None
 
 
 async def serve(config: ExtProcConfig) -> None:

@@ -25,6 +25,7 @@ class StackSpec:
     scheduler_metrics: bool = False
     ext_proc_metrics: bool = False
     ext_proc_args: list[str] = field(default_factory=list)
+    gateway_knows_engines: bool = True  # False: the ext_proc learns engines only from --discovery
     with_scheduler: bool = True
     engine_args: list[str] = field(default_factory=list)
 
@@ -80,7 +81,8 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         "ext_proc",
         [*py, "ext-proc", "--port", str(ext_proc_port),
          "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
-         "--instances", instances, "--model", spec.model, "--metrics-port", str(ext_proc_metrics_port),
+         "--instances", instances if spec.gateway_knows_engines else "", "--model", spec.model,
+         "--metrics-port", str(ext_proc_metrics_port),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
     )

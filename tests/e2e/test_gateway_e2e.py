@@ -132,3 +132,21 @@ def test_bad_requests_are_answered_by_the_gateway(stack: Stack, body: bytes, sta
 async def run_one(url: str) -> int:
     async with aiohttp.ClientSession() as session:
         return (await completion(session, url, 1, stream=False))["status"]
+
+
+def test_colocated_scheduling_routes_without_a_scheduler_process(make_stack) -> None:
+    stack = make_stack(engines=2, with_scheduler=False, ext_proc_metrics=True,
+                       ext_proc_args=["--colocated-scheduling"])
+    assert "scheduler" not in stack.children
+    results = asyncio.run(run_mixed(stack.base_url))
+    for r in results:
+        assert r["status"] == 200
+        assert r["headers"]["x-pilotfish-route"] == "scheduler"
+        assert r["headers"]["x-pilotfish-instance"] == r["headers"]["x-pilotfish-engine"]
+    assert len({r["headers"]["x-pilotfish-engine"] for r in results}) == 2
+    # the colocated core's own series are served on the gateway's /metrics and drain to zero
+    wait_until(
+        lambda: all(v == 0 for _, v in scrape(stack.ext_proc_metrics_port).get(
+            "pilotfish_scheduler_inflight_requests", [({}, 1.0)])),
+        timeout=30, what="colocated account draining to zero",
+    )

@@ -1,0 +1,69 @@
+"""Colocated scheduling: the scheduler's core runs inside the ext_proc process.
+
+No gRPC hop for Schedule, Report or Release, so the gateway adds the least latency and CPU
+per request. Each ext_proc process then keeps its own local real-time state: with several
+ext_proc processes, each sees only the requests it dispatched itself (full mode, where the
+view comes from the CMS, does not have that limit).
+"""
+
+from __future__ import annotations
+
+from pilotfish.discovery.static import Instance
+from pilotfish.ext_proc.openai import RequestError
+from pilotfish.ext_proc.routing import SCHEDULER, Decision
+from pilotfish.protos import scheduler_pb2
+
+# the core's error codes (grpc.StatusCode names) as the HTTP status the client gets
+_HTTP_STATUS = {
+    "NOT_FOUND": 404,
+    "INVALID_ARGUMENT": 400,
+    "ALREADY_EXISTS": 400,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+}
+
+
+class LocalScheduler:
+    def __init__(self, core: object, models: frozenset[str] = frozenset()) -> None:
+        from pilotfish.scheduler.view.types import RequestInfo
+
+        self._core = core
+        self._models = models
+        self._request_info = RequestInfo
+
+    async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
+        from pilotfish.scheduler.errors import SchedulerError
+
+        info = self._request_info(
+            request_id=request.request_id,
+            model=request.model,
+            prompt_tokens=request.prompt_tokens,
+            prefix_block_hashes=tuple(request.prefix_block_hashes),
+            prefix_block_size=request.prefix_block_size,
+            max_tokens=request.max_tokens,
+            stream=request.stream,
+        )
+        try:
+            decision = self._core.schedule(info)  # type: ignore[attr-defined]
+        except SchedulerError as exc:
+            raise RequestError(_HTTP_STATUS.get(exc.code, 503), str(exc)) from None
+        target = decision.target
+        return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in decision.fallbacks))
+
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
+        self._core.report(request_id, generated_tokens, prefill_done)  # type: ignore[attr-defined]
+
+    def release(self, request_id: str, reason: int) -> None:
+        self._core.release(request_id)  # type: ignore[attr-defined]
+
+    def instance_added(self, instance: Instance) -> None:
+        from pilotfish.scheduler.view.types import Endpoint, InstanceView
+
+        view = InstanceView(Endpoint(instance.instance_id, instance.address), models=self._models)
+        self._core.add_instance(view)  # type: ignore[attr-defined]
+
+    def instance_removed(self, instance_id: str) -> None:
+        self._core.remove_instance(instance_id)  # type: ignore[attr-defined]
+
+    async def close(self) -> None:
+        return None

@@ -10,6 +10,7 @@ import pytest
 from pilotfish.discovery.static import Instance
 from pilotfish.ext_proc.openai import RequestError
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, CircuitBreaker, Router
+from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.procs import free_port
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 
@@ -47,8 +48,7 @@ async def fake():
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     await server.start()
-    router = Router(f"127.0.0.1:{port}", INSTANCES, schedule_timeout_s=0.5, report_interval_s=0.01,
-                    breaker=CircuitBreaker(2, 60))
+    router = Router(GrpcScheduler(f"127.0.0.1:{port}", 0.5, 0.01), INSTANCES, CircuitBreaker(2, 60))
     yield servicer, router
     await router.close()
     await server.stop(0)
@@ -109,7 +109,7 @@ async def test_reports_are_batched_latest_wins_and_release_drops_pending(fake):
 
 
 async def test_no_scheduler_configured_routes_round_robin():
-    router = Router("", INSTANCES, 0.1, 0.01, CircuitBreaker(1, 1))
+    router = Router(None, INSTANCES, CircuitBreaker(1, 1))
     picks = [(await router.choose(request())).instance_id for _ in range(3)]
     assert picks == ["a", "b", "a"]
     await router.close()

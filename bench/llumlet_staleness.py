@@ -1,0 +1,257 @@
+"""Staleness of the full-mode load view: engine event -> llumlet -> Redis -> scheduler's CMS view.
+
+The engine side runs here: a thread plays an engine emitting load-change events through the
+llumlet core (the same Llumlet, export thread and CmsWriter as inside vLLM) into a real
+redis-server on loopback. Each event also ends a "step", so status.step_id numbers the events.
+The scheduler side runs in a second process: the scheduler's own reader (cms/reader.py:
+notice, GET, strict decode) feeding a sink that stamps when each step_id became visible.
+CLOCK_MONOTONIC is machine-wide, so the two processes' stamps compare directly.
+
+Staleness of event k = the first moment the view holds a status with step_id >= k, minus the
+moment the engine thread applied event k. Coalescing means not every event gets its own record;
+the measure still charges every event until a record at least as new is visible.
+
+Schedules: `steady` (one event every --interval-us, like per-step or per-token events),
+`burst` (--burst events back to back, then a pause: a step finishing many requests at once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+NAME = "llumlet_staleness"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", type=int, default=5000, help="events per schedule (default 5000)")
+    parser.add_argument("--interval-us", type=int, default=2000, help="steady: gap between events (default 2000)")
+    parser.add_argument("--burst", type=int, default=50, help="burst: events per burst (default 50)")
+    parser.add_argument("--burst-gap-ms", type=float, default=20.0, help="burst: pause between bursts (default 20)")
+    parser.add_argument("--engine", choices=("idle", "busy"), default="idle",
+                        help="engine thread between events: blocked (idle) or running Python (busy)")
+    parser.add_argument("--switch-interval-us", type=int, default=0,
+                        help="set sys.setswitchinterval in the engine process (0: Python's default, 5000)")
+    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting a redis-server")
+
+
+# ---------------------------------------------------------------- the scheduler side (subprocess)
+
+
+def _reader_main(url: str, cluster: str, out: str, ready: str) -> None:
+    import asyncio
+
+    from pilotfish.cms.reader import CmsReader
+
+    seen: list[tuple[int, int]] = []  # (step_id, monotonic ns when it became visible)
+
+    class Sink:
+        def __init__(self) -> None:
+            self.meta: set[str] = set()
+            self.last = 0
+
+        def apply_metadata(self, meta: Any) -> bool:
+            self.meta.add(meta.instance_id)
+            return True
+
+        def apply_status(self, status: Any) -> bool:
+            if status.update_id <= self.last:
+                return False
+            self.last = status.update_id
+            seen.append((status.step_id, time.monotonic_ns()))
+            return True
+
+        def status_gone(self, instance_id: str) -> None:
+            pass
+
+        def remove(self, instance_id: str) -> bool:
+            return True
+
+        def known(self) -> set[str]:
+            return self.meta
+
+    async def main() -> None:
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        reader = CmsReader(url, cluster, Sink(), poll_interval=1.0)
+        task = asyncio.create_task(reader.run())
+        await reader.wait_first_poll(timeout=30)
+        await asyncio.sleep(0.3)  # subscribed
+        Path(ready).write_text("ready")
+        while not Path(out + ".stop").exists():
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        Path(out).write_text(json.dumps(seen))
+
+    asyncio.run(main())
+
+
+# ---------------------------------------------------------------- the engine side
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _wait_until(deadline_ns: int, engine: str) -> None:
+    """How the engine thread spends the time between events.
+
+    idle: blocked (GIL released), as an engine waiting on its GPU or its input queue;
+    busy: running Python (GIL held), as vLLM's scheduler on a large batch: the worst case for the
+    export thread, which must win the GIL (sys.getswitchinterval) for every step of a write.
+    """
+    if engine == "idle":
+        while (left := deadline_ns - time.monotonic_ns()) > 0:
+            time.sleep(left / 1e9)
+        return
+    while time.monotonic_ns() < deadline_ns:
+        pass
+
+
+def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    from pilotfish.protos import cms_pb2
+    from pilotfish.vllm_plugin.config import LlumletConfig
+    from pilotfish.vllm_plugin.core.llumlet import Llumlet
+
+    instance = f"bench-{schedule}"
+    out = work / f"{schedule}.json"
+    ready = work / f"{schedule}.ready"
+    reader = subprocess.Popen(
+        [sys.executable, __file__, "--reader", url, cluster, str(out), str(ready)], stdin=subprocess.DEVNULL
+    )
+    cfg = LlumletConfig(cms_url=url, cluster=cluster)
+    meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1)
+    llumlet = Llumlet(cfg, instance, meta)
+    written: list[tuple[int, int]] = []  # (step_id, monotonic ns when Redis acknowledged it)
+    write = llumlet.writer.write_status
+
+    def timed_write(status: Any) -> None:
+        write(status)
+        written.append((status.step_id, time.monotonic_ns()))
+
+    llumlet.writer.write_status = timed_write  # type: ignore[method-assign]
+    llumlet.start(serve_grpc=False)
+    applied: list[int] = [0]  # event k applied at applied[k] (monotonic ns); step_id k == event k
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():
+            if reader.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the reader process did not start")
+            time.sleep(0.05)
+        next_at = time.monotonic_ns()
+        for k in range(1, args.events + 1):
+            if schedule == "steady":
+                next_at += args.interval_us * 1000
+            elif k % args.burst == 1:
+                next_at = time.monotonic_ns() + int(args.burst_gap_ms * 1e6)
+            else:
+                next_at = 0
+            _wait_until(next_at, args.engine)
+            with llumlet.events() as s:
+                s.added(f"r{k}", 100)
+                s.step_finished(0.001, 100, 0, 0)
+                stamp = time.monotonic_ns()
+            applied.append(stamp)
+        time.sleep(0.5)
+    finally:
+        Path(str(out) + ".stop").write_text("")
+        reader.wait(timeout=60)
+        llumlet.stop()
+    seen = [tuple(x) for x in json.loads(out.read_text())]
+    view_us = _staleness(applied, seen)
+    redis_us = _staleness(applied, written)
+    return {
+        "events": args.events,
+        "records_written": len(written),
+        "records_seen": len(seen),
+        "never_seen": args.events - len(view_us),
+        "view": _summary(view_us),
+        "redis": _summary(redis_us),
+    }
+
+
+def _staleness(applied: list[int], visible: list[tuple[int, int]]) -> list[float]:
+    """Per event k: first moment a record with step_id >= k was visible, minus when k happened."""
+    out: list[float] = []
+    j = 0
+    for k in range(1, len(applied)):
+        while j < len(visible) and visible[j][0] < k:
+            j += 1
+        if j == len(visible):
+            break
+        out.append((visible[j][1] - applied[k]) / 1000)
+    return out
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {
+        "p50_us": round(_percentile(values, 0.50), 1),
+        "p90_us": round(_percentile(values, 0.90), 1),
+        "p99_us": round(_percentile(values, 0.99), 1),
+        "max_us": round(max(values), 1),
+        "mean_us": round(statistics.fmean(values), 1),
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from pilotfish import services
+    from pilotfish.bench.report import write_report
+
+    if args.switch_interval_us:
+        sys.setswitchinterval(args.switch_interval_us / 1e6)
+    with tempfile.TemporaryDirectory(prefix="pf-staleness-") as tmp:
+        work = Path(tmp)
+        service = None if args.redis_url else services.start_redis(work / "redis")
+        url = args.redis_url or service.url  # type: ignore[union-attr]
+        try:
+            results = {s: _run_schedule(url, "bench", s, args, work) for s in ("steady", "burst")}
+        finally:
+            if service is not None:
+                service.stop()
+    goal_met = all(r["view"]["p99_us"] <= 5000 and r["never_seen"] == 0 for r in results.values())
+    result = {
+        "schedules": results, "goal_p99_ms": 5, "goal_met": goal_met, "cpus": os.cpu_count(),
+        "engine": args.engine, "switch_interval_us": args.switch_interval_us or round(sys.getswitchinterval() * 1e6),
+    }  # fmt: skip
+    rows = [
+        "| schedule | path | records | p50 (µs) | p90 (µs) | p99 (µs) | max (µs) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in results.items():
+        paths = (("redis", "event → Redis", "records_written"), ("view", "event → view", "records_seen"))
+        for path, label, count in paths:
+            v = r[path]
+            figures = " | ".join(str(v[f"{q}_us"]) for q in ("p50", "p90", "p99", "max"))
+            rows.append(f"| {name} | {label} | {r[count]} | {figures} |")
+    markdown = "\n".join([
+        "# llumlet staleness: engine event -> Redis -> scheduler view", "",
+        f"Loopback redis-server, the scheduler's CmsReader in a second process, {os.cpu_count()} CPUs. "
+        f"{args.events} events per schedule; steady: one every {args.interval_us} µs; burst: {args.burst} back to "
+        f"back every {args.burst_gap_ms} ms. Engine thread between events: {args.engine}; GIL switch interval "
+        f"{result['switch_interval_us']} µs. Goal p99 <= 5 ms (event → view): {'met' if goal_met else 'NOT met'}.",
+        "", *rows,
+    ])  # fmt: skip
+    write_report(args.out, NAME, result, markdown)
+    print(markdown)
+    return 0 if goal_met else 1
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "--reader":
+        _reader_main(*sys.argv[2:])
+    else:
+        raise SystemExit("run through `pilotfish bench llumlet-staleness`")

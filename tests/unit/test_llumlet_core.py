@@ -1,0 +1,390 @@
+"""The llumlet core: every engine event moves the exported status as specified, on synthetic
+events and on the simulator's engine; the export thread coalesces but never loses the latest."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pilotfish.cms.records import decode_status
+from pilotfish.config import ConfigError
+from pilotfish.protos import cms_pb2
+from pilotfish.simulator.config import EngineConfig
+from pilotfish.simulator.engine.request import RequestStatus, SimRequest
+from pilotfish.simulator.engine.scheduler import V1Engine
+from pilotfish.simulator.engine.step_time import StepTimeProfile
+from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+from pilotfish.vllm_plugin.config import LlumletConfig, config_from_env
+from pilotfish.vllm_plugin.core.llumlet import Llumlet
+from pilotfish.vllm_plugin.core.state import LoadState
+
+# fields that identify a record rather than describe load
+_VOLATILE = ("update_id", "timestamp_ms")
+
+
+class FakeWriter:
+    """Stands in for CmsWriter: keeps what was written; optionally slow, to force coalescing."""
+
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+        self.statuses: list[cms_pb2.InstanceStatus] = []
+        self.metadata: list[cms_pb2.InstanceMetadata] = []
+        self.removed = False
+
+    def write_status(self, status: cms_pb2.InstanceStatus) -> None:
+        if self.delay:
+            time.sleep(self.delay)
+        # what a reader gets: through the wire format and the strict decoder
+        self.statuses.append(decode_status(status.SerializeToString(), status.instance_id))
+
+    def write_metadata(self, meta: cms_pb2.InstanceMetadata) -> None:
+        self.metadata.append(cms_pb2.InstanceMetadata.FromString(meta.SerializeToString()))
+
+    def remove(self) -> None:
+        self.removed = True
+
+    def close(self) -> None:
+        pass
+
+
+def load_fields(status: cms_pb2.InstanceStatus) -> cms_pb2.InstanceStatus:
+    copy = cms_pb2.InstanceStatus()
+    copy.CopyFrom(status)
+    for name in _VOLATILE:
+        copy.ClearField(name)
+    return copy
+
+
+def config(**kw: object) -> LlumletConfig:
+    return LlumletConfig(cms_url="redis://127.0.0.1:1/0", **kw)  # type: ignore[arg-type]
+
+
+# ---- one table row per event class: (events applied to a state holding r0 waiting, 100-token
+# prompt, on 10 x 16-token blocks) -> the figures that must change
+
+
+def _base() -> LoadState:
+    s = LoadState("e0")
+    s.kv_usage(0, 10, 16)
+    s.added("r0", 100)
+    return s
+
+
+EVENT_TABLE = [
+    ("added", lambda s: None,
+     dict(num_waiting=1, num_waiting_prefill=1, uncomputed_prefill_tokens=100, unallocated_tokens=100)),
+    ("added twice is one request", lambda s: s.added("r0", 100), dict(num_waiting=1, uncomputed_prefill_tokens=100)),
+    ("scheduled with a prefix hit", lambda s: s.scheduled("r0", 32),
+     dict(num_waiting=0, num_running=1, num_running_prefill=1, uncomputed_prefill_tokens=68, unallocated_tokens=0)),
+    ("cache hit reported apart", lambda s: (s.scheduled("r0", 0), s.cache_hit("r0", 48)),
+     dict(num_running_prefill=1, uncomputed_prefill_tokens=52)),
+    ("prefill chunk", lambda s: (s.scheduled("r0", 0), s.progressed("r0", 64, 0)),
+     dict(num_running_prefill=1, uncomputed_prefill_tokens=36)),
+    ("first token: now decoding", lambda s: (s.scheduled("r0", 0), s.progressed("r0", 100, 1)),
+     dict(num_running=1, num_running_prefill=0, num_running_decode=1, uncomputed_prefill_tokens=0,
+          running_decode_seq_len_sum=101)),
+    ("token generated", lambda s: (s.scheduled("r0", 0), s.progressed("r0", 100, 1), s.progressed("r0", 101, 2)),
+     dict(num_running_decode=1, running_decode_seq_len_sum=102)),
+    ("preempted: recompute all", lambda s: (s.scheduled("r0", 0), s.progressed("r0", 100, 1), s.preempted("r0")),
+     dict(num_waiting=1, num_running=0, num_running_decode=0, uncomputed_prefill_tokens=101,
+          running_decode_seq_len_sum=0, num_preempted_total=1)),
+    ("finished", lambda s: (s.scheduled("r0", 0), s.finished("r0")),
+     dict(num_waiting=0, num_running=0, num_running_prefill=0, uncomputed_prefill_tokens=0)),
+    ("finished while waiting (abort)", lambda s: s.finished("r0"), dict(num_waiting=0, uncomputed_prefill_tokens=0)),
+    ("unknown ids are ignored", lambda s: (s.progressed("x", 1, 1), s.preempted("x"), s.finished("x")),
+     dict(num_waiting=1, num_preempted_total=0)),
+    ("blocks allocated", lambda s: s.kv_usage(7, 10, 16), dict(used_kv_tokens=112, total_kv_tokens=160)),
+    ("blocks freed", lambda s: (s.kv_usage(7, 10, 16), s.kv_usage(2, 10, 16)), dict(used_kv_tokens=32)),
+    ("step finished", lambda s: s.step_finished(0.0125, 300, 7, 4000),
+     dict(step_id=1, last_step_duration_us=12500, last_step_prefill_tokens=300, last_step_decode_batch=7,
+          last_step_seq_len_sum=4000)),
+    ("not schedulable", lambda s: s.set_schedulable(False), dict(schedulable=False)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "apply", "expected"), EVENT_TABLE, ids=[row[0] for row in EVENT_TABLE])
+def test_each_event_moves_the_status(name, apply, expected):
+    s = _base()
+    apply(s)
+    status = s.snapshot(s.next_update_id())
+    for field, value in expected.items():
+        assert getattr(status, field) == value, field
+    assert list(status.admitted_request_ids) == ["r0"]
+
+
+def test_admitted_ids_use_the_exported_name_and_age_out():
+    s = LoadState("e0", admitted_window_ms=50, max_admitted_ids=2)
+    s.added("cmpl-1-0-abcdef12", 5, exported_id="cmpl-1-0")
+    s.added("b", 5)
+    s.added("c", 5)
+    assert list(s.snapshot().admitted_request_ids) == ["b", "c"]  # newest kept under the cap
+    time.sleep(0.08)
+    assert list(s.snapshot().admitted_request_ids) == []
+
+
+def test_update_ids_increase_across_restarts():
+    first = LoadState("e0")
+    ids = [first.next_update_id() for _ in range(1000)]
+    assert ids == sorted(set(ids))
+    assert LoadState("e0").next_update_id() > ids[0]  # a restarted llumlet starts above the old one
+
+
+# ---- the simulator's engine: after every step the exported status equals what the engine holds
+
+
+PROFILE = StepTimeProfile(name="t", base_ms=1.0, prefill_ms_per_token=0.01, decode_ms_per_token=0.1,
+                          context_ms_per_token=0.001)  # fmt: skip
+
+
+def expected_from_engine(engine: V1Engine) -> dict[str, int]:
+    """The status figures recomputed from the engine's own queues (the specification)."""
+    running = [r for r in engine.running if r.status is RequestStatus.RUNNING]
+    decode = [r for r in running if r.num_output_tokens > 0 and r.num_computed_tokens >= r.num_tokens - 1]
+    prefill = [r for r in running if r not in decode]
+    return {
+        "num_waiting": len(engine.waiting),
+        "num_running": len(running),
+        "num_running_decode": len(decode),
+        "num_running_prefill": len(prefill),
+        "running_decode_seq_len_sum": sum(r.num_tokens for r in decode),
+        "uncomputed_prefill_tokens": sum(r.num_tokens - r.num_computed_tokens for r in prefill)
+        + sum(r.num_tokens for r in engine.waiting),
+        "used_kv_tokens": engine.kv.pool.num_used * engine.config.block_size,
+        "num_preempted_total": engine.stats().num_preemptions_total,
+    }
+
+
+def run_simulation(seed: int, num_requests: int, num_blocks: int) -> None:
+    rng = random.Random(seed)
+    cfg = EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, block_size=4,
+                       num_gpu_blocks=num_blocks, enable_prefix_caching=True)  # fmt: skip
+    engine = V1Engine(cfg, PROFILE)
+    writer = FakeWriter()
+    llumlet = attach_llumlet(engine, cfg, config(), "sim-0", "127.0.0.1", 8000, start=False)
+    llumlet.writer = writer  # type: ignore[assignment]
+    shared = [rng.randrange(50) for _ in range(24)]  # a common prefix, so cache hits happen
+    now = 0.0
+    pending = [
+        SimRequest(f"r{i}", shared[: rng.randrange(0, 24)] + [rng.randrange(50) for _ in range(rng.randrange(1, 60))],
+                   max_tokens=rng.randrange(1, 30))
+        for i in range(num_requests)
+    ]  # fmt: skip
+    steps = 0
+    while (pending or engine.has_unfinished_requests()) and steps < 5000:
+        for _ in range(rng.randrange(0, 3)):
+            if pending:
+                engine.add_request(pending.pop(), now)
+        if engine.running and rng.random() < 0.03:
+            engine.abort_request(rng.choice(engine.running).request_id, now)
+        result = engine.step(now)
+        now += max(result.duration, 0.001)
+        steps += 1
+        status = llumlet.export_once()
+        got = {field: getattr(status, field) for field in expected_from_engine(engine)}
+        assert got == expected_from_engine(engine), f"step {steps}"
+        assert status.step_id == steps
+    assert llumlet.state.requests == {}
+    final = llumlet.export_once()
+    assert (final.num_waiting, final.num_running, final.uncomputed_prefill_tokens, final.used_kv_tokens) == (0, 0, 0, 0)
+    assert writer.statuses[-1].update_id == final.update_id
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32), num_requests=st.integers(1, 30), num_blocks=st.integers(64, 200))
+def test_status_follows_the_simulated_engine(seed, num_requests, num_blocks):
+    # small caches preempt, a shared prefix hits the cache, random aborts free mid-flight
+    run_simulation(seed, num_requests, num_blocks)
+
+
+def test_simulation_exercises_preemption_and_cache_hits():
+    # the property test above is only as good as the paths it walks: make sure they happen
+    rng_seed = 7
+    cfg_blocks = 64
+    engine_stats = []
+    original = V1Engine.stats
+
+    def spy(self):
+        s = original(self)
+        engine_stats.append(s)
+        return s
+
+    V1Engine.stats = spy  # type: ignore[method-assign]
+    try:
+        run_simulation(rng_seed, 30, cfg_blocks)
+    finally:
+        V1Engine.stats = original  # type: ignore[method-assign]
+    assert engine_stats[-1].num_preemptions_total > 0
+    assert engine_stats[-1].prefix_cache_hits_total > 0
+
+
+# ---- the export thread: latest wins, and the latest is always written
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    events=st.lists(st.tuples(st.sampled_from(["add", "sched", "tok", "pre", "fin", "kv"]), st.integers(0, 7)),
+                    min_size=1, max_size=300),
+    delay=st.sampled_from([0.0, 0.0005, 0.003]),
+)  # fmt: skip
+def test_coalescing_never_loses_the_latest_state(events, delay):
+    writer = FakeWriter(delay)
+    llumlet = Llumlet(config(refresh_ms=100, ttl_ms=1000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    llumlet.start(serve_grpc=False)
+    try:
+        for kind, i in events:
+            rid = f"r{i}"
+            with llumlet.events() as s:
+                if kind == "add":
+                    s.added(rid, 10 + i)
+                elif kind == "sched":
+                    s.scheduled(rid, i)
+                elif kind == "tok":
+                    r = s.requests.get(rid)
+                    if r is not None:
+                        s.progressed(rid, r.num_tokens, r.num_output + 1)
+                elif kind == "pre":
+                    s.preempted(rid)
+                elif kind == "fin":
+                    s.finished(rid)
+                else:
+                    s.kv_usage(i, 8, 16)
+        final = load_fields(llumlet.status_now())
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            written = list(writer.statuses)
+            if written and load_fields(written[-1]) == final:
+                break
+            time.sleep(0.001)
+        assert written and load_fields(written[-1]) == final
+        ids = [s.update_id for s in written]
+        assert ids == sorted(set(ids)), "update_id must increase with every write"
+        if delay:
+            assert len(written) <= len(events) + 1  # coalesced, not one write per event and more
+    finally:
+        llumlet.stop()
+    assert writer.removed
+    assert writer.metadata and writer.metadata[0].instance_id == "e0"
+
+
+def test_export_wakes_on_event_not_on_refresh():
+    writer = FakeWriter()
+    llumlet = Llumlet(config(refresh_ms=5000, ttl_ms=20000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    llumlet.start(serve_grpc=False)
+    try:
+        deadline = time.monotonic() + 5
+        while not writer.statuses and time.monotonic() < deadline:
+            time.sleep(0.001)
+        before = len(writer.statuses)
+        t0 = time.monotonic()
+        with llumlet.events() as s:
+            s.added("a", 3)
+        while len(writer.statuses) == before and time.monotonic() - t0 < 2:
+            time.sleep(0.0005)
+        assert time.monotonic() - t0 < 1.0
+        assert writer.statuses[-1].num_waiting == 1
+    finally:
+        llumlet.stop()
+
+
+def test_engine_thread_never_waits_for_a_slow_writer():
+    writer = FakeWriter(delay=0.2)
+    llumlet = Llumlet(config(), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    llumlet.start(serve_grpc=False)
+    try:
+        t0 = time.perf_counter()
+        for i in range(1000):
+            with llumlet.events() as s:
+                s.added(f"r{i}", 5)
+        assert time.perf_counter() - t0 < 0.5  # 1000 events while one write takes 200 ms
+    finally:
+        llumlet.stop()
+
+
+def test_export_survives_writer_failures():
+    class Flaky(FakeWriter):
+        fail = 3
+
+        def write_status(self, status):
+            if self.fail:
+                self.fail -= 1
+                raise ConnectionError("redis down")
+            super().write_status(status)
+
+    writer = Flaky()
+    llumlet = Llumlet(config(), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    llumlet.start(serve_grpc=False)
+    try:
+        with llumlet.events() as s:
+            s.added("a", 3)
+        deadline = time.monotonic() + 5
+        while not writer.statuses and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writer.statuses and writer.statuses[-1].num_waiting == 1
+        assert llumlet.write_failures == 3
+        assert len(writer.metadata) >= 2  # metadata re-sent after the outage
+    finally:
+        llumlet.stop()
+
+
+# ---- settings
+
+
+def test_config_from_environment():
+    cfg = config_from_env({"PILOTFISH_CMS_URL": "redis://h:1/0", "PILOTFISH_TTL_MS": "4000",
+                           "PILOTFISH_REFRESH_MS": "1000", "PILOTFISH_INFER_TYPE": "decode"})  # fmt: skip
+    assert cfg.enabled and cfg.ttl_ms == 4000 and cfg.infer_type == "decode"
+    assert not config_from_env({}).enabled
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"PILOTFISH_TTL_MS": "abc"}, "ttl"),
+        ({"PILOTFISH_INFER_TYPE": "both"}, "infer_type"),
+        ({"PILOTFISH_TTL_MS": "1000", "PILOTFISH_REFRESH_MS": "900"}, "half"),
+        ({"PILOTFISH_INSTANCE_ID": "a:b"}, "instance_id"),
+    ],
+)
+def test_bad_settings_fail_with_the_reason(env, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        config_from_env(env)
+
+
+def test_plugin_entry_point_is_inert_without_cms(monkeypatch):
+    from pilotfish import vllm_plugin
+
+    monkeypatch.delenv("PILOTFISH_CMS_URL", raising=False)
+    before = {t.name for t in threading.enumerate()}
+    assert vllm_plugin.register() is None
+    assert {t.name for t in threading.enumerate()} == before  # nothing started: it only checks settings
+    with pytest.raises(AttributeError):
+        vllm_plugin.NoSuchThing  # noqa: B018
+
+
+def test_readme_table_is_generated_from_the_config():
+    from pathlib import Path
+
+    from pilotfish.vllm_plugin.config import env_table
+
+    readme = (Path(__file__).resolve().parents[2] / "vllm_plugin" / "README.md").read_text()
+    assert env_table() in readme, "regenerate the table in vllm_plugin/README.md from config.env_table()"
+
+
+async def test_simulator_abort_runs_on_the_engine_loop():
+    import asyncio
+
+    cfg = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=4, num_gpu_blocks=64)
+    engine = V1Engine(cfg, PROFILE)
+    loop = asyncio.get_running_loop()
+    llumlet = attach_llumlet(engine, cfg, config(), "sim-0", "127.0.0.1", 8000, loop=loop, start=False)
+    engine.add_request(SimRequest("r1", list(range(10)), max_tokens=5), loop.time())
+    assert llumlet.status_now().num_waiting == 1
+    aborted = await asyncio.to_thread(llumlet.abort_handler, ["r1", "nope"])  # as the gRPC thread would
+    assert aborted == ["r1"]
+    status = llumlet.status_now()
+    assert (status.num_waiting, status.num_running) == (0, 0)

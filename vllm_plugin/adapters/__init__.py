@@ -1,0 +1,1 @@
+"""Engine adapters: translate one engine's events into the llumlet core's calls."""

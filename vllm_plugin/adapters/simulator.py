@@ -1,0 +1,134 @@
+"""Simulator adapter: the llumlet core on a simulated engine, through its EngineObserver hooks.
+
+    llumlet = attach_llumlet(engine_core, engine_config, llumlet_config, instance_id, host, port, loop=loop)
+    ...
+    llumlet.stop()
+
+Observer hooks run inside the simulator's step (on its asyncio loop, or in virtual time); each
+updates the LoadState under the llumlet's lock and wakes the export thread, exactly as the vLLM
+adapter does. KV usage is read from the engine's block pool: the block events alone cannot
+track it, because a prefix-cache hit that revives a freed block is not a `blocks_allocated`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from typing import Any
+
+from pilotfish.protos import cms_pb2
+from pilotfish.simulator.engine.events import EngineObserver
+from pilotfish.simulator.engine.request import FinishReason, SimRequest
+from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.llumlet import Llumlet
+
+ABORT_TIMEOUT_S = 5.0
+
+
+class LlumletObserver(EngineObserver):
+    def __init__(self, llumlet: Llumlet, core: Any, block_size: int, num_blocks: int) -> None:
+        self.llumlet = llumlet
+        self.core = core
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        with llumlet.events() as s:
+            s.kv_usage(0, num_blocks, block_size)
+
+    def _used_blocks(self) -> int:
+        kv = getattr(self.core, "kv", None)
+        if kv is not None:
+            return int(kv.pool.num_used)
+        return round(self.core.stats().kv_cache_usage * self.num_blocks)
+
+    def request_added(self, request: SimRequest, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens)
+
+    def request_scheduled(self, request: SimRequest, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.scheduled(request.request_id, request.num_computed_tokens)
+
+    def cache_hit(self, request: SimRequest, num_tokens: int, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.cache_hit(request.request_id, num_tokens)
+
+    def blocks_allocated(self, request: SimRequest, block_ids: list[int], now: float) -> None:
+        with self.llumlet.events() as s:
+            s.kv_usage(self._used_blocks(), self.num_blocks, self.block_size)
+
+    def blocks_freed(self, request: SimRequest, block_ids: list[int], now: float) -> None:
+        with self.llumlet.events() as s:
+            s.kv_usage(self._used_blocks(), self.num_blocks, self.block_size)
+
+    def prefill_chunk(self, request: SimRequest, num_tokens: int, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.progressed(request.request_id, request.num_computed_tokens, request.num_output_tokens)
+
+    def token_generated(self, request: SimRequest, token_id: int, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.progressed(request.request_id, request.num_computed_tokens, request.num_output_tokens)
+
+    def preempted(self, request: SimRequest, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.preempted(request.request_id)
+
+    def finished(self, request: SimRequest, reason: FinishReason, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.finished(request.request_id)
+
+    def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
+        # The hook does not carry the step's context length; the running batch after the step
+        # is the same requests less those that finished, which is close enough for the fit.
+        running = getattr(self.core, "running", ())
+        seq_len_sum = sum(r.num_computed_tokens for r in running)
+        with self.llumlet.events() as s:
+            s.step_finished(duration, num_prefill_tokens, num_decodes, seq_len_sum)
+
+
+def attach_llumlet(
+    core: Any,
+    engine_config: Any,
+    config: LlumletConfig,
+    instance_id: str,
+    host: str,
+    http_port: int,
+    *,
+    model: str = "",
+    kv_events_endpoint: str = "",
+    loop: asyncio.AbstractEventLoop | None = None,
+    serve_grpc: bool = True,
+    start: bool = True,
+) -> Llumlet:
+    """Attach a started llumlet to a simulator engine core (`V1Engine` or any EngineCore).
+
+    `loop` is the asyncio loop that owns the core: Abort calls from the gRPC thread run there.
+    Without it Abort answers UNIMPLEMENTED (a virtual-time core has no thread to hand them to).
+    """
+    meta = cms_pb2.InstanceMetadata(
+        host=host,
+        http_port=http_port,
+        model=model,
+        block_size=engine_config.block_size,
+        num_gpu_blocks=engine_config.num_gpu_blocks,
+        max_num_batched_tokens=engine_config.max_num_batched_tokens,
+        max_num_seqs=engine_config.max_num_seqs,
+        dp_size=1,
+        kv_events_endpoint=kv_events_endpoint,
+    )
+    abort = None
+    if loop is not None:
+
+        def abort(request_ids: list[str]) -> list[str]:
+            def run() -> list[str]:
+                now = loop.time()
+                return [rid for rid in request_ids if core.abort_request(rid, now)]
+
+            done: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+            loop.call_soon_threadsafe(lambda: done.set_result(run()))
+            return done.result(timeout=ABORT_TIMEOUT_S)
+
+    llumlet = Llumlet(config, instance_id, meta, abort_handler=abort)
+    core.add_observer(LlumletObserver(llumlet, core, engine_config.block_size, engine_config.num_gpu_blocks))
+    if start:
+        llumlet.start(serve_grpc=serve_grpc)
+    return llumlet

@@ -1,0 +1,301 @@
+"""vLLM V1 adapter: scheduler subclasses whose hooks feed the llumlet (vLLM 0.32.x).
+
+Select with `--scheduler-cls pilotfish.vllm_plugin.LlumletScheduler`. One name covers both
+schedulers: at construction it becomes `LlumletAsyncScheduler` (over vLLM's AsyncScheduler)
+when vLLM resolved async scheduling on, else `LlumletSyncScheduler` (over Scheduler). With no
+CMS configured the subclass only calls its parent: vLLM behaves exactly as without it.
+
+Hooks (all on the engine-core thread, the only thread that touches the scheduler):
+  add_request              request added (admitted; its id goes into admitted_request_ids)
+  _update_after_schedule   requests entering the batch, tokens scheduled this step
+  _preempt_request         preempted back to waiting
+  update_from_output       tokens computed and sampled, the step's duration and shape, KV usage;
+                           also where Abort calls from the gRPC thread are applied
+  _free_request            finished, stopped or aborted
+  shutdown                 keys removed from the CMS
+Only requests scheduled this step are visited, which vLLM's own loop visits anyway.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import sys
+import time
+from concurrent.futures import Future
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from vllm.v1.request import Request, RequestStatus
+
+from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.config import config_from_env
+from pilotfish.vllm_plugin.core.llumlet import Llumlet
+
+log = logging.getLogger("pilotfish.llumlet")
+
+ABORT_TIMEOUT_S = 30.0  # a loaded engine may take seconds per step
+# vLLM (>= 0.11) appends "-<8 random chars>" to every request id it admits; the frontend, the
+# client and the gateway only know the id without it, so that is the id the llumlet exports.
+_RANDOM_SUFFIX_LEN = 9
+
+
+def external_id(request: Request, randomized: bool) -> str:
+    rid = request.request_id
+    if randomized and len(rid) > _RANDOM_SUFFIX_LEN and rid[-_RANDOM_SUFFIX_LEN] == "-":
+        return rid[:-_RANDOM_SUFFIX_LEN]
+    return rid
+
+
+def _argv_value(flag: str) -> str | None:
+    """`--flag V` or `--flag=V` from the command line vLLM was started with (the API server's,
+    which multiprocessing hands down to the engine-core process)."""
+    argv = sys.argv
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _log_through_vllm() -> None:
+    """Send the llumlet's log lines where vLLM sends its own, so operators see them in one place."""
+    ours = logging.getLogger("pilotfish")
+    if not ours.handlers:
+        vllm_logger = logging.getLogger("vllm")
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(logging.INFO)
+        ours.propagate = False
+
+
+class _LlumletHooks:
+    """Mixed in before vLLM's scheduler class; `self` is that scheduler."""
+
+    llumlet: Llumlet | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.llumlet = None
+        _log_through_vllm()
+        config = config_from_env()
+        if not config.enabled:
+            log.info("pilotfish llumlet: PILOTFISH_CMS_URL unset, scheduler runs unchanged")
+            return
+        sched: Any = self
+        self._aborts: queue.SimpleQueue[tuple[list[str], Future[list[str]]]] = queue.SimpleQueue()
+        self._schedule_t0: dict[int, float] = {}
+        self._randomized_ids = not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
+        self._internal_ids: dict[str, str] = {}  # exported id -> vLLM's id, for Abort
+        self._last_update_end = 0.0
+        self._pool = sched.kv_cache_manager.block_pool
+        self._block_size = int(sched.cache_config.block_size)
+        self._total_blocks = max(int(self._pool.num_gpu_blocks) - 1, 1)  # block 0 is vLLM's null block
+        vc = sched.vllm_config
+        pc = vc.parallel_config
+        dp_rank = int(getattr(pc, "data_parallel_index", 0) or getattr(pc, "data_parallel_rank", 0) or 0)
+        dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
+        http_port = config.http_port or int(_argv_value("--port") or 8000)
+        host = config.advertise_host or _argv_value("--host") or "127.0.0.1"
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.gethostbyname(socket.gethostname())
+        instance_id = config.instance_id or f"{socket.gethostname()}-{http_port}"
+        if dp_size > 1:
+            instance_id += f"-dp{dp_rank}"
+        served = getattr(vc.model_config, "served_model_name", None)
+        model = served[0] if isinstance(served, list | tuple) and served else served or vc.model_config.model
+        meta = cms_pb2.InstanceMetadata(
+            host=host,
+            http_port=http_port,
+            model=str(model),
+            block_size=self._block_size,
+            num_gpu_blocks=self._total_blocks,
+            max_num_batched_tokens=int(sched.scheduler_config.max_num_batched_tokens),
+            max_num_seqs=int(sched.scheduler_config.max_num_seqs),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            node_id=socket.gethostname(),
+        )
+        kv_events = getattr(vc, "kv_events_config", None)
+        if kv_events is not None and kv_events.enable_kv_cache_events and kv_events.publisher == "zmq":
+            from vllm.distributed.kv_events import ZmqEventPublisher
+
+            endpoint = ZmqEventPublisher.offset_endpoint_port(kv_events.endpoint, dp_rank) or ""
+            meta.kv_events_endpoint = endpoint.replace("*", host)
+            meta.kv_events_topic = kv_events.topic
+        llumlet = Llumlet(config, instance_id, meta, abort_handler=self._abort_from_grpc)
+        llumlet.watch_parent = True  # the API server is our parent: its death is ours
+        llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
+        with llumlet.events() as s:
+            s.kv_usage(0, self._total_blocks, self._block_size)
+        llumlet.start()
+        self.llumlet = llumlet
+        variant = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
+        log.info("pilotfish llumlet %s: hooks over vLLM's %s", instance_id, variant)
+
+    # ---- requests in and out --------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        sched: Any = self
+        is_new = request.request_id not in sched.requests
+        super().add_request(request)  # type: ignore[misc]
+        if self.llumlet is not None and is_new and request.request_id in sched.requests:
+            exported = external_id(request, self._randomized_ids)
+            self._internal_ids[exported] = request.request_id
+            with self.llumlet.events() as s:
+                s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens, exported)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+        if self.llumlet is not None:
+            self._internal_ids.pop(external_id(request, self._randomized_ids), None)
+            with self.llumlet.events() as s:
+                s.finished(request.request_id)
+                s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+        return result
+
+    def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kwargs: Any) -> None:
+        super()._preempt_request(request, timestamp, *args, **kwargs)  # type: ignore[misc]
+        if self.llumlet is not None:
+            with self.llumlet.events() as s:
+                s.preempted(request.request_id)
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _update_after_schedule(self, scheduler_output: Any) -> None:
+        super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
+        if self.llumlet is None:
+            return
+        llumlet = self.llumlet
+        cpu0 = time.thread_time_ns() if llumlet.profiling else 0
+        self._schedule_t0[id(scheduler_output)] = time.perf_counter()
+        requests = self.requests  # type: ignore[attr-defined]
+        with llumlet.events() as s:
+            tracked = s.requests
+            for req_id in scheduler_output.num_scheduled_tokens:
+                t = tracked.get(req_id)
+                if t is None:
+                    continue
+                # Scheduling a decode only advances num_computed past the sampled token; the
+                # load it represents moves when the output arrives (update_from_output).
+                if t.running and t.num_output and t.num_computed >= t.num_prompt + t.num_output - 1:
+                    continue
+                request = requests[req_id]
+                if not t.running:
+                    s.scheduled(req_id, request.num_computed_tokens)
+                else:
+                    s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
+            s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+        if cpu0:
+            llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        llumlet = self.llumlet
+        if llumlet is None:
+            return outputs
+        cpu0 = time.thread_time_ns() if llumlet.profiling else 0
+        now = time.perf_counter()
+        t0 = self._schedule_t0.pop(id(scheduler_output), now)
+        # With async scheduling steps overlap: a step's time is from when it could start (its
+        # schedule, or the previous step's end, whichever is later) to its outputs.
+        duration = now - max(t0, self._last_update_end)
+        self._last_update_end = now
+        requests = self.requests  # type: ignore[attr-defined]
+        prefill_tokens = decodes = seq_len_sum = 0
+        with llumlet.events() as s:
+            for req_id, n in scheduler_output.num_scheduled_tokens.items():
+                request = requests.get(req_id)
+                if request is None:
+                    continue
+                if request.num_output_tokens and n == 1:
+                    decodes += 1
+                else:
+                    prefill_tokens += n
+                seq_len_sum += request.num_computed_tokens
+                if request.status == RequestStatus.RUNNING:
+                    s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
+            if scheduler_output.total_num_scheduled_tokens:
+                s.step_finished(duration, prefill_tokens, decodes, seq_len_sum)
+            s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+        self._apply_aborts(outputs)
+        if cpu0:
+            end = time.thread_time_ns()
+            llumlet.hook_cpu_ns += end - cpu0
+            llumlet.engine_cpu_ns = end
+        return outputs
+
+    def shutdown(self) -> None:
+        if self.llumlet is not None:
+            self.llumlet.stop(remove=True)
+            self.llumlet = None
+        super().shutdown()  # type: ignore[misc]
+
+    # ---- Abort from the gRPC thread, applied on the engine thread -----------------------------
+
+    def _abort_from_grpc(self, request_ids: list[str]) -> list[str]:
+        done: Future[list[str]] = Future()
+        self._aborts.put((request_ids, done))
+        deadline = time.monotonic() + ABORT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                return done.result(timeout=0.05)
+            except TimeoutError:
+                pass
+            # An idle engine runs no steps, so nothing would drain the queue; it also holds no
+            # request to abort. (A len() of vLLM's dict is safe from this thread under the GIL.)
+            if not self.requests and done.cancel():  # type: ignore[attr-defined]
+                return []
+        if done.cancel():
+            raise TimeoutError(f"engine took no step in {ABORT_TIMEOUT_S}s")
+        return done.result()
+
+    def _apply_aborts(self, outputs: dict[int, EngineCoreOutputs]) -> None:
+        while True:
+            try:
+                ids, done = self._aborts.get_nowait()
+            except queue.Empty:
+                return
+            if not done.set_running_or_notify_cancel():  # the caller gave up waiting
+                continue
+            internal = [self._internal_ids.get(rid, rid) for rid in ids]
+            aborted = self.finish_requests(internal, RequestStatus.FINISHED_ABORTED)  # type: ignore[attr-defined]
+            # The frontend did not ask for these aborts: tell it, or its streams never end.
+            for request in aborted:
+                eco = outputs.get(request.client_index)
+                if eco is None:
+                    eco = outputs[request.client_index] = EngineCoreOutputs()
+                eco.outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
+            done.set_result([external_id(r, self._randomized_ids) for r in aborted])
+
+
+class LlumletSyncScheduler(_LlumletHooks, Scheduler):
+    pass
+
+
+class LlumletAsyncScheduler(_LlumletHooks, AsyncScheduler):
+    pass
+
+
+class LlumletScheduler(LlumletSyncScheduler):
+    """The `--scheduler-cls` name: becomes the sync or async variant to match vLLM's choice."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = kwargs.get("vllm_config", args[0] if args else None)
+        use_async = bool(getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False))
+        target = _AsyncVariant if use_async else cls
+        return object.__new__(target)
+
+
+class _AsyncVariant(LlumletScheduler, AsyncScheduler):
+    """LlumletScheduler over AsyncScheduler; a subclass of LlumletScheduler so Python runs __init__."""
+
+
+# AsyncScheduler must come before Scheduler in the async variant, or its overrides are lost.
+if _AsyncVariant.__mro__.index(AsyncScheduler) > _AsyncVariant.__mro__.index(Scheduler):
+    raise ImportError("pilotfish llumlet: unexpected vLLM scheduler hierarchy; this vLLM version is not supported")

@@ -1,0 +1,104 @@
+"""The llumlet's settings, once: defaults and meanings here; environment variables derive from them.
+
+Inside vLLM there is no command line of ours, so every setting is an environment variable named
+`PILOTFISH_` + the field in capitals (`cms_url` -> `PILOTFISH_CMS_URL`), or a key of the YAML
+file named by `PILOTFISH_LLUMLET_CONFIG` (variables win over the file). With no `cms_url` the
+llumlet is off and the engine runs exactly as without the plugin.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.cms.keys import BadId, check_id
+from pilotfish.config import ConfigError, _field_info, load_yaml_mapping, struct_from_mapping
+
+ENV_PREFIX = "PILOTFISH_"
+CONFIG_FILE_ENV = "PILOTFISH_LLUMLET_CONFIG"
+INFER_TYPES = ("neutral", "prefill", "decode")
+
+
+def _doc(description: str, **constraints: Any) -> Meta:
+    return Meta(description=description, **constraints)
+
+
+class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    cms_url: Annotated[str, _doc("Redis URL of the CMS (redis://host:port/db); empty: llumlet off")] = ""
+    cluster: Annotated[str, _doc("cluster name, the namespace of every CMS key")] = "default"
+    instance_id: Annotated[str, _doc("this engine's id in the CMS; empty: <hostname>-<http port>[-dp<rank>]")] = ""
+    advertise_host: Annotated[
+        str, _doc("address the scheduler and gateway reach the engine at; empty: vLLM's --host, else 127.0.0.1")
+    ] = ""
+    http_port: Annotated[int, _doc("the engine's OpenAI port; 0: vLLM's --port", ge=0, le=65535)] = 0
+    llumlet_host: Annotated[str, _doc("bind address of the llumlet gRPC server (Migrate, Abort, GetStatus)")] = (
+        "127.0.0.1"
+    )
+    llumlet_port: Annotated[int, _doc("llumlet gRPC port; 0: any free port", ge=0, le=65535)] = 0
+    llumlet_token: Annotated[str, _doc("if set, gRPC callers must send 'authorization: Bearer <token>'")] = ""
+    infer_type: Annotated[str, _doc("neutral, prefill or decode (PD disaggregation role)")] = "neutral"
+    node_id: Annotated[str, _doc("the machine this engine runs on; empty: the hostname")] = ""
+    unit_id: Annotated[str, _doc("the deployment unit (PD group) this engine belongs to")] = ""
+    ttl_ms: Annotated[int, _doc("TTL of the metadata and status keys: a dead llumlet vanishes after it", ge=500)] = (
+        10_000
+    )
+    refresh_ms: Annotated[int, _doc("metadata and status are re-written at least this often", ge=100)] = 3_000
+    admitted_window_ms: Annotated[
+        int, _doc("an admitted request id stays in exported status this long, for readers that skip records", ge=0)
+    ] = 2_000
+    max_admitted_ids: Annotated[int, _doc("cap on admitted ids per status record (newest kept)", ge=1, le=4096)] = 1024
+    stats_log_s: Annotated[
+        int, _doc("log the llumlet's own event -> Redis staleness (p50/p99) this often; 0: only at shutdown", ge=0)
+    ] = 0
+    min_export_interval_us: Annotated[
+        int, _doc("least time between two status writes; 0: export on every change, coalesced", ge=0)
+    ] = 0
+
+    def __post_init__(self) -> None:
+        if self.infer_type not in INFER_TYPES:
+            raise ValueError(f"infer_type must be one of {', '.join(INFER_TYPES)}, not {self.infer_type!r}")
+        if self.refresh_ms * 2 > self.ttl_ms:
+            raise ValueError(f"refresh_ms {self.refresh_ms} must be at most half of ttl_ms {self.ttl_ms}")
+        try:
+            check_id(self.cluster, "cluster")
+            if self.instance_id:
+                check_id(self.instance_id, "instance_id")
+        except BadId as exc:
+            raise ValueError(str(exc)) from None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cms_url)
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def config_from_env(environ: Mapping[str, str] | None = None) -> LlumletConfig:
+    """The YAML file named by PILOTFISH_LLUMLET_CONFIG (if any), then PILOTFISH_* variables."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    if path := environ.get(CONFIG_FILE_ENV):
+        values.update(load_yaml_mapping(path))
+    for name, *_ in _field_info(LlumletConfig):
+        if (raw := environ.get(env_name(name))) is not None:
+            values[name] = raw
+    try:
+        return struct_from_mapping(LlumletConfig, values)
+    except ConfigError as exc:
+        # struct_from_mapping names flags; inside vLLM the operator sets variables
+        raise ConfigError(f"llumlet: {exc} (settings come from {ENV_PREFIX}* variables)") from None
+
+
+def env_table() -> str:
+    """Markdown table of the variables, for vllm_plugin/README.md (generated, never hand-written)."""
+    rows = ["| variable | default | meaning |", "|---|---|---|"]
+    for name, _tp, default, description in _field_info(LlumletConfig):
+        shown = f"`{default}`" if default != "" else "unset"
+        rows.append(f"| `{env_name(name)}` | {shown} | {description} |")
+    return "\n".join(rows)

@@ -1,0 +1,1 @@
+"""The engine-agnostic llumlet: load state, CMS export thread, gRPC server."""

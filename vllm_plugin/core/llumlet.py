@@ -1,0 +1,242 @@
+"""The llumlet: load state fed by an engine adapter, exported to the CMS on its own thread.
+
+Threads:
+  engine thread   the adapter's hooks run here, inside the engine's step loop. They mutate the
+                  LoadState under one lock (`with llumlet.events() as s: s.added(...)`) and set a
+                  wake-up flag: no I/O, no allocation beyond the event itself.
+  export thread   wakes on the flag, snapshots the state under the lock, and writes it outside
+                  the lock. Events that arrive while a write is in flight only re-set the flag,
+                  so the next write carries the latest state: latest wins, nothing newer is lost.
+                  It also re-writes status and metadata every `refresh_ms` to keep the TTL alive.
+  gRPC threads    Migrate, Abort, GetStatus (core/server.py); Abort is handed to the engine
+                  thread through `abort_handler`, never applied from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+
+from pilotfish.cms.writer import CmsWriter
+from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.state import LoadState
+
+log = logging.getLogger("pilotfish.llumlet")
+
+_INFER_TYPES = {
+    "neutral": cms_pb2.INFER_TYPE_NEUTRAL,
+    "prefill": cms_pb2.INFER_TYPE_PREFILL,
+    "decode": cms_pb2.INFER_TYPE_DECODE,
+}
+# Backoff while Redis is unreachable: the state keeps changing meanwhile and only the latest
+# matters, so a short cap gets the CMS current again soon after Redis returns.
+_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+AbortHandler = Callable[[list[str]], list[str]]
+
+
+class Llumlet:
+    def __init__(
+        self,
+        config: LlumletConfig,
+        instance_id: str,
+        metadata: cms_pb2.InstanceMetadata,
+        writer: CmsWriter | None = None,
+        abort_handler: AbortHandler | None = None,
+    ) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.state = LoadState(instance_id, config.admitted_window_ms, config.max_admitted_ids)
+        self.metadata = metadata
+        self.metadata.instance_id = instance_id
+        self.metadata.infer_type = _INFER_TYPES[config.infer_type]
+        if config.node_id:
+            self.metadata.node_id = config.node_id
+        if config.unit_id:
+            self.metadata.unit_id = config.unit_id
+        self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
+        self.abort_handler = abort_handler
+        # Set by adapters that run in a child of the engine's frontend (vLLM's engine core): if
+        # the parent dies and this process lingers, stop exporting so the keys expire.
+        self.watch_parent = False
+        self.lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._server: object | None = None
+        # counters, for tests, benchmarks and logs
+        self.exports = 0
+        self.write_failures = 0
+        self._meta_update_id = 0
+        # event -> Redis acknowledged, per write, from the oldest event it carries (µs); a
+        # bounded sample, logged at shutdown so any engine reports its own staleness
+        self._dirty_since_ns = 0
+        self.staleness_us: deque[float] = deque(maxlen=100_000)
+        # With stats_log_s, adapters account the engine-thread CPU their hooks cost (thread_time:
+        # CPU, not wall, so a loaded machine does not inflate it) against the thread's total.
+        self.profiling = config.stats_log_s > 0
+        self.hook_cpu_ns = 0
+        self.engine_cpu_start_ns = 0
+        self.engine_cpu_ns = 0
+        self.export_cpu_ns = 0
+
+    # ---- engine side --------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def events(self) -> Iterator[LoadState]:
+        """Apply one or more engine events atomically, then wake the exporter once if they changed load."""
+        state = self.state
+        with self.lock:
+            yield state
+            if not state.changed:
+                return  # nothing moved (a decode step's scheduling): no write to make
+            state.changed = False
+            if not self._dirty_since_ns:
+                self._dirty_since_ns = time.monotonic_ns()
+        self._wake.set()
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, serve_grpc: bool = True) -> None:
+        if serve_grpc:
+            from pilotfish.vllm_plugin.core.server import start_server
+
+            self._server, port = start_server(self, self.config)
+            self.metadata.llumlet_port = port
+        self._thread = threading.Thread(target=self._run, name="pilotfish-llumlet-export", daemon=True)
+        self._thread.start()
+        log.info(
+            "llumlet %s exporting to %s (cluster %s), gRPC on %s:%s",
+            self.instance_id,
+            _redacted(self.config.cms_url),
+            self.config.cluster,
+            self.config.llumlet_host,
+            self.metadata.llumlet_port or "-",
+        )
+
+    def stop(self, remove: bool = True) -> None:
+        """Stop exporting; `remove` deletes the keys so readers drop us now, not after the TTL."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+        self._thread = None
+        log.info("llumlet %s stopping: %s", self.instance_id, self.staleness_summary())
+        if self._server is not None:
+            self._server.stop(grace=0.5)  # type: ignore[attr-defined]
+            self._server = None
+        if remove:
+            try:
+                self.writer.remove()
+            except Exception as exc:  # shutdown goes on: the TTL removes us anyway
+                log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
+        self.writer.close()
+
+    # ---- export thread ------------------------------------------------------------------------
+
+    def status_now(self) -> cms_pb2.InstanceStatus:
+        """The current status, without a new update_id (GetStatus)."""
+        with self.lock:
+            return self.state.snapshot()
+
+    def export_once(self) -> cms_pb2.InstanceStatus:
+        """Snapshot with a new update_id and write it; raises on a Redis error."""
+        with self.lock:
+            status = self.state.snapshot(self.state.next_update_id())
+            since, self._dirty_since_ns = self._dirty_since_ns, 0
+        try:
+            self.writer.write_status(status)
+        except BaseException:
+            if since:  # not written: the next write carries these events, charge it from then
+                with self.lock:
+                    self._dirty_since_ns = min(self._dirty_since_ns or since, since)
+            raise
+        if since:
+            self.staleness_us.append((time.monotonic_ns() - since) / 1000)
+        self.exports += 1
+        return status
+
+    def staleness_summary(self) -> str:
+        if not self.staleness_us:
+            return "no load changes exported"
+        ordered = sorted(self.staleness_us)
+        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+        text = (
+            f"{self.exports} status writes; event -> Redis staleness p50 {pick(0.5):.0f} us, "
+            f"p99 {pick(0.99):.0f} us, max {ordered[-1]:.0f} us over the last {len(ordered)} writes"
+        )
+        steps = self.state.step_id
+        engine_ns = self.engine_cpu_ns - self.engine_cpu_start_ns
+        if self.profiling and steps and engine_ns > 0:
+            text += (
+                f"; CPU per step: hooks {self.hook_cpu_ns / steps / 1000:.1f} us "
+                f"({100 * self.hook_cpu_ns / engine_ns:.2f}% of the engine thread's "
+                f"{engine_ns / steps / 1000:.0f} us), export thread {self.export_cpu_ns / steps / 1000:.1f} us"
+            )
+        return text
+
+    def write_metadata(self) -> None:
+        self._meta_update_id = max(self._meta_update_id + 1, time.time_ns() // 1000)
+        self.metadata.update_id = self._meta_update_id
+        self.metadata.timestamp_ms = time.time_ns() // 1_000_000
+        self.writer.write_metadata(self.metadata)
+
+    def _run(self) -> None:
+        refresh_s = self.config.refresh_ms / 1000
+        min_gap_s = self.config.min_export_interval_us / 1e6
+        next_refresh = 0.0  # metadata first, so a reader never sees status without metadata
+        last_write = 0.0
+        failures = 0
+        stats_every = self.config.stats_log_s
+        next_stats = time.monotonic() + stats_every
+        parent = os.getppid()
+        while not self._stop.is_set():
+            if self.watch_parent and os.getppid() != parent:
+                log.warning("llumlet %s: the engine's parent process exited; removing CMS keys", self.instance_id)
+                with contextlib.suppress(Exception):
+                    self.writer.remove()
+                return
+            now = time.monotonic()
+            if now < next_refresh:
+                self._wake.wait(next_refresh - now)
+                if self._stop.is_set():
+                    break
+            if min_gap_s and (gap := last_write + min_gap_s - time.monotonic()) > 0:
+                time.sleep(gap)
+            # Cleared before the snapshot: an event landing after it sets the flag again.
+            self._wake.clear()
+            try:
+                if time.monotonic() >= next_refresh:
+                    self.write_metadata()
+                    next_refresh = time.monotonic() + refresh_s
+                    if stats_every and time.monotonic() >= next_stats:
+                        self.export_cpu_ns = time.thread_time_ns()
+                        log.info("llumlet %s: %s", self.instance_id, self.staleness_summary())
+                        next_stats = time.monotonic() + stats_every
+                self.export_once()
+                last_write = time.monotonic()
+                if failures:
+                    log.warning("llumlet %s: CMS reachable again after %d failed writes", self.instance_id, failures)
+                failures = 0
+            except Exception as exc:
+                self.write_failures += 1
+                if failures == 0:
+                    log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
+                failures += 1
+                next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
+                self._stop.wait(_BACKOFF_S[min(failures, len(_BACKOFF_S)) - 1])
+
+
+def _redacted(url: str) -> str:
+    """The URL without a password, for logs."""
+    if "@" not in url:
+        return url
+    scheme, _, rest = url.partition("://")
+    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"

@@ -1,0 +1,238 @@
+"""The instance status, kept from engine events: every figure the CMS status record carries.
+
+Engine-agnostic: an adapter (vLLM scheduler subclass, simulator observer) translates its engine's
+events into the calls below, by request id and token counts. Aggregates are kept incrementally
+(each event removes a request's old contribution and adds its new one), so an event is O(1) and
+a snapshot never walks the requests.
+
+A request is, for load purposes:
+  waiting          queued, not holding a seat in the batch (new, or preempted to recompute)
+  running prefill  in the batch with prompt (or, after preemption, output) tokens still to compute
+  running decode   in the batch with only the next token to compute: computed == tokens - 1
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from pilotfish.protos import cms_pb2
+
+
+@dataclass(slots=True)
+class _Request:
+    num_prompt: int
+    num_output: int = 0
+    num_computed: int = 0
+    num_cached: int = 0  # known prefix-cache hit (tokens), set when scheduled from waiting
+    running: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt + self.num_output
+
+    @property
+    def decoding(self) -> bool:
+        return self.running and self.num_output > 0 and self.num_computed >= self.num_tokens - 1
+
+    @property
+    def uncomputed(self) -> int:
+        if self.decoding:
+            return 0
+        return max(0, self.num_tokens - max(self.num_computed, self.num_cached))
+
+
+class LoadState:
+    """Mutated only by the engine's thread, under the Llumlet's lock; snapshot() by the exporter."""
+
+    def __init__(self, instance_id: str, admitted_window_ms: int = 2000, max_admitted_ids: int = 1024) -> None:
+        self.instance_id = instance_id
+        self.admitted_window_ns = admitted_window_ms * 1_000_000
+        self.max_admitted_ids = max_admitted_ids
+        self.requests: dict[str, _Request] = {}
+        self.schedulable = True
+        # aggregates, kept equal to what summing over self.requests would give
+        self.num_waiting = 0
+        self.num_running = 0
+        self.num_running_prefill = 0
+        self.num_running_decode = 0
+        self.uncomputed_prefill_tokens = 0
+        self.running_decode_seq_len_sum = 0
+        self.unallocated_tokens = 0
+        # engine-wide figures
+        self.used_kv_tokens = 0
+        self.total_kv_tokens = 0
+        self.step_id = 0
+        self.last_step_duration_us = 0
+        self.last_step_prefill_tokens = 0
+        self.last_step_decode_batch = 0
+        self.last_step_seq_len_sum = 0
+        self.num_preempted_total = 0
+        self.num_loading = 0
+        self.num_migrating_out = 0
+        self.num_migrating_in = 0
+        self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, request id), oldest first
+        self.update_id = 0
+        # set by every event that moved a figure; the Llumlet wakes its exporter only then
+        self.changed = False
+
+    # ---- contributions ----------------------------------------------------------------------
+
+    def _apply(self, r: _Request, sign: int) -> None:
+        self.changed = True
+        if not r.running:
+            self.num_waiting += sign
+            self.uncomputed_prefill_tokens += sign * r.uncomputed
+            self.unallocated_tokens += sign * r.uncomputed
+            return
+        self.num_running += sign
+        if r.decoding:
+            self.num_running_decode += sign
+            self.running_decode_seq_len_sum += sign * r.num_tokens
+        else:
+            self.num_running_prefill += sign
+            self.uncomputed_prefill_tokens += sign * r.uncomputed
+
+    # ---- events -----------------------------------------------------------------------------
+
+    def added(
+        self, request_id: str, num_prompt_tokens: int, num_output_tokens: int = 0, exported_id: str | None = None
+    ) -> None:
+        """A request joined the waiting queue (admitted by the engine).
+
+        `exported_id` is the id readers know it by, where the engine renamed it on admission.
+        """
+        if request_id in self.requests:
+            return
+        r = _Request(num_prompt_tokens, num_output_tokens)
+        self.requests[request_id] = r
+        self._apply(r, +1)
+        self.admitted.append((time.monotonic_ns(), exported_id or request_id))
+
+    def scheduled(self, request_id: str, num_computed_tokens: int, num_cached_tokens: int = 0) -> None:
+        """A waiting (or preempted) request entered the running batch; cached tokens came free."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        self._apply(r, -1)
+        r.running = True
+        r.num_computed = num_computed_tokens
+        r.num_cached = num_cached_tokens
+        self._apply(r, +1)
+
+    def cache_hit(self, request_id: str, num_tokens: int) -> None:
+        """The prefix-cache lookup found `num_tokens` computed tokens: no prefill work for them."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        self._apply(r, -1)
+        r.num_cached = num_tokens
+        self._apply(r, +1)
+
+    def progressed(self, request_id: str, num_computed_tokens: int, num_output_tokens: int) -> None:
+        """Tokens were computed (a prefill chunk) or sampled (a new output token)."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        # The hot path, once per decoding request per step: a decode stays a decode and only its
+        # length moves. Inlined: the general path below costs ~4x as much.
+        num_output = r.num_output
+        if (
+            r.running
+            and num_output
+            and num_output_tokens
+            and r.num_computed >= r.num_prompt + num_output - 1
+            and num_computed_tokens >= r.num_prompt + num_output_tokens - 1
+        ):
+            if num_output_tokens != num_output:
+                self.running_decode_seq_len_sum += num_output_tokens - num_output
+                self.changed = True
+            r.num_computed = num_computed_tokens
+            r.num_output = num_output_tokens
+            return
+        self._apply(r, -1)
+        r.num_computed = num_computed_tokens
+        r.num_output = num_output_tokens
+        self._apply(r, +1)
+
+    def preempted(self, request_id: str) -> None:
+        """A running request lost its KV and went back to waiting, to recompute everything."""
+        r = self.requests.get(request_id)
+        if r is None:
+            return
+        self._apply(r, -1)
+        r.running = False
+        r.num_computed = 0
+        r.num_cached = 0
+        self._apply(r, +1)
+        self.num_preempted_total += 1
+
+    def finished(self, request_id: str) -> None:
+        """A request left the engine (finished, stopped or aborted)."""
+        r = self.requests.pop(request_id, None)
+        if r is not None:
+            self._apply(r, -1)
+
+    def kv_usage(self, used_blocks: int, total_blocks: int, block_size: int) -> None:
+        used, total = min(used_blocks, total_blocks) * block_size, total_blocks * block_size
+        if used != self.used_kv_tokens or total != self.total_kv_tokens:
+            self.used_kv_tokens, self.total_kv_tokens = used, total
+            self.changed = True
+
+    def step_finished(self, duration_s: float, prefill_tokens: int, decode_batch: int, seq_len_sum: int) -> None:
+        self.step_id += 1
+        self.changed = True
+        self.last_step_duration_us = min(int(duration_s * 1e6), 2**32 - 1)
+        self.last_step_prefill_tokens = prefill_tokens
+        self.last_step_decode_batch = decode_batch
+        self.last_step_seq_len_sum = seq_len_sum
+
+    def set_schedulable(self, value: bool) -> None:
+        if value != self.schedulable:
+            self.schedulable = value
+            self.changed = True
+
+    # ---- export -----------------------------------------------------------------------------
+
+    def next_update_id(self) -> int:
+        # Microseconds of wall time as a floor: a restarted llumlet continues above its last
+        # record instead of at 1, which a reader holding that record would drop as stale.
+        self.update_id = max(self.update_id + 1, time.time_ns() // 1000)
+        return self.update_id
+
+    def snapshot(self, update_id: int | None = None) -> cms_pb2.InstanceStatus:
+        """The status record as of now; `update_id` None keeps the last one (for GetStatus)."""
+        now = time.monotonic_ns()
+        horizon = now - self.admitted_window_ns
+        admitted = self.admitted
+        while admitted and admitted[0][0] < horizon:
+            admitted.popleft()
+        while len(admitted) > self.max_admitted_ids:
+            admitted.popleft()
+        return cms_pb2.InstanceStatus(
+            instance_id=self.instance_id,
+            update_id=self.update_id if update_id is None else update_id,
+            timestamp_ms=time.time_ns() // 1_000_000,
+            step_id=self.step_id,
+            schedulable=self.schedulable,
+            num_waiting=self.num_waiting,
+            num_running=self.num_running,
+            num_loading=self.num_loading,
+            num_waiting_prefill=self.num_waiting,
+            num_running_prefill=self.num_running_prefill,
+            num_running_decode=self.num_running_decode,
+            uncomputed_prefill_tokens=self.uncomputed_prefill_tokens,
+            running_decode_seq_len_sum=self.running_decode_seq_len_sum,
+            used_kv_tokens=self.used_kv_tokens,
+            total_kv_tokens=self.total_kv_tokens,
+            unallocated_tokens=self.unallocated_tokens,
+            last_step_duration_us=self.last_step_duration_us,
+            last_step_prefill_tokens=self.last_step_prefill_tokens,
+            last_step_decode_batch=self.last_step_decode_batch,
+            last_step_seq_len_sum=self.last_step_seq_len_sum,
+            admitted_request_ids=[rid for _, rid in admitted],
+            num_preempted_total=self.num_preempted_total,
+            num_migrating_out=self.num_migrating_out,
+            num_migrating_in=self.num_migrating_in,
+        )

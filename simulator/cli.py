@@ -23,6 +23,21 @@ def add_parser(subparsers: Any) -> None:
     )
     add_arguments(serve)
     serve.set_defaults(run=run_serve)
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="fit a step-time profile from a running vLLM",
+        description="Time requests against a running vLLM (or simulator) and fit the step-time profile.",
+    )
+    calibrate.set_defaults(run=run_calibrate)
+    from pilotfish.simulator.calibrate.command import add_arguments as add_calibrate_arguments
+
+    add_calibrate_arguments(calibrate)
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from pilotfish.simulator.calibrate.command import run
+
+    return run(args)
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -69,6 +69,15 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     default_output_tokens: Annotated[
         int, Meta(ge=1, description="output length when a request gives no max_tokens (ends with stop)")
     ] = 64
+    kv_events_endpoint: Annotated[
+        str | None,
+        Meta(description="publish vLLM KV events over ZMQ PUB: engine i binds this tcp://HOST:PORT plus i "
+             "(unset: off)"),
+    ] = None
+    kv_events_topic: Annotated[str, Meta(description="ZMQ topic of the KV event messages (vLLM's default: empty)")] = ""
+    kv_events_engines: Annotated[
+        list[int], Meta(description="engine indices that publish KV events (empty: all, when the endpoint is set)")
+    ] = msgspec.field(default_factory=list)
 
     def resolved_ports(self) -> list[int]:
         """One port per engine; 0 asks the kernel for a free one."""

@@ -9,9 +9,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 
+from pilotfish.config import ConfigError
 from pilotfish.simulator.config import EngineConfig, ServeConfig
 from pilotfish.simulator.engine.base import EngineCore
 from pilotfish.simulator.server.app import EngineApp
@@ -95,10 +97,23 @@ async def serve_engines(
     runners: list[web.AppRunner] = []
     drivers: list[EngineDriver] = []
     engines: list[SimEngine] = []
+    publishers: list[Any] = []
     try:
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
             engine_id = f"{serve.engine_id_prefix}-{i}"
-            driver = EngineDriver(core_factory(config))
+            core = core_factory(config)
+            publisher = None
+            if serve.kv_events_endpoint and (not serve.kv_events_engines or i in serve.kv_events_engines):
+                from pilotfish.simulator.kv_events import ZmqKVEventPublisher, engine_endpoint
+
+                try:
+                    publisher = ZmqKVEventPublisher(engine_endpoint(serve.kv_events_endpoint, i),
+                                                    serve.kv_events_topic, config.block_size)
+                except Exception as exc:  # a bad endpoint or a taken port: say which flag, at start-up
+                    raise ConfigError(f"--kv-events-endpoint: engine {i}: {exc}") from None
+                publishers.append(publisher)
+                core.enable_kv_events()  # type: ignore[attr-defined]
+            driver = EngineDriver(core, publisher)
             driver.start()
             drivers.append(driver)
             app = EngineApp(engine_id, serve, config, driver, tokenizer).build()
@@ -116,6 +131,27 @@ async def serve_engines(
             await runner.cleanup()
         for driver in drivers:
             await driver.stop()
+        for publisher in publishers:
+            publisher.close()
+
+
+def settle_for_load(fleet: Fleet, max_blocks: int = 4_000_000) -> None:
+    """Make a long-running fleet's garbage-collector pauses short; call once after start.
+
+    A full collection walks every tracked object, and each KV block is one: at 16 engines of
+    8192 blocks a pause reached 70 ms, straight into the TTFT of every stream. So the block
+    pools are made whole now (they otherwise grow lazily as the cache fills) and everything
+    alive is frozen out of the collector's reach. Skipped above `max_blocks` blocks in all.
+    """
+    import gc
+
+    pools = [getattr(getattr(e.core, "kv", None), "pool", None) for e in fleet.engines]
+    if any(p is None for p in pools) or sum(p.num_blocks for p in pools) > max_blocks:  # type: ignore[union-attr]
+        return
+    for pool in pools:
+        pool.materialize()  # type: ignore[union-attr]
+    gc.collect()
+    gc.freeze()
 
 
 def _bound_port(runner: web.AppRunner, asked: int) -> int:

@@ -8,7 +8,7 @@ import sys
 
 from pilotfish.config import ConfigError
 from pilotfish.simulator.config import EngineConfig, ServeConfig
-from pilotfish.simulator.fleet import serve_engines
+from pilotfish.simulator.fleet import serve_engines, settle_for_load
 
 
 async def serve_forever(serve: ServeConfig, engine: EngineConfig) -> int:
@@ -21,6 +21,7 @@ async def serve_forever(serve: ServeConfig, engine: EngineConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     try:
         async with serve_engines(serve, engine) as fleet:
+            settle_for_load(fleet)
             for address in fleet.addresses:
                 print(f"engine {address.engine_id} ready on {address.endpoint}", flush=True)
             await stop.wait()

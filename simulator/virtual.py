@@ -40,6 +40,17 @@ class VirtualEngine:
         self._start_woken()
         return self._plan.end if self._plan else None
 
+    @property
+    def step_end(self) -> float | None:
+        """End of the step already running, without starting one for a pending wake-up."""
+        return self._plan.end if self._plan else None
+
+    @property
+    def current_plan(self) -> StepPlan | None:
+        """The step in progress (it ends at `busy_until`), or None when idle."""
+        self._start_woken()
+        return self._plan
+
     def add_request(self, request: SimRequest, at: float) -> list[TimedOutput]:
         """Add `request` at time `at` (>= every earlier call); returns outputs of steps that ended first."""
         done = self.advance_to(at)

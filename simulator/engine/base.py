@@ -29,6 +29,7 @@ class StepPlan:
     num_prefill_tokens: int = 0
     num_decode_requests: int = 0
     decode_flags: list[bool] = field(default_factory=list)  # per scheduled entry: a decode, not a prefill
+    num_context_tokens: int = 0  # sum of the context lengths the step attends (the profile's C)
 
     @property
     def end(self) -> float:

@@ -28,17 +28,25 @@ class BlockPool:
         # Blocks never used yet are made on demand, so a large cache costs nothing until it fills.
         # They come before every freed block in vLLM's free queue, so they are handed out first.
         self._blocks: list[KVBlock] = []
+        self._fresh = 0  # blocks with ids from here on were never handed out
         self._free: OrderedDict[int, KVBlock] = OrderedDict()  # freed blocks, least recently freed first
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding that prefix
         self.num_evictions = 0
+        # KV events, when someone publishes them (None: off, nothing recorded). Raw tuples, encoded
+        # by the publisher: ("stored", hashes, parent hash or None, token ids) and ("removed", hash)
+        self.events: list[tuple] | None = None
 
     @property
     def num_free(self) -> int:
-        return self.num_blocks - len(self._blocks) + len(self._free)
+        return self.num_blocks - self._fresh + len(self._free)
 
     @property
     def num_used(self) -> int:
         return self.num_blocks - self.num_free
+
+    def materialize(self) -> None:
+        """Create every block object now; they are still handed out fresh ones first, in id order."""
+        self._blocks.extend(KVBlock(i) for i in range(len(self._blocks), self.num_blocks))
 
     def block(self, block_id: int) -> KVBlock:
         return self._blocks[block_id]
@@ -49,14 +57,18 @@ class BlockPool:
             raise ValueError(f"asked for {n} blocks, {self.num_free} free")
         out: list[KVBlock] = []
         for _ in range(n):
-            if len(self._blocks) < self.num_blocks:
-                block = KVBlock(len(self._blocks))
-                self._blocks.append(block)
+            if self._fresh < self.num_blocks:
+                if self._fresh == len(self._blocks):
+                    self._blocks.append(KVBlock(self._fresh))
+                block = self._blocks[self._fresh]
+                self._fresh += 1
             else:
                 _, block = self._free.popitem(last=False)
                 if block.block_hash is not None:
                     if self.cached.get(block.block_hash) is block:
                         del self.cached[block.block_hash]
+                        if self.events is not None:
+                            self.events.append(("removed", block.block_hash))
                     block.block_hash = None
                     self.num_evictions += 1
             block.ref_cnt = 1
@@ -83,11 +95,13 @@ class BlockPool:
     def lookup(self, block_hash: int) -> KVBlock | None:
         return self.cached.get(block_hash)
 
-    def register(self, block: KVBlock, block_hash: int) -> None:
+    def register(self, block: KVBlock, block_hash: int) -> bool:
         """Make a computed full block findable by its hash (the first block with a hash keeps it)."""
         if block.block_hash is None and block_hash not in self.cached:
             block.block_hash = block_hash
             self.cached[block_hash] = block
+            return True
+        return False
 
 
 class KVCacheManager:
@@ -162,9 +176,31 @@ class KVCacheManager:
         if full <= start:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
-        for i in range(start, full):
-            self.pool.register(blocks[i], hashes[i])
+        events = self.pool.events
+        if events is None:
+            for i in range(start, full):
+                self.pool.register(blocks[i], hashes[i])
+        else:
+            self._register_with_events(request, blocks, hashes, start, full, events)
         self._num_registered[request.request_id] = full
+
+    def _register_with_events(
+        self, request: SimRequest, blocks: list[KVBlock], hashes: list[int], start: int, full: int, events: list
+    ) -> None:
+        # one BlockStored per run of newly cached blocks, as vLLM's cache_full_blocks emits them; a
+        # block whose hash another block already holds is not cached, so it is not announced
+        run: list[int] = []
+        for i in range(start, full + 1):
+            if i < full and self.pool.register(blocks[i], hashes[i]):
+                run.append(i)
+                continue
+            if run:
+                first, last = run[0], run[-1]
+                parent = hashes[first - 1] if first > 0 else None
+                bs = self.block_size
+                tokens = request.all_token_ids[first * bs:(last + 1) * bs]
+                events.append(("stored", hashes[first:last + 1], parent, tokens))
+                run = []
 
     def free(self, request: SimRequest) -> list[int]:
         """Release every block the request holds, tail first; returns the ids that became free."""

@@ -54,6 +54,18 @@ class V1Engine:
     def add_observer(self, observer: EngineObserver) -> None:
         self.observers.append(observer)
 
+    def enable_kv_events(self) -> None:
+        """Record block stored/removed events from now on; `take_kv_events` drains them."""
+        if self.kv.pool.events is None:
+            self.kv.pool.events = []
+
+    def take_kv_events(self) -> list[tuple]:
+        events = self.kv.pool.events
+        if not events:
+            return []
+        self.kv.pool.events = []
+        return events
+
     # ---- requests in and out --------------------------------------------------------------
 
     def add_request(self, request: SimRequest, now: float) -> None:
@@ -133,9 +145,11 @@ class V1Engine:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = hit
             if request.num_preemptions == 0:
+                # vLLM counts prefix-cache queries and hits of new requests only; a preempted
+                # request's return goes to separate (unexported) preempted_* counters
                 request.num_cached_tokens = hit
-            self._cache_queries += request.num_tokens
-            self._cache_hits += hit
+                self._cache_queries += request.num_tokens
+                self._cache_hits += hit
             for o in self.observers:
                 o.request_scheduled(request, now)
                 o.cache_hit(request, hit, now)
@@ -154,7 +168,7 @@ class V1Engine:
                 prefill_tokens += num_new
             context += request.num_computed_tokens + num_new
         duration = self.profile.step_seconds(prefill_tokens, decodes, context)
-        return StepPlan(now, duration, scheduled, prefill_tokens, decodes, decode_flags)
+        return StepPlan(now, duration, scheduled, prefill_tokens, decodes, decode_flags, context)
 
     def end_step(self, plan: StepPlan) -> list[TokenOutput]:
         end = plan.end

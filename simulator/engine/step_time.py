@@ -26,6 +26,10 @@ class StepTimeProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     prefill_ms_per_token: Annotated[float, Meta(ge=0)]
     decode_ms_per_token: Annotated[float, Meta(ge=0)]
     context_ms_per_token: Annotated[float, Meta(ge=0)] = 0.0
+    # Serving overhead outside the steps (the API server's request path, the engine-core hop,
+    # detokenizing): the engine sees a request this long after it arrives. `sim calibrate`
+    # measures it as the first-token overhead. 0 for the GPU profiles, whose servers are fast.
+    api_overhead_ms: Annotated[float, Meta(ge=0)] = 0.0
 
     def step_seconds(self, prefill_tokens: int, decode_requests: int, context_tokens: int) -> float:
         ms = (

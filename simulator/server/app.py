@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -15,9 +15,9 @@ from aiohttp import web
 from pilotfish.simulator.config import EngineConfig, ServeConfig
 from pilotfish.simulator.engine.request import SimRequest
 from pilotfish.simulator.server.driver import EngineDriver
+from pilotfish.simulator.server.latency import LatencyHistograms
 from pilotfish.simulator.server.metrics import render_metrics
 from pilotfish.simulator.server.protocol import (
-    SSE_DONE,
     ApiError,
     ResponseShape,
     context_length_error,
@@ -26,6 +26,7 @@ from pilotfish.simulator.server.protocol import (
     parse_request,
     sse,
 )
+from pilotfish.simulator.server.sse_stream import SseSink, flush_headers, is_chunked
 from pilotfish.simulator.tokens import Tokenizer, generated_word
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class EngineApp:
         self.tokenizer = tokenizer
         # internal ids stay unique even when clients reuse an x-request-id
         self._seq = itertools.count()
+        self.latency = LatencyHistograms()
+        driver.core.add_observer(self.latency)
 
     def build(self) -> web.Application:
         # long-context prompts exceed aiohttp's 1 MiB default body limit; vLLM takes them
@@ -96,7 +99,7 @@ class EngineApp:
         return _json(models_response(self.serve.model, self.engine.max_model_len))
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        text = render_metrics(self.driver.core.stats(), self.serve.model)
+        text = render_metrics(self.driver.core.stats(), self.serve.model, self.engine, self.latency)
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -124,10 +127,8 @@ class EngineApp:
 
         base_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         internal_id = f"{base_id}#{next(self._seq)}"
-        loop = asyncio.get_running_loop()
-        sim_request = SimRequest(internal_id, parsed.prompt_token_ids, max_tokens, stop_after, loop.time())
+        sim_request = SimRequest(internal_id, parsed.prompt_token_ids, max_tokens, stop_after, time.monotonic())
         shape = ResponseShape(base_id, parsed.model, chat, prompt_len)
-        queue = self.driver.submit(sim_request)
         finished = False
         response: web.StreamResponse | None = None
         try:
@@ -137,26 +138,19 @@ class EngineApp:
                 await response.prepare(http)
                 if chat:  # vLLM opens a chat stream with the assistant role before any token
                     await response.write(sse(shape.chunk(None, None, role=True)))
-                completion_tokens = 0
-                while True:
-                    out = await queue.get()
-                    text = ""
-                    if out.token_id is not None:
-                        text = generated_word(out.index)
-                        completion_tokens += 1
-                    reason = out.finish_reason.value if out.finish_reason else None
-                    finished = reason is not None
-                    usage = shape.usage(completion_tokens) if parsed.include_usage and \
-                        parsed.continuous_usage_stats else None
-                    await response.write(sse(shape.chunk(text, reason, usage=usage)))
-                    if finished:
-                        break
-                if parsed.include_usage:
-                    await response.write(sse(shape.usage_chunk(completion_tokens)))
-                await response.write(SSE_DONE)
+                flush_headers(response)
+                transport = http.transport
+                if transport is None:
+                    raise ConnectionResetError("client went away")
+                sink = SseSink(shape, transport, is_chunked(response), include_usage=parsed.include_usage,
+                               continuous_usage=parsed.continuous_usage_stats)
+                self.driver.submit(sim_request, sink)
+                await sink.done
+                finished = True
                 await response.write_eof()
                 return response
 
+            queue = self.driver.submit(sim_request)
             words: list[str] = []
             while True:
                 out = await queue.get()

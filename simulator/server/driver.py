@@ -1,22 +1,44 @@
 """Runs an engine core in real time on the asyncio loop: step, sleep the step's duration,
-deliver its tokens. The core's state is owned by this loop alone."""
+deliver its tokens. The core's state is owned by this loop alone.
+
+Tokens reach each request through a sink, a plain callable run inside the step loop: a
+streaming response writes its SSE event straight to its socket from there, so a token costs no
+queue and no coroutine switch, and the first token leaves the process in the same loop
+iteration that ended the step. The clock is `time.monotonic`: uvloop's `loop.time()` has
+millisecond resolution, too coarse for the TTFT the engine reports.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
 
 from pilotfish.simulator.engine.base import EngineCore, TokenOutput
 from pilotfish.simulator.engine.request import SimRequest
 
 log = logging.getLogger(__name__)
 
+TokenSink = Callable[[TokenOutput], None]
+CATCH_UP = 0.005  # seconds a busy engine's step may start before the loop wakes for it
+
+
+class KVEventSink(Protocol):
+    def publish_raw(self, raw: list[tuple]) -> None: ...
+
 
 class EngineDriver:
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, kv_events: KVEventSink | None = None) -> None:
         self.core = core
-        self._streams: dict[str, asyncio.Queue[TokenOutput]] = {}
+        self.kv_events = kv_events
+        self._sinks: dict[str, TokenSink] = {}
+        # the profile's serving overhead: requests reach the core this long after they arrive
+        profile = getattr(core, "profile", None)
+        self._overhead = getattr(profile, "api_overhead_ms", 0.0) / 1000.0
+        self._pending: dict[str, asyncio.TimerHandle] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -37,33 +59,84 @@ class EngineDriver:
                 await self._task
             self._task = None
 
-    def submit(self, request: SimRequest) -> asyncio.Queue[TokenOutput]:
-        """Queue `request`; its tokens arrive on the returned queue, the last one with a finish reason."""
-        self.core.add_request(request, asyncio.get_running_loop().time())
+    def submit(self, request: SimRequest, sink: TokenSink | None = None) -> asyncio.Queue[TokenOutput]:
+        """Queue `request`. Its tokens go to `sink`, called in the step loop (it must not block),
+        or else to the returned queue; the last one carries a finish reason."""
         queue: asyncio.Queue[TokenOutput] = asyncio.Queue()
-        self._streams[request.request_id] = queue
-        self._wake.set()
+        self._sinks[request.request_id] = sink or queue.put_nowait
+        if self._overhead > 0:
+            loop = asyncio.get_running_loop()
+            self._pending[request.request_id] = loop.call_later(self._overhead, self._admit, request)
+        else:
+            self._admit(request)
         return queue
 
+    def _admit(self, request: SimRequest) -> None:
+        self._pending.pop(request.request_id, None)
+        self.core.add_request(request, time.monotonic())
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None:
-            self.core.abort_request(request_id, asyncio.get_running_loop().time())
+        if self._sinks.pop(request_id, None) is not None:
+            pending = self._pending.pop(request_id, None)
+            if pending is not None:
+                pending.cancel()  # never reached the engine
+            else:
+                self.core.abort_request(request_id, time.monotonic())
 
     async def _run(self) -> None:
+        core = self.core
+        sinks = self._sinks
         loop = asyncio.get_running_loop()
+        last_end: float | None = None
         while True:
-            if not self.core.has_unfinished_requests():
+            if not core.has_unfinished_requests():
                 self._wake.clear()
                 await self._wake.wait()
+                last_end = None
                 continue
-            plan = self.core.begin_step(loop.time())
+            now = time.monotonic()
+            # Back to back in model time: a busy engine's next step starts where the last one
+            # ended, not when the loop got round to it; otherwise timer granularity (1 ms under
+            # uvloop) and loop lag would stretch every step. Only a lag beyond CATCH_UP (an
+            # overloaded process) is let into the model, so no request joins a step that began
+            # more than that before it arrived.
+            start = last_end if last_end is not None and now - last_end <= CATCH_UP else now
+            plan = core.begin_step(start)
             # sleep to the step's end rather than for its duration, so delivery overhead does not
             # stretch every step
-            await asyncio.sleep(max(0.0, plan.end - loop.time()))
-            for out in self.core.end_step(plan):
-                queue = self._streams.get(out.request_id)
-                if queue is None:
+            await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
+            # First tokens leave now; later tokens wait for the next loop iteration, after every
+            # engine whose step ended at the same time has sent its first tokens and started its
+            # next step, as vLLM overlaps output processing with the next step. A request has one
+            # token per step, and the deferred batch runs before any later step ends, so each
+            # stream's order holds.
+            later: list[tuple[TokenSink, TokenOutput]] = []
+            for out in core.end_step(plan):
+                sink = sinks.get(out.request_id)
+                if sink is None:
                     continue
-                queue.put_nowait(out)
                 if out.finish_reason is not None:
-                    del self._streams[out.request_id]
+                    del sinks[out.request_id]
+                if out.index == 0:
+                    _deliver(sink, out)
+                else:
+                    later.append((sink, out))
+            if later:
+                loop.call_soon(_deliver_all, later)
+            if self.kv_events is not None:
+                self.kv_events.publish_raw(core.take_kv_events())  # type: ignore[attr-defined]
+            last_end = plan.end
+
+
+def _deliver(sink: TokenSink, out: TokenOutput) -> None:
+    try:
+        sink(out)
+    except Exception:
+        # one broken stream must not stop the engine; its handler cleans up
+        log.exception("token delivery to request %s failed", out.request_id)
+
+
+def _deliver_all(batch: list[tuple[TokenSink, TokenOutput]]) -> None:
+    for sink, out in batch:
+        _deliver(sink, out)

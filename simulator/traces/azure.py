@@ -1,0 +1,42 @@
+"""Azure LLM inference trace CSV: `TIMESTAMP, ContextTokens, GeneratedTokens`; no prefix data,
+so every prompt is its own segment and nothing is shared."""
+
+from __future__ import annotations
+
+import csv
+from datetime import datetime
+from pathlib import Path
+
+from pilotfish.simulator.traces.model import Trace, TraceRequest
+
+
+def parse_timestamp(text: str) -> float:
+    """Seconds since the epoch (naive, as written); the trace has 7 fractional digits, more than
+    `datetime` parses, so the fraction is read apart."""
+    text = text.strip()
+    whole, _, fraction = text.partition(".")
+    base = datetime.strptime(whole, "%Y-%m-%d %H:%M:%S").timestamp()
+    return base + (float(f"0.{fraction}") if fraction else 0.0)
+
+
+def load_azure(path: str | Path, *, namespace: str = "az", limit: int | None = None) -> Trace:
+    """Requests in arrival order, arrivals in seconds from the first request."""
+    rows: list[tuple[float, int, int]] = []
+    with open(path, newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f, skipinitialspace=True)
+        for lineno, row in enumerate(reader, 2):
+            if limit is not None and len(rows) >= limit:
+                break
+            try:
+                rows.append((parse_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                             int(row["GeneratedTokens"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{lineno}: not an Azure trace row: {exc}") from None
+    rows.sort()
+    start = rows[0][0] if rows else 0.0
+    out: Trace = []
+    for i, (ts, context, generated) in enumerate(rows):
+        context = max(1, context)
+        out.append(TraceRequest(f"{namespace}-{i}", ts - start, context, max(1, generated),
+                                ((f"{namespace}:{i}", context),)))
+    return out

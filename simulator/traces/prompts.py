@@ -1,0 +1,106 @@
+"""Token ids and prompt text for trace segments, consistent with the fallback tokenizer.
+
+A segment's tokens are words drawn from a fixed pool by a PRNG seeded with the segment key, so
+the same key always gives the same tokens. Every pool word is one fallback-tokenizer piece that
+starts with a space, so the text of a prompt (its segments' words joined) tokenizes back to
+exactly `prompt_token_ids`: an HTTP replay through the simulator builds the same prefixes,
+block hashes and cache hits as the virtual-time cluster. Real tokenizers split the words
+differently, but equal segments still give equal text prefixes.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import zlib
+from array import array
+
+from pilotfish.simulator.tokens import fallback_token_ids
+from pilotfish.simulator.traces.model import Segment, TraceRequest
+
+_POOL_SIZE = 4096  # a power of two: a PRNG's 16-bit draw masks into it
+_LETTERS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def _build_pool() -> tuple[tuple[str, ...], tuple[int, ...]]:
+    rng = random.Random("pilotfish-trace-words")
+    words: list[str] = []
+    ids: list[int] = []
+    seen: set[int] = set()
+    while len(words) < _POOL_SIZE:
+        word = " " + "".join(rng.choice(_LETTERS) for _ in range(rng.randint(3, 9)))
+        (token,) = fallback_token_ids(word)
+        if token in seen:  # distinct ids, so distinct segments rarely collide
+            continue
+        seen.add(token)
+        words.append(word)
+        ids.append(token)
+    return tuple(words), tuple(ids)
+
+
+_WORDS, _IDS = _build_pool()
+
+
+_CHUNK = 512  # Mooncake's block: one chunk per hash id, cached whole, so a partial last block is its prefix
+
+
+def _chunk_indices(key: str, index: int) -> array:
+    seed = key if index == 0 else f"{key}/{index}"
+    draws = array("H", random.Random(seed).randbytes(2 * _CHUNK))
+    mask = _POOL_SIZE - 1
+    return array("H", [d & mask for d in draws])
+
+
+@functools.lru_cache(maxsize=32768)
+def _chunk_ids(key: str, index: int) -> tuple[int, ...]:
+    # cached: a trace's prompts are mostly shared blocks, and a cluster run rebuilds them per request
+    ids = _IDS
+    return tuple([ids[i] for i in _chunk_indices(key, index)])
+
+
+def _chunks(length: int) -> range:
+    return range((length + _CHUNK - 1) // _CHUNK)
+
+
+def segment_token_ids(segment: Segment) -> list[int]:
+    # chunk by chunk, so a segment's tokens are a prefix of the same key's longer segments
+    key, length = segment
+    out: list[int] = []
+    for c in _chunks(length):
+        out.extend(_chunk_ids(key, c))
+    del out[length:]
+    return out
+
+
+def segment_text(segment: Segment) -> str:
+    key, length = segment
+    words = _WORDS
+    indices: list[int] = []
+    for c in _chunks(length):
+        indices.extend(_chunk_indices(key, c))
+    return "".join(words[i] for i in indices[:length])
+
+
+def prompt_token_ids(request: TraceRequest) -> list[int]:
+    out: list[int] = []
+    for key, length in request.segments:
+        if length == _CHUNK:
+            out.extend(_chunk_ids(key, 0))  # the common Mooncake block, without a copy
+        else:
+            out.extend(segment_token_ids((key, length)))
+    return out
+
+
+def prompt_text(request: TraceRequest) -> str:
+    """Text whose fallback token ids are `prompt_token_ids(request)`; for replay over HTTP."""
+    return "".join(segment_text(s) for s in request.segments)
+
+
+def check_round_trip(request: TraceRequest) -> bool:
+    return fallback_token_ids(prompt_text(request)) == prompt_token_ids(request)
+
+
+def stable_key(*parts: object) -> str:
+    """A segment key; a crc keeps keys short when parts are long."""
+    text = ":".join(str(p) for p in parts)
+    return text if len(text) <= 64 else f"{text[:32]}~{zlib.crc32(text.encode()):08x}"

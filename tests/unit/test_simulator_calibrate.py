@@ -1,0 +1,87 @@
+"""`sim calibrate`: the least-squares fit, and the whole measurement recovering a known profile
+from the engine model itself (in virtual time, so the check is exact and takes no wall time)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from pilotfish.simulator.calibrate.command import plan_for, profile_yaml
+from pilotfish.simulator.calibrate.fit import Observation, fit_profile
+from pilotfish.simulator.calibrate.measure import CalibrationPlan, measure
+from pilotfish.simulator.calibrate.probes import VirtualProber, metric_labels, metric_value
+from pilotfish.simulator.config import EngineConfig
+from pilotfish.simulator.engine.scheduler import V1Engine
+from pilotfish.simulator.engine.step_time import StepTimeProfile, load_profile
+
+KNOWN = [
+    StepTimeProfile(name="a", base_ms=5.0, prefill_ms_per_token=0.05, decode_ms_per_token=0.4,
+                    context_ms_per_token=0.003),
+    StepTimeProfile(name="b", base_ms=10.0, prefill_ms_per_token=0.11, decode_ms_per_token=0.03,
+                    context_ms_per_token=0.00009),
+    StepTimeProfile(name="c", base_ms=2.0, prefill_ms_per_token=0.0, decode_ms_per_token=1.0),
+]
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-6 + 1e-3 * abs(b)
+
+
+@pytest.mark.parametrize("known", KNOWN, ids=lambda p: p.name)
+async def test_calibration_recovers_a_known_profile(known: StepTimeProfile) -> None:
+    core = V1Engine(EngineConfig(max_model_len=2048, num_gpu_blocks=4096, block_size=16), known)
+    observations = await measure(VirtualProber(core), CalibrationPlan())
+    fit = fit_profile(observations, "fitted")
+    for field in ("base_ms", "prefill_ms_per_token", "decode_ms_per_token", "context_ms_per_token"):
+        assert close(getattr(fit.profile, field), getattr(known, field)), field
+    assert fit.overhead_ms == pytest.approx(0.0, abs=0.01) and fit.r2 > 0.9999
+
+
+def test_the_fit_separates_overhead_and_pins_negative_terms_at_zero() -> None:
+    # ttft = 7 + 3 + 0.1 P + 0.01 C; itl = 3 + 0.5 D + 0.01 C; plus a decode term that would fit negative
+    obs = [Observation("ttft", p, 0, c, (7 + 3 + 0.1 * p + 0.01 * c) / 1000) for p, c in
+           [(10, 10), (100, 100), (50, 300), (200, 200), (20, 500)]]
+    obs += [Observation("itl", 0, d, c, (3 + 0.5 * d + 0.01 * c) / 1000) for d, c in
+            [(1, 100), (4, 400), (8, 2000), (16, 1000), (2, 3000)]]
+    fit = fit_profile(obs, "x")
+    assert fit.profile.base_ms == pytest.approx(3.0) and fit.overhead_ms == pytest.approx(7.0)
+    assert fit.profile.prefill_ms_per_token == pytest.approx(0.1)
+    assert fit.profile.decode_ms_per_token == pytest.approx(0.5)
+    assert fit.profile.context_ms_per_token == pytest.approx(0.01)
+    falling = [Observation("itl", 0, d, 0, (10 - 0.1 * d) / 1000) for d in range(1, 9)]
+    falling += [Observation("ttft", p, 0, p, (10 + 0.2 * p) / 1000) for p in (10, 50, 100)]
+    assert fit_profile(falling, "y").profile.decode_ms_per_token == 0.0
+
+
+def test_the_written_profile_loads_back(tmp_path: Path) -> None:
+    fit = fit_profile([Observation("ttft", p, 0, p, (12 + 0.1 * p) / 1000) for p in (10, 50, 100)] +
+                      [Observation("itl", 0, d, 100 * d, (2 + 0.3 * d + 0.001 * 100 * d) / 1000) for d in (1, 2, 4)],
+                      "fitted")
+    path = tmp_path / "fitted.yaml"
+    path.write_text(profile_yaml(fit, "http://127.0.0.1:1", "test"))
+    loaded = load_profile(str(path))
+    assert loaded.name == "fitted" and loaded.base_ms == pytest.approx(fit.profile.base_ms, rel=1e-5)
+    assert loaded.api_overhead_ms >= 0
+
+
+def test_the_plan_stays_inside_the_engine_limits() -> None:
+    args = argparse.Namespace(max_prompt_tokens=512, max_batch=16, repeats=2, vocab_size=300)
+    plan = plan_for(args)
+    assert max(plan.prefill_lengths) == 512 and max(plan.batch_sizes) == 16
+    assert plan.cached_prefix + max(plan.cached_suffixes) <= 512 + 512 // 4
+    assert plan.vocab == (16, 300)
+
+
+def test_shipped_cpu_tiny_profile_loads() -> None:
+    profile = load_profile("cpu-tiny")
+    assert profile.name == "cpu-tiny" and profile.base_ms > 0
+
+
+def test_prometheus_text_helpers() -> None:
+    text = ('vllm:prefix_cache_hits_total{engine="0",model_name="m"} 96.0\n'
+            'vllm:prefix_cache_hits_created{engine="0",model_name="m"} 1.7e9\n'
+            'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="256"} 1.0\n')
+    assert metric_value(text, "vllm:prefix_cache_hits_total") == 96.0
+    assert metric_labels(text, "vllm:cache_config_info")["num_gpu_blocks"] == "256"

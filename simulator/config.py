@@ -78,6 +78,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     kv_events_engines: Annotated[
         list[int], Meta(description="engine indices that publish KV events (empty: all, when the endpoint is set)")
     ] = msgspec.field(default_factory=list)
+    cms_url: Annotated[
+        str,
+        Meta(description="Redis URL of a CMS: each engine runs a llumlet that exports its load there (full mode); "
+             "empty: none"),
+    ] = ""  # fmt: skip
+    cms_cluster: Annotated[str, Meta(description="cluster name: the namespace of the llumlets' CMS keys")] = "default"
 
     def resolved_ports(self) -> list[int]:
         """One port per engine; 0 asks the kernel for a free one."""

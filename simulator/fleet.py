@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,7 @@ async def serve_engines(
     drivers: list[EngineDriver] = []
     engines: list[SimEngine] = []
     publishers: list[Any] = []
+    llumlets: list[Any] = []
     try:
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
             engine_id = f"{serve.engine_id_prefix}-{i}"
@@ -125,14 +127,30 @@ async def serve_engines(
             await site.start()
             bound = _bound_port(runner, port)
             engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver))
+            if serve.cms_url:
+                llumlets.append(_attach_llumlet(serve, config, core, engine_id, bound))
         yield Fleet(engines)
     finally:
+        for llumlet in llumlets:
+            llumlet.stop()
         for runner in runners:
             await runner.cleanup()
         for driver in drivers:
             await driver.stop()
         for publisher in publishers:
             publisher.close()
+
+
+def _attach_llumlet(serve: ServeConfig, config: EngineConfig, core: EngineCore, engine_id: str, port: int) -> Any:
+    """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs."""
+    from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+    from pilotfish.vllm_plugin.config import LlumletConfig
+
+    llumlet_config = LlumletConfig(cms_url=serve.cms_url, cluster=serve.cms_cluster, instance_id=engine_id)
+    return attach_llumlet(
+        core, config, llumlet_config, engine_id, serve.host, port, model=serve.model,
+        loop=asyncio.get_running_loop(),
+    )
 
 
 def settle_for_load(fleet: Fleet, max_blocks: int = 4_000_000) -> None:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fill the README's flag tables from the config structs, so docs never disagree with code.
+"""Fill the READMEs' flag tables from the config structs, so docs never disagree with code.
 
 A table sits between `<!-- flags: module:Struct -->` and `<!-- /flags -->`; everything between
 the markers is regenerated. `--check` fails when the README is stale (tests/unit/test_readme.py).
@@ -13,7 +13,9 @@ import re
 import sys
 from pathlib import Path
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+# the project README and every component's own README
+READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
 BLOCK = re.compile(r"(<!-- flags: ([\w.]+):(\w+) -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 
@@ -31,14 +33,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="fail if README.md is stale")
     args = parser.parse_args()
-    current = README.read_text()
-    fresh = render(current)
-    if args.check:
+    stale = []
+    for readme in READMES:
+        current = readme.read_text()
+        fresh = render(current)
         if fresh != current:
-            print("README.md flag tables are stale; run scripts/gen_readme_flags.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(fresh)
+            stale.append(str(readme.relative_to(ROOT)))
+            if not args.check:
+                readme.write_text(fresh)
+    if args.check and stale:
+        print(f"flag tables are stale in {', '.join(stale)}; run scripts/gen_readme_flags.py", file=sys.stderr)
+        return 1
     return 0
 
 

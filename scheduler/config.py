@@ -2,31 +2,58 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from pilotfish.cms.keys import BadId, check_id
 from pilotfish.config import ConfigError
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     scheduling_policy: Annotated[
-        str, Meta(description="built-in policy: load-balance, or round-robin (a baseline)")
+        str,
+        Meta(
+            description="load-balance, slo, round-robin (a baseline), or the name of a policy "
+            "composed under `policies` in the YAML file"
+        ),
     ] = "load-balance"
     enable_full_mode_scheduling: Annotated[
         bool,
-        Meta(description="full mode (CMS view from the llumlets); not implemented yet, lite mode (LRS) only"),
+        Meta(
+            description="full mode: the cluster view comes from the llumlets' CMS records in Redis "
+            "(--redis-url), with the in-flight account and forward prediction; off = lite mode (LRS, "
+            "--instances). Off by default here, unlike the spec, so the stack runs without Redis"
+        ),
     ] = False
     dispatch_load_metric: Annotated[
-        str, Meta(description="load metric the load-balance policy ranks by; lite mode: num_requests or num_tokens")
+        str, Meta(description="lite mode: the load metric load-balance ranks by (num_requests or num_tokens)")
     ] = "num_requests"
     dispatch_load_threshold: Annotated[
         float | None,
         Meta(
-            description="block instances whose load metric exceeds this; "
+            description="lite mode: block instances whose load metric exceeds this; "
             "if all are blocked the fallback pass ignores it (unset = no threshold)"
         ),
+    ] = None
+    dispatch_neutral_load_metric: Annotated[str, Meta(description="full mode: load metric for neutral instances")] = (
+        "all_prefills_tokens_num"
+    )
+    dispatch_prefill_load_metric: Annotated[
+        str, Meta(description="full mode: load metric for prefill instances (PD disaggregation)")
+    ] = "all_prefills_tokens_num"
+    dispatch_decode_load_metric: Annotated[
+        str, Meta(description="full mode: load metric for decode instances (PD disaggregation)")
+    ] = "kv_cache_usage_ratio_projected"
+    dispatch_neutral_load_threshold: Annotated[
+        float | None, Meta(description="full mode: threshold on the neutral load metric (unset = none)")
+    ] = None
+    dispatch_prefill_load_threshold: Annotated[
+        float | None, Meta(description="full mode: threshold on the prefill load metric (unset = none)")
+    ] = None
+    dispatch_decode_load_threshold: Annotated[
+        float | None, Meta(description="full mode: threshold on the decode load metric (unset = none)")
     ] = None
     dispatch_top_k: Annotated[
         int, Meta(ge=1, description="pick at random among the K least-loaded instances (1 = always the least)")
@@ -34,6 +61,85 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     fallback_count: Annotated[
         int, Meta(ge=0, description="next-best instances returned after the target, for the gateway's retries")
     ] = 2
+    enable_cache_aware_scheduling: Annotated[
+        bool,
+        Meta(
+            description="rank by cached prefix before load (prefix index fed by dispatches, and by "
+            "engine KV events in full mode); lite mode can use kv_cache_hit_len only"
+        ),
+    ] = False
+    cache_aware_metric: Annotated[
+        str,
+        Meta(description="cache-locality metric put first: kv_cache_hit_len or cache_aware_all_prefills_tokens_num"),
+    ] = "kv_cache_hit_len"
+    prefix_index_capacity_blocks: Annotated[
+        int, Meta(ge=1, description="prefix blocks remembered per instance when its metadata gives no KV size")
+    ] = 65536
+    enable_predictor_enhanced_scheduling: Annotated[
+        bool,
+        Meta(
+            description="full mode: subtract the prefill tokens forward-predicted as computed since each "
+            "status (online step-time fit) from all_prefills_tokens_num"
+        ),
+    ] = False
+    ttft_slo: Annotated[float, Meta(ge=0, description="slo policy: TTFT target in ms (0 = rank only)")] = 0.0
+    tpot_slo: Annotated[float, Meta(ge=0, description="slo policy: TPOT target in ms (0 = rank only)")] = 0.0
+    ttft_slo_dispatch_threshold: Annotated[
+        float, Meta(gt=0, description="slo policy: block instances predicted above ttft-slo x this")
+    ] = 1.0
+    tpot_slo_dispatch_threshold: Annotated[
+        float, Meta(gt=0, description="slo policy: block instances predicted above tpot-slo x this")
+    ] = 1.0
+    latency_profile: Annotated[
+        str,
+        Meta(
+            description="YAML latency profile: step-time prior and TTFT/TPOT tables "
+            "(empty = built-in Llama-3-8B/A100 figures; see scheduler/view/profile.py)"
+        ),
+    ] = ""
+    step_time_prior_weight: Annotated[
+        float, Meta(gt=0, description="how many observed steps the profile's step-time prior is worth")
+    ] = 2.0
+    instance_staleness_seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="full mode: an instance whose status is older than this is blocked and failed over",
+        ),
+    ] = 10.0
+    failover_domain: Annotated[
+        str, Meta(description="what an unhealthy instance takes down with it: instance, node, instance-unit, node-unit")
+    ] = "instance"
+    redis_url: Annotated[str, Meta(description="full mode: the CMS Redis, redis://host:port/db")] = ""
+    cms_cluster: Annotated[
+        str, Meta(description="full mode: cluster name in the CMS keys (pilotfish:<cluster>:...)")
+    ] = "default"
+    cms_poll_interval_seconds: Annotated[
+        float, Meta(gt=0, description="full mode: full CMS re-read period, the fallback for lost change notices")
+    ] = 2.0
+    account_admission_grace_seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="full mode: after a missed status (update_id gap), in-flight requests dispatched "
+            "this long before are taken as admitted",
+        ),
+    ] = 1.0
+    account_admitted_window_ms: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="full mode: how long a llumlet keeps listing an admitted id in its statuses (its "
+            "--admitted-window-ms); a confirmation can be lost only across a longer gap between statuses",
+        ),
+    ] = 2000
+    policies: Annotated[
+        dict[str, Any] | str,
+        Meta(
+            description="YAML: policies composed from registered metrics, filters and selectors per infer "
+            "type, by name (see scheduler/policy/README.md); a flag value is parsed as YAML"
+        ),
+    ] = msgspec.field(default_factory=dict)
     instances: Annotated[
         list[str],
         Meta(description="static discovery: engines as host:port or id=host:port (id defaults to host:port)"),
@@ -49,8 +155,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         float,
         Meta(
             gt=0,
-            description="drop a held request with no Schedule or Report for this long, "
-            "so a lost Release never leaks load",
+            description="drop a held request (lite) or an unconfirmed in-flight entry (full) after this "
+            "long without Schedule, Report or confirmation, so a lost Release never leaks load",
         ),
     ] = 300.0
 
@@ -70,17 +176,27 @@ def parse_instance(text: str) -> tuple[str, str]:
 
 def validate(config: SchedulerConfig) -> list[tuple[str, str]]:
     """Checks msgspec cannot express; returns the parsed static instances as (id, address)."""
-    if config.enable_full_mode_scheduling:
-        raise ConfigError(
-            "--enable-full-mode-scheduling: full mode is not implemented yet; "
-            "run lite mode (--no-enable-full-mode-scheduling)"
-        )
+    if config.enable_full_mode_scheduling and config.instances:
+        raise ConfigError("--instances: full mode takes its instances from the CMS; drop --instances")
     parsed = [parse_instance(text) for text in config.instances]
     seen: set[str] = set()
     for instance_id, _ in parsed:
         if instance_id in seen:
             raise ConfigError(f"--instances: instance id {instance_id!r} appears twice")
         seen.add(instance_id)
+    if config.enable_full_mode_scheduling:
+        try:
+            check_id(config.cms_cluster, "cluster name")
+        except BadId as exc:
+            raise ConfigError(f"--cms-cluster: {exc}") from None
     if config.metrics_port and config.metrics_port == config.port:
         raise ConfigError(f"--metrics-port: {config.metrics_port} is also the gRPC --port")
     return parsed
+
+
+def validate_service(config: SchedulerConfig) -> None:
+    """What serving needs beyond the core: full mode reads the CMS, so it needs Redis."""
+    if config.enable_full_mode_scheduling and not config.redis_url:
+        raise ConfigError(
+            "--redis-url: full mode (--enable-full-mode-scheduling) reads the CMS from Redis; give its URL"
+        )

@@ -4,6 +4,11 @@
 change, so back-to-back decisions spread); `report` applies streamed token progress; `release`
 drops the request and its load. State is updated incrementally; no decision copies a snapshot.
 
+Lite mode: instances from --instances, load from the LRS. Full mode: instances and load from
+the CMS (`apply_metadata` / `apply_status`, fed by cms.reader), plus the in-flight account
+(view/account.py) and forward prediction (view/predictor.py); the LRS still holds each
+request's decision for retries and Release.
+
 Not thread-safe: one owner (an event loop) calls it.
 """
 
@@ -12,12 +17,13 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 from prometheus_client import CollectorRegistry
 
+from pilotfish.protos import cms_pb2
 from pilotfish.scheduler import config as scheduler_config
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.errors import (
@@ -26,12 +32,21 @@ from pilotfish.scheduler.errors import (
     NoSchedulableInstanceError,
     UnknownModelError,
 )
-from pilotfish.scheduler.policy.registry import build_policy
+from pilotfish.scheduler.policy.base import Pipeline, Policy
+from pilotfish.scheduler.policy.index import LoadIndex
+from pilotfish.scheduler.policy.registry import build_policy, context_from_config
 from pilotfish.scheduler.telemetry import Telemetry
+from pilotfish.scheduler.view.account import InflightAccount
+from pilotfish.scheduler.view.cms_view import CmsView
 from pilotfish.scheduler.view.lrs import LocalRealtimeState
-from pilotfish.scheduler.view.types import Endpoint, InstanceView, LrsLoad, RequestInfo
+from pilotfish.scheduler.view.prefix_index import PrefixIndex
+from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, LrsLoad, RequestInfo
 
 log = logging.getLogger(__name__)
+
+# below this many candidates a scan is as fast as keeping an index up to date
+INDEX_MIN_INSTANCES = 16
+CACHE_METRICS = frozenset({"kv_cache_hit_len", "cache_aware_all_prefills_tokens_num", "predicted_ttft"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +57,20 @@ class Decision:
     decode_target: Endpoint | None = None
 
 
+@dataclass(slots=True, eq=False)
+class _Stage:
+    """The candidates of one model and infer type, in instance-id order, and their index."""
+
+    instances: list[InstanceView]
+    pipeline: Pipeline | None
+    index: LoadIndex | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _ModelGroups:
+    stages: dict[InferType, _Stage] = field(default_factory=dict)
+
+
 class SchedulerCore:
     def __init__(
         self,
@@ -49,23 +78,55 @@ class SchedulerCore:
         *,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
         rng: random.Random | None = None,
     ) -> None:
         static = scheduler_config.validate(config)
         self.config = config
-        self._policy = build_policy(config, rng)
-        self._lrs = LocalRealtimeState(config.request_local_account_staleness_seconds, clock)
+        self.full_mode = config.enable_full_mode_scheduling
+        self.ctx = context_from_config(config, wall_clock=wall_clock)
+        self._policy = build_policy(config, rng, self.ctx)
+        used = {m.name for p in self._policy.pipelines.values() for m in p.metrics}
+        self.prefix_index: PrefixIndex | None = None
+        if used & CACHE_METRICS or config.enable_cache_aware_scheduling:
+            self.prefix_index = self.ctx.prefix_index = PrefixIndex(config.prefix_index_capacity_blocks)
+        self._dirty: set[str] = set()
+        self._lrs = LocalRealtimeState(config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add)
+        self.account = InflightAccount(
+            config.request_local_account_staleness_seconds,
+            config.account_admission_grace_seconds,
+            clock,
+            on_change=self._changed,
+        )
         self._models = frozenset(config.model)
         self._instances: dict[str, InstanceView] = {}
-        # candidates per model, in instance-id order (the selectors' tie-break); rebuilt on change
-        self._by_model: dict[str, list[InstanceView]] = {}
+        self._by_model: dict[str, _ModelGroups] = {}
+        self.cms: CmsView | None = None
+        if self.full_mode:
+            self.cms = CmsView(
+                instances=self._instances,
+                add_instance=self.add_instance,
+                remove_instance=self.remove_instance,
+                changed=self._changed,
+                account=self.account,
+                prefix_index=self.prefix_index,
+                profile=self.ctx.tables.profile,  # the step-time prior, loaded once
+                staleness_seconds=config.instance_staleness_seconds,
+                clock=clock,
+                prior_weight=config.step_time_prior_weight,
+                admitted_window_ms=config.account_admitted_window_ms,
+            )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))
         # a registry per core, never the global one, so several cores can live in one process
         self.registry = registry if registry is not None else CollectorRegistry()
         self._telemetry = Telemetry(self.registry, self)
 
-    # -- cluster membership (static now; discovery will call these) ---------------------------
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    # -- cluster membership (static, discovery, or the CMS) -------------------------------------
 
     def add_instance(self, inst: InstanceView) -> None:
         """Add or replace an instance; a replaced one keeps its load (same engine, new details)."""
@@ -80,39 +141,106 @@ class SchedulerCore:
         if self._instances.pop(instance_id, None) is None:
             return False
         self._lrs.drop_instance(instance_id)
+        self.account.drop_instance(instance_id)
         self._by_model.clear()
+        self._dirty.discard(instance_id)
         return True
 
     def instances(self) -> list[InstanceView]:
         return list(self._instances.values())
+
+    def instance(self, instance_id: str) -> InstanceView:
+        return self._instances[instance_id]
 
     def load(self, instance_id: str) -> LrsLoad:
         return self._instances[instance_id].lrs
 
     @property
     def account_size(self) -> int:
+        """Requests held (dispatched, not yet released): the LRS."""
         return len(self._lrs)
+
+    @property
+    def inflight_size(self) -> int:
+        """Full mode: in-flight account entries (dispatched, not yet confirmed by an engine)."""
+        return len(self.account)
 
     @property
     def num_expired(self) -> int:
         return self._lrs.num_expired
 
-    def _candidates(self, model: str) -> list[InstanceView]:
-        cands = self._by_model.get(model)
-        if cands is None:
+    # -- full mode: the CMS feed ---------------------------------------------------------------------
+
+    def apply_metadata(self, meta: cms_pb2.InstanceMetadata) -> bool:
+        return self._cms().apply_metadata(meta)
+
+    def apply_status(self, status: cms_pb2.InstanceStatus) -> bool:
+        return self._cms().apply_status(status)
+
+    def apply_kv_event(
+        self, instance_id: str, stored: Sequence[int] = (), removed: Iterable[int] = (), cleared: bool = False
+    ) -> None:
+        """An engine's KV-cache event, hashes from cms.prefix_hash (the llumlet's feed of the prefix index)."""
+        if self.prefix_index is not None:
+            self.prefix_index.apply_kv_event(instance_id, stored, removed, cleared)
+
+    def _cms(self) -> CmsView:
+        if self.cms is None:
+            raise RuntimeError("CMS records need full mode (--enable-full-mode-scheduling)")
+        return self.cms
+
+    def _changed(self, inst: InstanceView) -> None:
+        self._dirty.add(inst.instance_id)
+
+    # -- candidates ------------------------------------------------------------------------------------
+
+    def _groups(self, model: str) -> _ModelGroups:
+        groups = self._by_model.get(model)
+        if groups is None:
             if self._models and model not in self._models:
                 served = ", ".join(sorted(self._models))
                 raise UnknownModelError(f"model {model!r} is not served here (served: {served})")
-            cands = sorted((i for i in self._instances.values() if i.serves(model)), key=lambda i: i.instance_id)
+            serving = sorted((i for i in self._instances.values() if i.serves(model)), key=lambda i: i.instance_id)
+            if not serving and self.full_mode and not self._models:
+                # full mode learns models from the instances' metadata: none declares this one
+                raise UnknownModelError(f"model {model!r} is not served by any instance")
+            groups = _ModelGroups()
+            pipelines = self._policy.pipelines
+            for inst in serving:
+                stage = groups.stages.get(inst.infer_type)
+                if stage is None:
+                    stage = groups.stages[inst.infer_type] = _Stage([], pipelines.get(inst.infer_type))
+                stage.instances.append(inst)
+            for stage in groups.stages.values():
+                pipeline = stage.pipeline
+                if pipeline is not None and pipeline.indexable and len(stage.instances) >= INDEX_MIN_INSTANCES:
+                    stage.index = LoadIndex(stage.pipeline, stage.instances)
             if len(self._by_model) > 1024:  # bound it: with no --model every name is accepted
                 self._by_model.clear()
-            self._by_model[model] = cands
-        return cands
+            self._by_model[model] = groups
+        return groups
+
+    def _flush(self) -> None:
+        """Re-key the instances that changed since the last decision in every index."""
+        dirty = self._dirty
+        if not dirty:
+            return
+        instances = self._instances
+        for groups in self._by_model.values():
+            for stage in groups.stages.values():
+                index = stage.index
+                if index is None:
+                    continue
+                for instance_id in dirty:
+                    inst = instances.get(instance_id)
+                    if inst is not None:
+                        index.rekey(inst)
+        dirty.clear()
 
     # -- the request path --------------------------------------------------------------------------
 
     def schedule(self, req: RequestInfo) -> Decision:
-        """Pick the instance for `req` and account its load there.
+        """Pick the instance for `req` (and, disaggregated, its decode instance) and account its load.
 
         A request id that is still held gets the decision it got before, counted once (a
         gateway retry is idempotent); the same id for a different model is rejected.
@@ -128,25 +256,74 @@ class SchedulerCore:
                 raise DuplicateRequestError(f"request {req.request_id!r} is already held for model {held.model!r}")
             self._lrs.touch(held)
             return cast(Decision, held.decision)
-        cands = self._candidates(req.model)
-        if not cands:
+        groups = self._groups(req.model)
+        if not groups.stages:
             raise NoSchedulableInstanceError(f"no instance serves model {req.model!r}")
-        selection = self._policy.schedule(cands, req, self.config.fallback_count)
+        self.ctx.begin(req)
+        self._flush()
+        target, fallbacks, decode = self._decide(groups, req)
         decision = Decision(
-            target=selection.target.endpoint,
-            fallbacks=tuple(i.endpoint for i in selection.fallbacks),
-            decode_target=selection.decode_target.endpoint if selection.decode_target else None,
+            target=target.endpoint,
+            fallbacks=tuple(i.endpoint for i in fallbacks),
+            decode_target=decode.endpoint if decode is not None else None,
         )
-        self._lrs.dispatch(req.request_id, req.model, selection.target, req.prompt_tokens, decision)
+        self._record(req, target, decode, decision)
         self._telemetry.decision_seconds.observe(time.perf_counter() - started)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
-                "request %s -> %s (fallbacks %s)",
+                "request %s -> %s%s (fallbacks %s)",
                 req.request_id,
                 decision.target.instance_id,
+                f" then {decode.instance_id}" if decode is not None else "",
                 ",".join(e.instance_id for e in decision.fallbacks),
             )
         return decision
+
+    def _run(self, groups: _ModelGroups, kind: InferType, req: RequestInfo, count: int) -> list[InstanceView]:
+        stage = groups.stages.get(kind)
+        if stage is None or not stage.instances:
+            raise NoSchedulableInstanceError(f"no {kind.name.lower()} instance serves model {req.model!r}")
+        if stage.pipeline is None:
+            raise NoSchedulableInstanceError(
+                f"policy {self._policy.name!r} has no pipeline for {kind.name.lower()} instances"
+            )
+        return stage.pipeline.run(stage.instances, req, count, stage.index)
+
+    def _decide(
+        self, groups: _ModelGroups, req: RequestInfo
+    ) -> tuple[InstanceView, list[InstanceView], InstanceView | None]:
+        count = 1 + self.config.fallback_count
+        hint = req.infer_type_hint
+        if hint in (InferType.NEUTRAL, InferType.PREFILL, InferType.DECODE):
+            ranked = self._run(groups, hint, req, count)
+            return ranked[0], ranked[1:], None
+        stages = groups.stages
+        if InferType.PREFILL in stages and InferType.DECODE in stages:
+            try:
+                prefill = self._run(groups, InferType.PREFILL, req, count)
+                decode = self._run(groups, InferType.DECODE, req, 1)
+                return prefill[0], prefill[1:], decode[0]
+            except NoSchedulableInstanceError:
+                if InferType.NEUTRAL not in stages:
+                    raise
+        if InferType.NEUTRAL not in stages:
+            raise NoSchedulableInstanceError(
+                f"model {req.model!r} has no neutral instances and not both prefill and decode ones"
+            )
+        ranked = self._run(groups, InferType.NEUTRAL, req, count)
+        return ranked[0], ranked[1:], None
+
+    def _record(self, req: RequestInfo, target: InstanceView, decode: InstanceView | None, decision: Decision) -> None:
+        self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
+        if self.full_mode:
+            cached = self.ctx.prefix_hits(req).get(target.instance_id, 0) if self.prefix_index is not None else 0
+            self.account.dispatch(req.request_id, target, req.prompt_tokens, cached)
+            if decode is not None:
+                self.account.dispatch(req.request_id, decode, req.prompt_tokens)
+        if self.prefix_index is not None and req.prefix_block_hashes:
+            self.prefix_index.record_dispatch(target.instance_id, req.prefix_block_hashes)
+            if decode is not None:
+                self.prefix_index.record_dispatch(decode.instance_id, req.prefix_block_hashes)
 
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool = False) -> bool:
         """Cumulative generated tokens of a held request; False if it is not held."""
@@ -158,11 +335,13 @@ class SchedulerCore:
         return sum(1 for rid, generated, done in reports if not report(rid, generated, done))
 
     def release(self, request_id: str) -> bool:
-        """Drop the request and its load; False if it was not held. Idempotent."""
-        return self._lrs.release(request_id)
+        """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent."""
+        held = self._lrs.release(request_id)
+        inflight = self.account.release(request_id)
+        return held or inflight
 
     def expire(self) -> int:
-        """Drop held requests untouched for the staleness period; returns how many."""
+        """Drop held requests and in-flight entries past the staleness period; returns how many."""
         dropped = self._lrs.expire()
         if dropped:
             log.warning(
@@ -170,4 +349,13 @@ class SchedulerCore:
                 dropped,
                 self._lrs.staleness_seconds,
             )
+        if self.full_mode:
+            unconfirmed = self.account.expire()
+            if unconfirmed:
+                log.warning(
+                    "dropped %d in-flight entries no engine confirmed within %gs",
+                    unconfirmed,
+                    self.account.staleness_seconds,
+                )
+            dropped += unconfirmed
         return dropped

@@ -1,14 +1,14 @@
 """The scheduler's gRPC service: translates protos, calls the core, maps errors to status codes.
 
 `SchedulerServer` owns the grpc.aio server (Scheduler + standard health service), the
-Prometheus endpoint and the periodic expiry of the local account, all on one event loop.
+Prometheus endpoint, the periodic expiry of the local account and, in full mode, the CMS
+reader that feeds the core's view from Redis, all on one event loop.
 `run_forever` is what `pilotfish scheduler` runs: uvloop, signals, one line when listening.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import errno
 import logging
 import signal
@@ -22,13 +22,15 @@ from grpc_health.v1.health import aio as health_aio
 
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
-from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.view.types import Endpoint, InferType, RequestInfo
 
 if TYPE_CHECKING:
     from aiohttp import web
+
+    from pilotfish.cms.reader import CmsReader
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +122,7 @@ class SchedulerServer:
     """One core behind gRPC (and /metrics when configured); start() binds, stop() drains."""
 
     def __init__(self, config: SchedulerConfig, core: SchedulerCore | None = None) -> None:
+        validate_service(config)
         self.config = config
         self.core = core if core is not None else SchedulerCore(config)
         self.port = 0
@@ -128,6 +131,8 @@ class SchedulerServer:
         self._health = health_aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self.reader: CmsReader | None = None
+        self._reader_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind and serve; raises StartError naming the address when a port cannot be bound."""
@@ -155,6 +160,13 @@ class SchedulerServer:
                 await self.stop(0)
                 raise _bind_error(host, metrics_port, "--metrics-port", exc) from None
         self._expiry = asyncio.create_task(self._expire_periodically(), name="scheduler-expiry")
+        if self.core.cms is not None:
+            from pilotfish.cms.reader import CmsReader
+
+            self.reader = CmsReader(
+                self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
+            )
+            self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
 
     async def _start_metrics(self) -> None:
         from aiohttp import web
@@ -190,11 +202,13 @@ class SchedulerServer:
         """Report NOT_SERVING, let in-flight RPCs finish for up to `grace` seconds, then close."""
         await self._health.enter_graceful_shutdown()
         expiry, server, runner = self._expiry, self._server, self._metrics_runner
+        reader, self._reader_task = self._reader_task, None
         self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
-        if expiry is not None:
-            expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await expiry
+        for task in (expiry, reader):
+            if task is not None:
+                task.cancel()
+                # bounded: the CMS reader may be mid-reconnect to a Redis that is gone
+                await asyncio.wait([task], timeout=5.0)
         if server is not None:
             await server.stop(grace)
         if runner is not None:
@@ -222,6 +236,7 @@ async def serve(config: SchedulerConfig, core: SchedulerCore | None = None) -> N
 
 def run_forever(config: SchedulerConfig) -> int:
     """Build the core (config errors surface here), then serve on uvloop; 0 after a clean stop."""
+    validate_service(config)
     core = SchedulerCore(config)
     try:
         import uvloop

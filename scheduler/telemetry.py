@@ -1,7 +1,20 @@
 """Prometheus metrics of one scheduling core, on its own CollectorRegistry.
 
-Per-instance figures are read from the live LRS at scrape time, so the hot path pays nothing
-for them; only the decision-latency histogram is observed per decision.
+Per-instance figures are read from the live view at scrape time, so the hot path pays
+nothing for them; only the decision-latency histogram is observed per decision.
+
+| series | what |
+|---|---|
+| `pilotfish_scheduler_decision_seconds` | histogram: one Schedule decision in the core |
+| `pilotfish_scheduler_dispatch_total{instance}` | requests dispatched |
+| `pilotfish_scheduler_inflight_requests{instance}`, `..._inflight_tokens{instance}` | LRS: held requests, tokens |
+| `pilotfish_scheduler_account_size` | requests held (dispatched, not released) |
+| `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
+| `pilotfish_scheduler_instance_metric{instance,metric}` | every metric the policy uses, per instance (no request) |
+| `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
+| `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
+| `pilotfish_scheduler_view_staleness_seconds{instance}` | full: age of the instance's status (now - timestamp_ms) |
+| `pilotfish_scheduler_cms_records_total{result}` | full: statuses applied / dropped as not newer |
 """
 
 from __future__ import annotations
@@ -13,54 +26,91 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pilotfish.scheduler.view.types import RequestInfo
+
 if TYPE_CHECKING:
     from pilotfish.scheduler.core import SchedulerCore
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
+_SCRAPE_REQUEST = RequestInfo(request_id="", model="")
 
 
-class _LrsCollector(Collector):
+class _ViewCollector(Collector):
     def __init__(self, core: SchedulerCore) -> None:
         self._core = core
 
-    def _families(self) -> tuple[CounterMetricFamily, GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
-        return (
-            CounterMetricFamily(
-                "pilotfish_scheduler_dispatch", "Requests dispatched, by instance.", labels=["instance"]
-            ),
-            GaugeMetricFamily(
-                "pilotfish_scheduler_inflight_requests",
-                "Requests dispatched and not yet released (LRS num_requests), by instance.",
-                labels=["instance"],
-            ),
-            GaugeMetricFamily(
-                "pilotfish_scheduler_inflight_tokens",
-                "Prompt plus generated tokens of held requests (LRS num_tokens), by instance.",
-                labels=["instance"],
-            ),
-            GaugeMetricFamily(
-                "pilotfish_scheduler_account_size", "Requests held in the local account (all instances)."
-            ),
-        )
-
     def describe(self) -> Iterator[Metric]:
-        yield from self._families()
-        yield CounterMetricFamily("pilotfish_scheduler_expired", "")
+        return iter(())  # families depend on the mode; collected at scrape time only
 
     def collect(self) -> Iterator[Metric]:
-        dispatched, requests, tokens, size = self._families()
-        for inst in self._core.instances():
+        core = self._core
+        dispatched = CounterMetricFamily(
+            "pilotfish_scheduler_dispatch", "Requests dispatched, by instance.", labels=["instance"]
+        )
+        requests = GaugeMetricFamily(
+            "pilotfish_scheduler_inflight_requests",
+            "Requests dispatched and not yet released (LRS num_requests), by instance.",
+            labels=["instance"],
+        )
+        tokens = GaugeMetricFamily(
+            "pilotfish_scheduler_inflight_tokens",
+            "Prompt plus generated tokens of held requests (LRS num_tokens), by instance.",
+            labels=["instance"],
+        )
+        values = GaugeMetricFamily(
+            "pilotfish_scheduler_instance_metric",
+            "Scheduling metric values per instance, as the policy computes them (request-free).",
+            labels=["instance", "metric"],
+        )
+        metrics = {m.name: m for p in core.policy.pipelines.values() for m in p.metrics}
+        staleness = GaugeMetricFamily(
+            "pilotfish_scheduler_view_staleness_seconds",
+            "Age of each instance's CMS status: now minus its timestamp_ms.",
+            labels=["instance"],
+        )
+        now = core.ctx.wall_clock()
+        for inst in core.instances():
             labels = [inst.instance_id]
             dispatched.add_metric(labels, inst.lrs.num_dispatched)
             requests.add_metric(labels, inst.lrs.num_requests)
             tokens.add_metric(labels, inst.lrs.num_tokens)
-        size.add_metric([], self._core.account_size)
+            for name, metric in metrics.items():
+                values.add_metric([inst.instance_id, name], metric.value(inst, _SCRAPE_REQUEST))
+            if inst.status is not None:
+                staleness.add_metric(labels, max(0.0, now - inst.status.timestamp_ms / 1000.0))
+        size = GaugeMetricFamily("pilotfish_scheduler_account_size", "Requests held (dispatched, not released).")
+        size.add_metric([], core.account_size)
         expired = CounterMetricFamily(
             "pilotfish_scheduler_expired",
             "Held requests dropped for staleness (their Release never came).",
-            value=self._core.num_expired,
+            value=core.num_expired,
         )
-        yield from (dispatched, requests, tokens, size, expired)
+        yield from (dispatched, requests, tokens, size, expired, values)
+        if not core.full_mode:
+            return
+        account = core.account
+        yield GaugeMetricFamily(
+            "pilotfish_scheduler_inflight_account_entries",
+            "In-flight account: dispatched requests no engine status has confirmed yet.",
+            value=len(account),
+        )
+        removed = CounterMetricFamily(
+            "pilotfish_scheduler_inflight_account_removed",
+            "In-flight entries removed, by reason (confirmed by id, taken as confirmed after a status gap, expired).",
+            labels=["reason"],
+        )
+        removed.add_metric(["confirmed"], account.num_confirmed)
+        removed.add_metric(["gap"], account.num_gap_confirmed)
+        removed.add_metric(["expired"], account.num_expired)
+        yield removed
+        yield staleness
+        if core.cms is not None:
+            records = CounterMetricFamily(
+                "pilotfish_scheduler_cms_records", "CMS statuses by result.", labels=["result"]
+            )
+            records.add_metric(["applied"], core.cms.num_applied)
+            records.add_metric(["not_newer"], core.cms.num_rejected)
+            yield records
 
 
 class Telemetry:
@@ -72,4 +122,4 @@ class Telemetry:
             buckets=DECISION_BUCKETS,
             registry=registry,
         )
-        registry.register(_LrsCollector(core))
+        registry.register(_ViewCollector(core))

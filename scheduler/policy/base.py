@@ -1,10 +1,18 @@
-"""The policy contracts: Metric, Filter, Selector, and the Policy that runs them.
+"""The policy contracts: Metric, Filter, Selector, and the Pipeline and Policy that run them.
 
 A decision runs metrics -> filters -> selector over the candidate instances of one infer type:
 every metric a stage names is computed once per candidate, single-instance filters run, then
 global filters; if nothing passes, a fallback pass runs again with only the filters marked
 `not_skip_when_fallback`. The selector ranks what is left: the chosen instance first, then
 the next-best ones (the gateway's fallbacks).
+
+Two ways to run a pipeline, with the same result (tests/unit/test_scheduler_index.py):
+
+- **scan**: compute every metric for every candidate, filter, rank. Works for any stage.
+- **indexed**: when the selector ranks by metrics that depend only on instance state (not on
+  the request or the clock), a `LoadIndex` keeps the candidates sorted by those metrics,
+  re-keyed only when an instance changes; a decision walks it from the best end and stops
+  once enough candidates pass the filters. A decision then costs O(visited), not O(n).
 """
 
 from __future__ import annotations
@@ -12,22 +20,39 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pilotfish.scheduler.errors import NoSchedulableInstanceError
+from pilotfish.scheduler.policy.context import PolicyContext, default_context
 from pilotfish.scheduler.view.types import InferType, InstanceView, RequestInfo
+
+if TYPE_CHECKING:
+    from pilotfish.scheduler.policy.index import LoadIndex
 
 
 class Metric(abc.ABC):
-    """One number per (instance, request); the registry key is `name` (the spec's constant)."""
+    """One number per (instance, request); the registry key is `name` (the spec's constant).
+
+    The spec's uniform comparison interface: `get_value` (GetValue), `value_less` (ValueLess:
+    is a strictly better than b) and `less` (Less: is instance a strictly better than b).
+    """
 
     name: ClassVar[str]
     lower_is_better: ClassVar[bool] = True
     # computable from LRS alone; full-mode metrics (CMS status, prediction) set this False
     lite: ClassVar[bool] = False
+    # the value depends only on instance state whose changes are notified (LRS, status,
+    # in-flight account) — not on the request or the clock — so a LoadIndex may order by it
+    indexable: bool = True
+
+    def __init__(self, ctx: PolicyContext | None = None) -> None:
+        self.ctx = ctx if ctx is not None else default_context()
 
     @abc.abstractmethod
     def value(self, inst: InstanceView, req: RequestInfo) -> float: ...
+
+    def get_value(self, inst: InstanceView, req: RequestInfo) -> float:
+        return self.value(inst, req)
 
     @property
     def sign(self) -> float:
@@ -41,6 +66,12 @@ class Metric(abc.ABC):
     def better(self, a: float, b: float) -> bool:
         """The spec's ValueLess: is `a` strictly better than `b`."""
         return self.sort_key(a) < self.sort_key(b)
+
+    def value_less(self, a: float, b: float) -> bool:
+        return self.better(a, b)
+
+    def less(self, a: InstanceView, b: InstanceView, req: RequestInfo) -> bool:
+        return self.better(self.value(a, req), self.value(b, req))
 
 
 @dataclass(slots=True, eq=False)
@@ -72,19 +103,43 @@ class Filter(abc.ABC):
         """Short text for the reason in an UNAVAILABLE answer."""
         return self.name
 
+    def spec(self) -> dict[str, Any]:
+        """The stage as a YAML policy would write it (equal specs mean equal stages)."""
+        return {"name": self.name, "not_skip_when_fallback": self.not_skip_when_fallback, **self.params()}
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
 
 class InstanceFilter(Filter):
-    """Judges each candidate alone."""
+    """Judges each candidate alone.
+
+    `marks_failover`: a candidate it blocks is unhealthy, and the failover filter blocks its
+    whole failure domain.
+    """
+
+    marks_failover: ClassVar[bool] = False
 
     @abc.abstractmethod
     def passes(self, cand: Candidate, req: RequestInfo) -> bool: ...
 
 
 class GlobalFilter(Filter):
-    """Judges the candidates together (failure domains); runs after every InstanceFilter."""
+    """Judges the candidates together (failure domains); runs after every InstanceFilter.
+
+    `cands` are the survivors so far; `marked` are the candidates single-instance filters of
+    this pass blocked as unhealthy (needs_failover), which the survivors may share a domain with;
+    `population` is every candidate of the decision (domains span filtered-out instances too).
+    """
 
     @abc.abstractmethod
-    def apply(self, cands: list[Candidate], req: RequestInfo) -> list[Candidate]: ...
+    def apply(
+        self,
+        cands: list[Candidate],
+        req: RequestInfo,
+        marked: Sequence[Candidate],
+        population: Sequence[Candidate],
+    ) -> list[Candidate]: ...
 
 
 class Selector(abc.ABC):
@@ -101,11 +156,18 @@ class Selector(abc.ABC):
         `cands` is non-empty and in a stable order (by instance id), which breaks ties.
         """
 
+    def spec(self) -> dict[str, Any]:
+        return {"name": self.name, **self.params()}
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
 
 class Pipeline:
     """Metrics, filters and selector for one infer type."""
 
     def __init__(self, filters: Sequence[Filter], selector: Selector) -> None:
+        self.filters = list(filters)
         self.instance_filters = [f for f in filters if isinstance(f, InstanceFilter)]
         self.global_filters = [f for f in filters if isinstance(f, GlobalFilter)]
         self.selector = selector
@@ -114,10 +176,26 @@ class Pipeline:
             for metric in stage.metrics:
                 named.setdefault(metric.name, metric)
         self.metrics = list(named.values())
+        from pilotfish.scheduler.policy.index import indexable_pipeline
 
-    def run(self, instances: Sequence[InstanceView], req: RequestInfo, count: int) -> list[InstanceView]:
+        self.indexable = indexable_pipeline(self)
+
+    def spec(self) -> dict[str, Any]:
+        return {"filters": [f.spec() for f in self.filters], "selector": self.selector.spec()}
+
+    def run(
+        self,
+        instances: Sequence[InstanceView],
+        req: RequestInfo,
+        count: int,
+        index: LoadIndex | None = None,
+    ) -> list[InstanceView]:
         if not instances:
             raise NoSchedulableInstanceError(f"no instance serves model {req.model!r}")
+        if index is not None:
+            ranked = index.run(self, req, count)
+            if ranked is not None:
+                return ranked
         if len(self.metrics) == 1:  # the common case, without a dict comprehension per instance
             name, value = self.metrics[0].name, self.metrics[0].value
             cands = [Candidate(inst, {name: value(inst, req)}) for inst in instances]
@@ -127,27 +205,42 @@ class Pipeline:
         if not passed:
             passed, blocked = self._filter(cands, req, fallback=True)
         if not passed:
-            why = ", ".join(f"{name}: {n}" for name, n in blocked.items())
-            raise NoSchedulableInstanceError(
-                f"all {len(cands)} instances serving {req.model!r} are filtered out ({why})"
-            )
+            raise self.nothing_passed(len(cands), req, blocked)
         return [c.inst for c in self.selector.select(passed, req, count)]
+
+    @staticmethod
+    def nothing_passed(n: int, req: RequestInfo, blocked: Mapping[str, int]) -> NoSchedulableInstanceError:
+        why = ", ".join(f"{name}: {k}" for name, k in blocked.items())
+        return NoSchedulableInstanceError(f"all {n} instances serving {req.model!r} are filtered out ({why})")
 
     def _filter(
         self, cands: list[Candidate], req: RequestInfo, *, fallback: bool
     ) -> tuple[list[Candidate], dict[str, int]]:
         blocked: dict[str, int] = {}
+        marked: list[Candidate] = []
+        population = cands
+        for c in cands:
+            c.needs_failover = False
         for flt in self.instance_filters:
             if fallback and not flt.not_skip_when_fallback:
                 continue
-            kept = [c for c in cands if flt.passes(c, req)]
+            if flt.marks_failover:
+                kept = []
+                for c in cands:
+                    if flt.passes(c, req):
+                        kept.append(c)
+                    else:
+                        c.needs_failover = True
+                        marked.append(c)
+            else:
+                kept = [c for c in cands if flt.passes(c, req)]
             if len(kept) < len(cands):
                 blocked[flt.describe()] = len(cands) - len(kept)
             cands = kept
         for gflt in self.global_filters:
             if fallback and not gflt.not_skip_when_fallback:
                 continue
-            kept = gflt.apply(cands, req)
+            kept = gflt.apply(cands, req, marked, population)
             if len(kept) < len(cands):
                 blocked[gflt.describe()] = len(cands) - len(kept)
             cands = kept
@@ -158,18 +251,24 @@ class Pipeline:
 class Selection:
     target: InstanceView
     fallbacks: tuple[InstanceView, ...] = ()
-    # prefill/decode disaggregation: where decode continues (unused until PD policies exist)
+    # prefill/decode disaggregation: where decode continues
     decode_target: InstanceView | None = None
 
 
 class Policy:
-    """A named set of pipelines, one per infer type (neutral only until PD disaggregation)."""
+    """A named set of pipelines, one per infer type."""
 
-    def __init__(self, name: str, pipelines: Mapping[InferType, Pipeline]) -> None:
+    def __init__(self, name: str, pipelines: Mapping[InferType, Pipeline], ctx: PolicyContext | None = None) -> None:
         self.name = name
         self.pipelines = dict(pipelines)
+        self.ctx = ctx if ctx is not None else default_context()
+
+    def spec(self) -> dict[str, Any]:
+        return {t.name.lower(): p.spec() for t, p in sorted(self.pipelines.items())}
 
     def schedule(self, instances: Sequence[InstanceView], req: RequestInfo, fallback_count: int) -> Selection:
+        """Neutral pipeline over `instances` (the lite path and the tests' entry point)."""
+        self.ctx.begin(req)
         pipeline = self.pipelines[InferType.NEUTRAL]
         ranked = pipeline.run(instances, req, 1 + fallback_count)
         return Selection(ranked[0], tuple(ranked[1:]))

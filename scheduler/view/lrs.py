@@ -42,9 +42,16 @@ class LocalRealtimeState:
     thread-safe: one owner (the service's event loop, or the gateway's when colocated).
     """
 
-    def __init__(self, staleness_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        staleness_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_change: Callable[[str], None] | None = None,
+    ) -> None:
         self.staleness_seconds = staleness_seconds
         self._clock = clock
+        # told the instance id whenever its counts change, so load-ordered indexes re-key it
+        self._on_change = on_change or (lambda instance_id: None)
         self._entries: OrderedDict[str, RequestEntry] = OrderedDict()
         self.num_expired = 0  # monotonic; exported as pilotfish_scheduler_expired_total
 
@@ -81,6 +88,7 @@ class LocalRealtimeState:
         load.num_requests += 1
         load.num_tokens += prompt_tokens
         load.num_dispatched += 1
+        self._on_change(entry.instance_id)
         return entry
 
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool = False) -> bool:
@@ -92,13 +100,18 @@ class LocalRealtimeState:
         entry = self._entries.get(request_id)
         if entry is None:
             return False
+        changed = False
         if generated_tokens > entry.generated_tokens:
             entry.load.num_tokens += generated_tokens - entry.generated_tokens
             entry.generated_tokens = generated_tokens
+            changed = True
         # a generated token proves the prefill is done even if the flag was batched away
         if not entry.decoding and (prefill_done or entry.generated_tokens > 0):
             entry.decoding = True
             entry.load.num_decode_requests += 1
+            changed = True
+        if changed:
+            self._on_change(entry.instance_id)
         self.touch(entry)
         return True
 
@@ -132,10 +145,10 @@ class LocalRealtimeState:
         self.num_expired += dropped
         return dropped
 
-    @staticmethod
-    def _unload(entry: RequestEntry) -> None:
+    def _unload(self, entry: RequestEntry) -> None:
         load = entry.load
         load.num_requests -= 1
         load.num_tokens -= entry.tokens
         if entry.decoding:
             load.num_decode_requests -= 1
+        self._on_change(entry.instance_id)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pilotfish.protos.cms_pb2 import InstanceStatus
+    from pilotfish.scheduler.view.predictor import StepTimeModel
 
 
 class InferType(enum.IntEnum):
@@ -44,20 +45,100 @@ class LrsLoad:
     num_dispatched: int = 0
 
 
+@dataclass(slots=True)
+class InflightLoad:
+    """Full mode: the load of requests dispatched here that no engine status has confirmed yet.
+
+    The sums of the in-flight account's entries on this instance (view/account.py keeps them);
+    zero once the engine has admitted everything it was sent.
+    """
+
+    requests: int = 0
+    # prompt tokens the engine will have to compute (the target's cached prefix excluded)
+    prefill_tokens: int = 0
+    # requests that will decode here (neutral and decode instances)
+    decode_requests: int = 0
+    # tokens those requests will hold in the KV cache when they start decoding
+    decode_tokens: int = 0
+
+
+@dataclass(slots=True)
+class EngineStatus:
+    """The fields of a CMS InstanceStatus that metrics read, copied once when the status is applied.
+
+    Plain attributes, because protobuf field access costs several times more and metrics run
+    for every candidate of every decision.
+    """
+
+    update_id: int = 0
+    timestamp_ms: int = 0
+    step_id: int = 0
+    schedulable: bool = True
+    num_waiting: int = 0
+    num_running: int = 0
+    num_loading: int = 0
+    num_waiting_prefill: int = 0
+    num_running_prefill: int = 0
+    num_running_decode: int = 0
+    uncomputed_prefill_tokens: int = 0
+    running_decode_seq_len_sum: int = 0
+    used_kv_tokens: int = 0
+    total_kv_tokens: int = 0
+    unallocated_tokens: int = 0
+    num_migrating_out: int = 0
+    num_migrating_in: int = 0
+
+    @classmethod
+    def from_proto(cls, s: InstanceStatus) -> EngineStatus:
+        return cls(
+            update_id=s.update_id,
+            timestamp_ms=s.timestamp_ms,
+            step_id=s.step_id,
+            schedulable=s.schedulable,
+            num_waiting=s.num_waiting,
+            num_running=s.num_running,
+            num_loading=s.num_loading,
+            num_waiting_prefill=s.num_waiting_prefill,
+            num_running_prefill=s.num_running_prefill,
+            num_running_decode=s.num_running_decode,
+            uncomputed_prefill_tokens=s.uncomputed_prefill_tokens,
+            running_decode_seq_len_sum=s.running_decode_seq_len_sum,
+            used_kv_tokens=s.used_kv_tokens,
+            total_kv_tokens=s.total_kv_tokens,
+            unallocated_tokens=s.unallocated_tokens,
+            num_migrating_out=s.num_migrating_out,
+            num_migrating_in=s.num_migrating_in,
+        )
+
+    @property
+    def num_waiting_decode(self) -> int:
+        """Waiting requests past their prefill (preempted ones waiting to resume decode)."""
+        return max(0, self.num_waiting - self.num_waiting_prefill)
+
+
 @dataclass(slots=True, eq=False)
 class InstanceView:
     """One engine as the policy sees it.
 
-    `lrs` is the lite-mode load. Full mode adds the engine's CMS status (forward-predicted to
-    the decision time) and the in-flight account beside it; metrics that need them read those
-    fields, lite metrics keep reading `lrs`.
+    `lrs` is the lite-mode load (kept in full mode too: it holds the decisions for retries and
+    Release). Full mode adds the engine's CMS `status`, the metadata fields below and the
+    in-flight account's sums; metrics that need them read those fields.
     """
 
     endpoint: Endpoint
     # model names the instance serves; empty means any model
     models: frozenset[str] = frozenset()
     lrs: LrsLoad = field(default_factory=LrsLoad)
-    status: InstanceStatus | None = None  # full mode only; None in lite mode
+    status: EngineStatus | None = None  # full mode only; None in lite mode or before the first status
+    inflight: InflightLoad = field(default_factory=InflightLoad)
+    # failure domains (CMS metadata); empty in lite mode
+    node_id: str = ""
+    unit_id: str = ""
+    block_size: int = 16
+    max_num_batched_tokens: int = 0
+    max_num_seqs: int = 0
+    # the online step-time fit (forward prediction); None in lite mode
+    step_model: StepTimeModel | None = None
 
     @property
     def instance_id(self) -> str:

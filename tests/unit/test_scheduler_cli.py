@@ -41,6 +41,25 @@ def test_defaults_come_from_the_struct() -> None:
         (["--request-local-account-staleness-seconds", "9"], "request_local_account_staleness_seconds", 9.0),
         (["--fallback-count", "0"], "fallback_count", 0),
         (["--metrics-port", "9100"], "metrics_port", 9100),
+        (["--scheduling-policy", "slo"], "scheduling_policy", "slo"),
+        (["--enable-full-mode-scheduling"], "enable_full_mode_scheduling", True),
+        (
+            ["--dispatch-prefill-load-metric", "num_waiting_requests"],
+            "dispatch_prefill_load_metric",
+            "num_waiting_requests",
+        ),
+        (["--dispatch-decode-load-threshold", "0.9"], "dispatch_decode_load_threshold", 0.9),
+        (["--enable-cache-aware-scheduling"], "enable_cache_aware_scheduling", True),
+        (["--enable-predictor-enhanced-scheduling"], "enable_predictor_enhanced_scheduling", True),
+        (["--ttft-slo", "500"], "ttft_slo", 500.0),
+        (["--tpot-slo", "50"], "tpot_slo", 50.0),
+        (["--ttft-slo-dispatch-threshold", "0.8"], "ttft_slo_dispatch_threshold", 0.8),
+        (["--instance-staleness-seconds", "3"], "instance_staleness_seconds", 3.0),
+        (["--failover-domain", "node-unit"], "failover_domain", "node-unit"),
+        (["--redis-url", "redis://h:1/0"], "redis_url", "redis://h:1/0"),
+        (["--cms-cluster", "prod"], "cms_cluster", "prod"),
+        (["--latency-profile", "p.yaml"], "latency_profile", "p.yaml"),
+        (["--policies", "{x: {}}"], "policies", "{x: {}}"),
     ],
 )
 def test_flags(argv: list[str], field: str, value: object) -> None:
@@ -52,6 +71,25 @@ def test_yaml_then_flags(tmp_path: Path) -> None:
     path.write_text("dispatch-load-metric: num_tokens\ndispatch_top_k: 4\ninstances: [a:1, b:2]\n")
     config = config_of(["--config", str(path), "--dispatch-top-k", "2"])
     assert (config.dispatch_load_metric, config.dispatch_top_k, config.instances) == ("num_tokens", 2, ["a:1", "b:2"])
+
+
+def test_yaml_composes_a_policy_by_name(tmp_path: Path) -> None:
+    path = tmp_path / "policy.yaml"
+    path.write_text("scheduling-policy: rr\npolicies:\n  rr:\n    neutral: {selector: {name: round_robin}}\n")
+    config = config_of(["--config", str(path), "--instances", "a:1,b:2"])
+    from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.view.types import RequestInfo
+
+    core = SchedulerCore(config)
+    assert core.policy.name == "rr"
+    assert [core.schedule(RequestInfo(f"r{i}", "m")).target.instance_id for i in range(3)] == ["a:1", "b:2", "a:1"]
+
+
+def test_full_mode_service_needs_redis() -> None:
+    from pilotfish.scheduler.service import SchedulerServer
+
+    with pytest.raises(ConfigError, match="--redis-url: full mode"):
+        SchedulerServer(config_of(["--enable-full-mode-scheduling"]))
 
 
 def test_yaml_unknown_key_names_it(tmp_path: Path) -> None:

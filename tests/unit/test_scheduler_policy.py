@@ -281,7 +281,7 @@ def test_stages_registered(registry: object, name: str) -> None:
 
 
 def test_unknown_stage_lists_the_known_ones() -> None:
-    with pytest.raises(ConfigError, match=r"unknown metric 'nope' \(known: num_requests, num_tokens\)"):
+    with pytest.raises(ConfigError, match=r"unknown metric 'nope' \(known: all_decodes_tokens_num, .*num_tokens"):
         METRICS.get("nope")
 
 
@@ -316,7 +316,9 @@ def test_built_in_policies(policy: str, expected: list[str]) -> None:
 
 
 def test_unknown_policy() -> None:
-    with pytest.raises(ConfigError, match="--scheduling-policy: unknown policy 'slo'"):
+    with pytest.raises(ConfigError, match="--scheduling-policy: unknown policy 'nope'"):
+        build_policy(SchedulerConfig(scheduling_policy="nope"))
+    with pytest.raises(ConfigError, match="--scheduling-policy: slo needs full mode"):
         build_policy(SchedulerConfig(scheduling_policy="slo"))
 
 

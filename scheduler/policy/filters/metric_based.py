@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pilotfish.scheduler.policy.base import Candidate, InstanceFilter, Metric
 from pilotfish.scheduler.view.types import RequestInfo
 
 
 class MetricBasedFilter(InstanceFilter):
-    """Passes an instance whose metric is no worse than `threshold` (<= when lower is better)."""
+    """Passes an instance whose metric is no worse than `threshold` (<= when lower is better).
+
+    Skipped in the fallback pass unless built with not_skip_when_fallback (the spec's
+    notSkipWhenFallback): a threshold shapes load, it does not guard correctness.
+    """
 
     name = "metric_based"
 
@@ -21,6 +26,9 @@ class MetricBasedFilter(InstanceFilter):
     @property
     def metrics(self) -> Sequence[Metric]:
         return (self.metric,)
+
+    def params(self) -> dict[str, Any]:
+        return {"metric": self.metric.name, "threshold": float(self.threshold)}
 
     def passes(self, cand: Candidate, req: RequestInfo) -> bool:
         return not self.metric.better(self.threshold, cand.values[self.metric.name])

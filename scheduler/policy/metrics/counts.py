@@ -1,8 +1,4 @@
-"""Lite-mode load metrics: the request and token counts of the local real-time state (LRS).
-
-Full mode will derive num_requests from the CMS status plus the in-flight account; that is a
-branch on `inst.status` here, not a new metric.
-"""
+"""Request and token counts: the load metrics of lite mode, and num_requests in full mode too."""
 
 from __future__ import annotations
 
@@ -11,18 +7,30 @@ from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
 
 class NumRequests(Metric):
-    """Requests held on the instance: dispatched and not yet released."""
+    """Active and queued requests.
+
+    Full mode: waiting + loading + running (CMS status) + in-flight (dispatched, not yet
+    admitted). Lite mode: requests held in the LRS (dispatched and not yet released).
+    """
 
     name = "num_requests"
     lower_is_better = True
     lite = True
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
+        if self.ctx.full_mode:
+            s = inst.status
+            queued = s.num_waiting + s.num_loading + s.num_running if s is not None else 0
+            return queued + inst.inflight.requests
         return inst.lrs.num_requests
 
 
 class NumTokens(Metric):
-    """Tokens held on the instance: prompt tokens plus tokens generated so far, over held requests."""
+    """Tokens held on the instance: prompt tokens plus tokens generated so far, over LRS requests.
+
+    The spec's simplified lite-mode indicator; it reads the LRS in full mode too (the
+    scheduler keeps it there for Release), where the engine-side metrics are the better choice.
+    """
 
     name = "num_tokens"
     lower_is_better = True

@@ -5,9 +5,12 @@ from __future__ import annotations
 import heapq
 import random
 from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from pilotfish.scheduler.policy.base import Candidate, Metric, Selector
 from pilotfish.scheduler.view.types import RequestInfo
+
+T = TypeVar("T")
 
 
 class MetricBasedSelector(Selector):
@@ -34,6 +37,9 @@ class MetricBasedSelector(Selector):
     def metrics(self) -> Sequence[Metric]:
         return self._metrics
 
+    def params(self) -> dict[str, Any]:
+        return {"metrics": [m.name for m in self._metrics], "top_k": self.top_k}
+
     def select(self, cands: Sequence[Candidate], req: RequestInfo, count: int) -> list[Candidate]:
         # keys built inline (no per-item key function): this runs for every candidate per decision
         if len(self._signed) == 1:
@@ -44,7 +50,11 @@ class MetricBasedSelector(Selector):
             keyed = [(tuple(c.values[n] * s for n, s in signed), pos, c) for pos, c in enumerate(cands)]
         # only the head of the ranking is needed: O(n log k), not a full sort; the position
         # breaks ties, so candidates themselves are never compared
-        ranked = [c for *_, c in heapq.nsmallest(max(self.top_k, count), keyed)]
+        return self.pick([c for *_, c in heapq.nsmallest(max(self.top_k, count), keyed)], count)
+
+    def pick(self, ranked: list[T], count: int) -> list[T]:
+        """From the head of the ranking (best first, at least top_k long when there are that
+        many): the random pick among the top K first, then the rest in order."""
         if self.top_k > 1:
             pick = self._rng.randrange(min(self.top_k, len(ranked)))
             ranked.insert(0, ranked.pop(pick))

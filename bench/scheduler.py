@@ -1,0 +1,255 @@
+"""`pilotfish bench scheduler`: decision latency in-process, gRPC round trip, cost of a status update.
+
+Figures (all wall-clock, single thread, this machine):
+
+- **decision**: `SchedulerCore.schedule` p50/p99 with 256 and 4,096 instances, lite mode
+  (num_requests) and full mode (load-balance on all_prefills_tokens_num, health filters and
+  failover), in steady state: requests are released as new ones arrive, and in full mode
+  every decision is followed by a status update of a random instance (which re-keys it in
+  the load index) and a status confirming the request. Cache-aware and predictor-enhanced
+  full mode are measured too; their metrics depend on the request or the clock, so they scan.
+- **status update**: one InstanceStatus applied to the core (decoded from bytes + applied,
+  and applied alone), 4,096 instances.
+- **gRPC**: Schedule round trip p50/p99 from a client to `pilotfish scheduler` in another
+  process (256 instances, lite mode), sequential calls on one channel.
+
+Goals (issue 4): decision p99 <= 200 µs at 256 instances and <= 1 ms at 4,096.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GOALS_US = {256: 200.0, 4096: 1000.0}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per configuration")
+    parser.add_argument("--rpcs", type=int, default=3_000, help="timed Schedule round trips")
+    parser.add_argument("--sizes", default="256,4096", help="instance counts, comma-separated")
+    parser.add_argument("--seed", type=int, default=1)
+
+
+def _pct(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _summary(samples_s: list[float]) -> dict[str, float]:
+    us = [s * 1e6 for s in samples_s]
+    return {"p50_us": round(_pct(us, 0.50), 1), "p99_us": round(_pct(us, 0.99), 1), "n": len(us)}
+
+
+def _meta(k: int) -> Any:
+    from pilotfish.protos import cms_pb2
+
+    return cms_pb2.InstanceMetadata(
+        instance_id=f"i{k}",
+        host=f"10.{k // 65536}.{k // 256 % 256}.{k % 256}",
+        http_port=8000,
+        model="m",
+        infer_type=1,
+        node_id=f"node{k // 8}",
+        num_gpu_blocks=16384,
+        max_num_batched_tokens=8192,
+        update_id=1,
+    )
+
+
+def _status(k: int, update_id: int, rng: random.Random, admitted: list[str] = ()) -> Any:  # type: ignore[assignment]
+    from pilotfish.protos import cms_pb2
+
+    return cms_pb2.InstanceStatus(
+        instance_id=f"i{k}",
+        update_id=update_id,
+        timestamp_ms=int(time.time() * 1000),
+        step_id=update_id,
+        schedulable=True,
+        num_waiting=rng.randrange(0, 8),
+        num_running=rng.randrange(0, 64),
+        num_running_decode=rng.randrange(0, 64),
+        uncomputed_prefill_tokens=rng.randrange(0, 20_000),
+        running_decode_seq_len_sum=rng.randrange(0, 200_000),
+        used_kv_tokens=rng.randrange(0, 200_000),
+        total_kv_tokens=262_144,
+        unallocated_tokens=rng.randrange(0, 10_000),
+        last_step_duration_us=rng.randrange(8_000, 200_000),
+        last_step_prefill_tokens=rng.randrange(0, 8192),
+        last_step_decode_batch=rng.randrange(1, 64),
+        last_step_seq_len_sum=rng.randrange(0, 200_000),
+        admitted_request_ids=list(admitted),
+    )
+
+
+def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> dict[str, float]:
+    from pilotfish.scheduler.config import SchedulerConfig
+    from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.view.types import RequestInfo
+
+    rng = random.Random(seed)
+    if full:
+        core = SchedulerCore(SchedulerConfig(enable_full_mode_scheduling=True, model=["m"], **flags))
+        updates = [1] * n
+        for k in range(n):
+            core.apply_metadata(_meta(k))
+            core.apply_status(_status(k, 1, rng))
+    else:
+        instances = [f"i{k}=10.0.{k // 256}.{k % 256}:8000" for k in range(n)]
+        core = SchedulerCore(SchedulerConfig(instances=instances, model=["m"], **flags))
+    in_flight = 2 * n  # steady state: about two requests held per instance
+    hashes = [tuple(rng.getrandbits(64) for _ in range(8)) for _ in range(64)]
+    samples: list[float] = []
+    warmup = min(2000, decisions // 5)
+    for i in range(warmup + decisions):
+        prompt = rng.randrange(16, 4096)
+        req = RequestInfo(f"r{i}", "m", prompt_tokens=prompt, prefix_block_hashes=hashes[i % 64], prefix_block_size=16)
+        started = time.perf_counter()
+        decision = core.schedule(req)
+        elapsed = time.perf_counter() - started
+        if i >= warmup:
+            samples.append(elapsed)
+        if i >= in_flight:
+            core.release(f"r{i - in_flight}")
+        if full:
+            k = int(decision.target.instance_id[1:])
+            updates[k] += 1
+            core.apply_status(_status(k, updates[k], rng, [f"r{i}"]))
+            other = rng.randrange(n)
+            updates[other] += 1
+            core.apply_status(_status(other, updates[other], rng))
+    return _summary(samples)
+
+
+def _status_cost(n: int, count: int, seed: int) -> dict[str, Any]:
+    from pilotfish.cms.records import decode_status
+    from pilotfish.scheduler.config import SchedulerConfig
+    from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.view.types import RequestInfo
+
+    rng = random.Random(seed)
+    core = SchedulerCore(SchedulerConfig(enable_full_mode_scheduling=True, model=["m"]))
+    for k in range(n):
+        core.apply_metadata(_meta(k))
+        core.apply_status(_status(k, 1, rng))
+    core.schedule(RequestInfo("warm", "m", prompt_tokens=10))  # build the load index
+    raws = [_status(rng.randrange(n), 2 + i, rng, [f"x{i}"]).SerializeToString() for i in range(count)]
+    decoded, applied = [], []
+    for raw in raws:
+        t0 = time.perf_counter()
+        status = decode_status(raw)
+        t1 = time.perf_counter()
+        core.apply_status(status)
+        t2 = time.perf_counter()
+        decoded.append(t2 - t0)
+        applied.append(t2 - t1)
+    # the index re-keys changed instances at the next decision: count that share too
+    t0 = time.perf_counter()
+    core.schedule(RequestInfo("after", "m", prompt_tokens=10))
+    return {
+        "decode_and_apply": _summary(decoded),
+        "apply_only": _summary(applied),
+        "bytes": round(sum(len(r) for r in raws) / len(raws)),
+    }
+
+
+def _grpc(n: int, rpcs: int) -> dict[str, Any]:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pilotfish.procs import free_port
+    from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+
+    port = free_port()
+    instances = ",".join(f"i{k}=10.0.{k // 256}.{k % 256}:8000" for k in range(n))
+    cmd = [sys.executable, "-m", "pilotfish", "scheduler", "--port", str(port), "--instances", instances]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            schedule, release = [], []
+            for i in range(rpcs + 200):
+                req = scheduler_pb2.ScheduleRequest(request_id=f"r{i}", model="m", prompt_tokens=100)
+                t0 = time.perf_counter()
+                stub.Schedule(req, timeout=5)
+                t1 = time.perf_counter()
+                stub.Release(scheduler_pb2.ReleaseRequest(request_id=f"r{i}"), timeout=5)
+                t2 = time.perf_counter()
+                if i >= 200:
+                    schedule.append(t1 - t0)
+                    release.append(t2 - t1)
+        return {"schedule": _summary(schedule), "release": _summary(release), "instances": n}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def run(args: argparse.Namespace) -> int:
+    from pilotfish.bench.report import write_report
+
+    sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
+    configs: list[tuple[str, bool, dict[str, Any]]] = [
+        ("lite load-balance (num_requests)", False, {}),
+        ("full load-balance (all_prefills_tokens_num)", True, {}),
+        ("full load-balance, top-k 4", True, {"dispatch_top_k": 4}),
+        ("full load-balance, cache-aware", True, {"enable_cache_aware_scheduling": True}),
+        ("full load-balance, predictor-enhanced (scan)", True, {"enable_predictor_enhanced_scheduling": True}),
+    ]
+    decisions: dict[str, dict[str, Any]] = {}
+    for label, full, flags in configs:
+        for n in sizes:
+            count = args.decisions if "scan" not in label or n <= 256 else max(2000, args.decisions // 10)
+            decisions[f"{label} @ {n}"] = {**_decisions(n, full, count, args.seed, **flags), "instances": n}
+            print(f"{label} @ {n}: {decisions[f'{label} @ {n}']}", flush=True)
+    status = _status_cost(max(sizes), 5000, args.seed)
+    print(f"status update: {status}", flush=True)
+    rpc = _grpc(min(sizes), args.rpcs)
+    print(f"gRPC: {rpc}", flush=True)
+    result = {
+        "decisions": decisions,
+        "status_update": status,
+        "grpc": rpc,
+        "goals_p99_us": GOALS_US,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "command": f"pilotfish bench scheduler --out {args.out}",
+    }
+    rows = ["| configuration | instances | p50 µs | p99 µs | goal p99 µs |", "|---|---:|---:|---:|---:|"]
+    for label, fig in decisions.items():
+        n = fig["instances"]
+        rows.append(f"| {label.split(' @ ')[0]} | {n} | {fig['p50_us']} | {fig['p99_us']} | {GOALS_US.get(n, '')} |")
+    markdown = "\n".join(
+        [
+            "# Scheduler benchmark",
+            "",
+            "## Schedule decision, in-process",
+            "",
+            *rows,
+            "",
+            "## One status update (4,096 instances)",
+            "",
+            f"- decode + apply: p50 {status['decode_and_apply']['p50_us']} µs, "
+            f"p99 {status['decode_and_apply']['p99_us']} µs ({status['bytes']} bytes)",
+            f"- apply only: p50 {status['apply_only']['p50_us']} µs, p99 {status['apply_only']['p99_us']} µs",
+            "",
+            f"## gRPC round trip ({rpc['instances']} instances, lite, another process)",
+            "",
+            f"- Schedule: p50 {rpc['schedule']['p50_us']} µs, p99 {rpc['schedule']['p99_us']} µs",
+            f"- Release: p50 {rpc['release']['p50_us']} µs, p99 {rpc['release']['p99_us']} µs",
+            "",
+            f"Command: `pilotfish bench scheduler --out {args.out}`",
+        ]
+    )
+    write_report(Path(args.out), "scheduler", result, markdown)
+    print(markdown)
+    return 0

@@ -1,0 +1,224 @@
+"""The CMS reader: keeps a sink in step with the records in Redis (the scheduler's full-mode view).
+
+Two paths, as DESIGN.md says:
+
+- **notices**: the writers publish "<kind>:<instance>" on `keys.events_channel(cluster)` after
+  each write; the reader GETs that one key and hands the decoded record over at once;
+- **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
+  lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
+  A value identical to the one last seen is not decoded again.
+
+Records are decoded by `cms.records` (strict, bounded); a bad one is logged once per distinct
+value at WARNING, counted, and skipped, and the sink keeps what it held. Redis faults are
+retried with exponential backoff (a WARNING when the outage starts, INFO when it ends); the
+reader never exits on one. Everything runs on the caller's event loop, so the sink needs no
+locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable
+from typing import Any, Protocol
+
+from pilotfish.cms import keys
+from pilotfish.cms.records import BadRecord, decode_metadata, decode_status
+from pilotfish.protos import cms_pb2
+
+log = logging.getLogger(__name__)
+
+MGET_BATCH = 512
+SCAN_COUNT = 1000
+MAX_BACKOFF = 10.0
+CLOSE_TIMEOUT = 1.0
+# channel messages longer than this cannot be "<kind>:<instance>"
+MAX_NOTICE = keys.MAX_ID_LENGTH + 16
+
+
+class CmsSink(Protocol):
+    def apply_metadata(self, meta: cms_pb2.InstanceMetadata) -> bool: ...
+    def apply_status(self, status: cms_pb2.InstanceStatus) -> bool: ...
+    def status_gone(self, instance_id: str) -> None: ...
+    def remove(self, instance_id: str) -> bool: ...
+    def known(self) -> set[str]: ...
+
+
+class CmsReader:
+    def __init__(self, redis_url: str, cluster: str, sink: CmsSink, poll_interval: float = 2.0) -> None:
+        keys.check_id(cluster, "cluster name")
+        self.redis_url = redis_url
+        self.cluster = cluster
+        self.sink = sink
+        self.poll_interval = poll_interval
+        self._client: Any = None
+        self._last_raw: dict[str, bytes] = {}
+        self._bad: dict[str, bytes] = {}
+        self._polled = asyncio.Event()
+        self.num_bad_records = 0
+        self.num_redis_errors = 0
+        self.num_polls = 0
+        self.num_notices = 0
+
+    async def wait_first_poll(self, timeout: float | None = None) -> None:
+        """Until one full poll has completed (the view holds everything Redis held then)."""
+        await asyncio.wait_for(self._polled.wait(), timeout)
+
+    async def run(self) -> None:
+        """Subscribe and poll until cancelled."""
+        import redis.asyncio as aioredis
+
+        # timeouts, so a half-open connection after a Redis restart fails (and is retried)
+        # instead of hanging the poll forever
+        self._client = aioredis.from_url(
+            self.redis_url, decode_responses=False, socket_connect_timeout=5.0, socket_timeout=10.0
+        )
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._retrying(self._listen, "notice subscription"))
+                group.create_task(self._retrying(self._poll_forever, "poll"))
+        finally:
+            # bounded: closing talks to Redis, which may be the thing that is down
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(self._client.aclose(), CLOSE_TIMEOUT)
+
+    async def _retrying(self, work: Any, what: str) -> None:
+        backoff = 0.1
+        state = {"failing": False}
+
+        def recovered() -> None:
+            if state["failing"]:
+                log.info("CMS %s: Redis answers again", what)
+                state["failing"] = False
+
+        while True:
+            try:
+                await work(recovered)
+                return
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a Redis outage, a protocol error: never fatal
+                _raise_if_cancelling(exc)
+                self.num_redis_errors += 1
+                if not state["failing"]:
+                    log.warning("CMS %s failed (%s); retrying with backoff", what, exc)
+                    backoff = 0.1
+                state["failing"] = True
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF)
+
+    async def _poll_forever(self, recovered: Any) -> None:
+        while True:
+            _raise_if_cancelling()
+            await self.poll_once()
+            recovered()
+            self._polled.set()
+            await asyncio.sleep(self.poll_interval)
+
+    async def poll_once(self) -> None:
+        """Read every record once: apply what changed, drop instances whose keys are gone."""
+        client = self._client
+        meta_keys = [k async for k in client.scan_iter(match=keys.meta_pattern(self.cluster), count=SCAN_COUNT)]
+        status_keys = [k async for k in client.scan_iter(match=keys.status_pattern(self.cluster), count=SCAN_COUNT)]
+        meta_seen = await self._read_all(meta_keys, keys.META)
+        status_seen = await self._read_all(status_keys, keys.STATUS)
+        for instance_id in self.sink.known() - meta_seen:
+            self._forget(keys.meta_key(self.cluster, instance_id))
+            self._forget(keys.status_key(self.cluster, instance_id))
+            self.sink.remove(instance_id)
+        for instance_id in meta_seen - status_seen:
+            if self._forget(keys.status_key(self.cluster, instance_id)):
+                self.sink.status_gone(instance_id)
+        self.num_polls += 1
+
+    async def _read_all(self, found: list[bytes], kind: str) -> set[str]:
+        seen: set[str] = set()
+        for start in range(0, len(found), MGET_BATCH):
+            batch = found[start : start + MGET_BATCH]
+            values = await self._client.mget(batch)
+            for key, raw in zip(batch, values, strict=True):
+                if raw is not None:
+                    # a key holding a bad record still exists: the sink keeps what it held
+                    self._apply(key.decode(errors="replace"), kind, raw)
+                    seen.add(keys.instance_of(key))
+        return seen
+
+    async def _listen(self, recovered: Any) -> None:
+        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(keys.events_channel(self.cluster))
+            recovered()
+            # notices sent while unsubscribed are lost: the next poll catches them up
+            while True:
+                _raise_if_cancelling()
+                message = await pubsub.get_message(timeout=1.0)
+                if message is not None:
+                    await self._on_notice(message.get("data"))
+        finally:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT)
+
+    async def _on_notice(self, data: object) -> None:
+        if not isinstance(data, bytes) or len(data) > MAX_NOTICE:
+            return
+        kind, sep, instance_id = data.decode(errors="replace").partition(":")
+        if not sep or kind not in (keys.META, keys.STATUS):
+            log.debug("ignored CMS notice %r", data)
+            return
+        try:
+            keys.check_id(instance_id, "instance id")
+        except keys.BadId:
+            log.debug("ignored CMS notice %r", data)
+            return
+        self.num_notices += 1
+        make_key = keys.meta_key if kind == keys.META else keys.status_key
+        key = make_key(self.cluster, instance_id)
+        raw = await self._client.get(key)
+        if raw is None:
+            return  # deleted since; the poll settles departures
+        self._apply(key, kind, raw)
+
+    def _apply(self, key: str, kind: str, raw: bytes) -> bool:
+        """Decode and hand over; True if the key holds a valid record (changed or not)."""
+        if self._last_raw.get(key) == raw:
+            return True
+        if self._bad.get(key) == raw:
+            return False
+        instance_id = keys.instance_of(key)
+        try:
+            if kind == keys.META:
+                record: Any = decode_metadata(raw, instance_id)
+            else:
+                record = decode_status(raw, instance_id)
+        except BadRecord as exc:
+            self.num_bad_records += 1
+            if len(self._bad) > 4 * MGET_BATCH:  # bound the memory a flood of bad keys costs
+                self._bad.clear()
+            self._bad[key] = raw
+            log.warning("rejected CMS record %s: %s", key, exc)
+            return False
+        self._bad.pop(key, None)
+        self._last_raw[key] = raw
+        if kind == keys.META:
+            self.sink.apply_metadata(record)
+        else:
+            self.sink.apply_status(record)
+        return True
+
+    def _forget(self, key: str) -> bool:
+        self._bad.pop(key, None)
+        return self._last_raw.pop(key, None) is not None
+
+    def forget_all(self, instances: Iterable[str]) -> None:
+        for instance_id in instances:
+            self._forget(keys.meta_key(self.cluster, instance_id))
+            self._forget(keys.status_key(self.cluster, instance_id))
+
+
+def _raise_if_cancelling(cause: BaseException | None = None) -> None:
+    """Re-raise a pending cancellation: redis-py can swallow a CancelledError delivered during a
+    read (or turn it into a ConnectionError), and a reader that loops on would never stop."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError from cause

@@ -1,0 +1,42 @@
+"""Cache-locality metrics (cache-aware scheduling): how much of the prompt is already cached where.
+
+Hit lengths come from the prefix index (view/prefix_index.py) through the policy context,
+matched once per decision. They depend on the request, so they are computed per decision.
+"""
+
+from __future__ import annotations
+
+from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.context import PolicyContext
+from pilotfish.scheduler.policy.metrics.load import AllPrefillsTokensNum
+from pilotfish.scheduler.view.types import InstanceView, RequestInfo
+
+
+class KvCacheHitLen(Metric):
+    """Prompt tokens of this request whose KV the instance already holds (longest cached prefix)."""
+
+    name = "kv_cache_hit_len"
+    lower_is_better = False
+    indexable = False
+    # the prefix index is fed by dispatch decisions too, so lite mode has it
+    lite = True
+
+    def value(self, inst: InstanceView, req: RequestInfo) -> float:
+        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
+        return min(hit, req.prompt_tokens) if req.prompt_tokens else hit
+
+
+class CacheAwareAllPrefillsTokensNum(Metric):
+    """all_prefills_tokens_num + this request's cache-miss tokens (prompt - kv_cache_hit_len):
+    the prefill work the instance would have, this request included."""
+
+    name = "cache_aware_all_prefills_tokens_num"
+    indexable = False
+
+    def __init__(self, ctx: PolicyContext | None = None) -> None:
+        super().__init__(ctx)
+        self._prefills = AllPrefillsTokensNum(self.ctx)
+
+    def value(self, inst: InstanceView, req: RequestInfo) -> float:
+        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
+        return self._prefills.value(inst, req) + max(0, req.prompt_tokens - hit)

@@ -1,0 +1,135 @@
+"""Which instance holds which prefix blocks: the input of cache-aware scheduling.
+
+Keys are the chained block hashes of `pilotfish.cms.prefix_hash` (each one names a whole
+prefix), so the hit length of a request on an instance is the number of leading hashes of
+the request that the instance holds. Two feeds:
+
+- dispatch decisions (`record_dispatch`): the target will cache the prompt's blocks; this is
+  all lite mode has, and it keeps full mode right between KV events;
+- engine KV events (`apply_kv_event`, full mode): blocks stored and evicted as the engine
+  reports them; the llumlet calls it (through the CMS or in-process) with hashes computed by
+  `prefix_block_hashes` from the stored blocks' token ids.
+
+Per-instance memory is bounded: each instance keeps its most recently used `capacity` blocks
+(its KV cache cannot hold more), the oldest dropped first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class PrefixIndex:
+    def __init__(self, default_capacity_blocks: int = 65536) -> None:
+        self.default_capacity = default_capacity_blocks
+        self._holders: dict[int, set[str]] = {}
+        self._blocks: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        """Distinct block hashes held by any instance."""
+        return len(self._holders)
+
+    def blocks_of(self, instance_id: str) -> int:
+        held = self._blocks.get(instance_id)
+        return len(held) if held else 0
+
+    def set_capacity(self, instance_id: str, blocks: int) -> None:
+        """The instance's KV capacity in blocks (from its metadata); 0 keeps the default."""
+        if blocks > 0:
+            self._capacity[instance_id] = blocks
+            self._trim(instance_id)
+
+    def record_dispatch(self, instance_id: str, hashes: Sequence[int]) -> None:
+        """The request with these prefix hashes went to `instance_id`: it will hold them."""
+        if hashes:
+            self._store(instance_id, hashes)
+
+    def apply_kv_event(
+        self,
+        instance_id: str,
+        stored: Sequence[int] = (),
+        removed: Iterable[int] = (),
+        cleared: bool = False,
+    ) -> None:
+        """An engine KV-cache event: `cleared` drops everything first, then `removed`, then `stored`.
+
+        The method the llumlet side feeds (vLLM's BlockStored / BlockRemoved / AllBlocksCleared,
+        with hashes re-computed by `prefix_block_hashes`); safe with unknown or repeated hashes.
+        """
+        if cleared:
+            self.drop_instance(instance_id)
+        held = self._blocks.get(instance_id)
+        if held is not None:
+            for h in removed:
+                if h in held:
+                    del held[h]
+                    self._unhold(h, instance_id)
+        if stored:
+            self._store(instance_id, stored)
+
+    def drop_instance(self, instance_id: str) -> None:
+        held = self._blocks.pop(instance_id, None)
+        if held:
+            for h in held:
+                self._unhold(h, instance_id)
+
+    def forget(self, instance_id: str) -> None:
+        """The instance left the cluster: its blocks and its capacity."""
+        self.drop_instance(instance_id)
+        self._capacity.pop(instance_id, None)
+
+    def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading blocks of `hashes` each instance holds; instances with no hit are absent."""
+        if not hashes:
+            return {}
+        holders = self._holders.get(hashes[0])
+        if not holders:
+            return {}
+        alive = set(holders)
+        hits: dict[str, int] = {}
+        for depth in range(1, len(hashes)):
+            nxt = self._holders.get(hashes[depth])
+            still = alive & nxt if nxt else set()
+            if len(still) < len(alive):
+                for gone in alive - still:
+                    hits[gone] = depth
+                if not still:
+                    return hits
+                alive = still
+        for inst in alive:
+            hits[inst] = len(hashes)
+        return hits
+
+    def _store(self, instance_id: str, hashes: Iterable[int]) -> None:
+        held = self._blocks.get(instance_id)
+        if held is None:
+            held = self._blocks[instance_id] = OrderedDict()
+        for h in hashes:
+            if h in held:
+                held.move_to_end(h)
+            else:
+                held[h] = None
+                holders = self._holders.get(h)
+                if holders is None:
+                    self._holders[h] = {instance_id}
+                else:
+                    holders.add(instance_id)
+        self._trim(instance_id)
+
+    def _trim(self, instance_id: str) -> None:
+        held = self._blocks.get(instance_id)
+        if not held:
+            return
+        capacity = self._capacity.get(instance_id, self.default_capacity)
+        while len(held) > capacity:
+            h, _ = held.popitem(last=False)
+            self._unhold(h, instance_id)
+
+    def _unhold(self, h: int, instance_id: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(instance_id)
+            if not holders:
+                del self._holders[h]

@@ -1,0 +1,204 @@
+"""The spec's eleven metrics, table-driven: one row per metric and situation, with the formula's value."""
+
+from __future__ import annotations
+
+import pytest
+
+from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.context import PolicyContext
+from pilotfish.scheduler.policy.registry import METRICS
+from pilotfish.scheduler.view.predictor import StepTimeModel
+from pilotfish.scheduler.view.prefix_index import PrefixIndex
+from pilotfish.scheduler.view.profile import LatencyProfile, LatencyTables
+from pilotfish.scheduler.view.types import (
+    Endpoint,
+    EngineStatus,
+    InferType,
+    InflightLoad,
+    InstanceView,
+    LrsLoad,
+    RequestInfo,
+)
+
+SPEC_METRICS = [
+    "kv_cache_usage_ratio_projected",
+    "decode_batch_size",
+    "num_waiting_requests",
+    "all_prefills_tokens_num",
+    "kv_cache_hit_len",
+    "cache_aware_all_prefills_tokens_num",
+    "num_requests",
+    "all_decodes_tokens_num",
+    "num_tokens",
+    "predicted_ttft",
+    "predicted_tpot",
+]
+NOW = 1_000_000.0
+# one step = 10 ms + 0.01 ms per prefill token, no decode cost: easy to reason about
+FLAT = LatencyProfile(base_ms=10.0, prefill_ms_per_token=0.01, decode_ms_per_token=0.0, context_ms_per_token=0.0)
+
+STATUS = EngineStatus(
+    update_id=5,
+    timestamp_ms=int(NOW * 1000),
+    schedulable=True,
+    num_waiting=4,
+    num_waiting_prefill=3,
+    num_running=6,
+    num_loading=1,
+    num_running_prefill=2,
+    num_running_decode=4,
+    uncomputed_prefill_tokens=1000,
+    running_decode_seq_len_sum=8000,
+    used_kv_tokens=20_000,
+    total_kv_tokens=100_000,
+    unallocated_tokens=5_000,
+)
+INFLIGHT = InflightLoad(requests=2, prefill_tokens=300, decode_requests=2, decode_tokens=400)
+
+
+def ctx(full: bool = True, **kw: object) -> PolicyContext:
+    index = PrefixIndex()
+    index.record_dispatch("a", [11, 12, 13])  # a holds three blocks of the request's prefix
+    index.record_dispatch("b", [11])
+    values: dict[str, object] = {
+        "wall_clock": lambda: NOW,
+        "full_mode": full,
+        "prefix_index": index,
+        "tables": LatencyTables(FLAT),
+    }
+    values.update(kw)
+    c = PolicyContext(**values)  # type: ignore[arg-type]
+    return c
+
+
+def view(
+    name: str = "a",
+    status: EngineStatus | None = STATUS,
+    inflight: InflightLoad | None = None,
+    lrs: LrsLoad | None = None,
+) -> InstanceView:
+    return InstanceView(
+        Endpoint(name, f"{name}:1", InferType.NEUTRAL),
+        status=status,
+        inflight=inflight or InflightLoad(),
+        lrs=lrs or LrsLoad(),
+        step_model=StepTimeModel(FLAT, 2.0),
+        max_num_batched_tokens=512,
+    )
+
+
+REQ = RequestInfo("r", "m", prompt_tokens=100, prefix_block_hashes=(11, 12, 13, 14), prefix_block_size=16)
+
+
+def value(name: str, inst: InstanceView, c: PolicyContext | None = None, req: RequestInfo = REQ) -> float:
+    c = c or ctx()
+    c.begin(req)
+    return METRICS.get(name)(c).value(inst, req)
+
+
+@pytest.mark.parametrize(
+    ("name", "inst", "expected"),
+    [
+        # (used 20000 + unallocated 5000 + in-flight decode 400) / 100000
+        ("kv_cache_usage_ratio_projected", view(inflight=INFLIGHT), 0.254),
+        ("kv_cache_usage_ratio_projected", view(), 0.25),
+        ("kv_cache_usage_ratio_projected", view(status=EngineStatus(), inflight=INFLIGHT), 1.0),  # size unknown
+        ("kv_cache_usage_ratio_projected", view(status=EngineStatus()), 0.0),
+        # waiting decode (4-3) + loading 1 + running decode 4 + in-flight decode 2
+        ("decode_batch_size", view(inflight=INFLIGHT), 8),
+        ("decode_batch_size", view(status=None, inflight=INFLIGHT), 2),
+        # waiting 4 + in-flight 2
+        ("num_waiting_requests", view(inflight=INFLIGHT), 6),
+        ("num_waiting_requests", view(), 4),
+        # uncomputed 1000 + in-flight prefill 300 (no prediction)
+        ("all_prefills_tokens_num", view(inflight=INFLIGHT), 1300),
+        ("all_prefills_tokens_num", view(status=None, inflight=INFLIGHT), 300),
+        # three leading 16-token blocks cached on a, one on b, none on c
+        ("kv_cache_hit_len", view("a"), 48),
+        ("kv_cache_hit_len", view("b"), 16),
+        ("kv_cache_hit_len", view("c"), 0),
+        # prefills 1000 + misses (100 - 48)
+        ("cache_aware_all_prefills_tokens_num", view("a"), 1052),
+        ("cache_aware_all_prefills_tokens_num", view("c", inflight=INFLIGHT), 1400),
+        # full mode: waiting 4 + loading 1 + running 6 + in-flight 2
+        ("num_requests", view(inflight=INFLIGHT), 13),
+        ("num_requests", view(status=None, inflight=INFLIGHT), 2),
+        # running decode seq len sum 8000 + in-flight decode tokens 400
+        ("all_decodes_tokens_num", view(inflight=INFLIGHT), 8400),
+        ("num_tokens", view(lrs=LrsLoad(num_requests=2, num_tokens=777)), 777),
+    ],
+)
+def test_full_mode_metric_values(name: str, inst: InstanceView, expected: float) -> None:
+    assert value(name, inst) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("name", "lrs", "expected"),
+    [
+        ("num_requests", LrsLoad(num_requests=3, num_tokens=90), 3),
+        ("num_tokens", LrsLoad(num_requests=3, num_tokens=90), 90),
+    ],
+)
+def test_lite_mode_counts_read_the_lrs(name: str, lrs: LrsLoad, expected: float) -> None:
+    assert value(name, view(status=None, lrs=lrs), ctx(full=False)) == expected
+
+
+def test_predicted_ttft_from_tables() -> None:
+    # FLAT derived table: prefill_ms(t) interpolates base 10 ms at 0 .. step(8192) at 8192 tokens;
+    # ahead 1000 + own misses (100 - 48) = 1052 tokens, plus the 4-batch's share per step (0 here)
+    tables = LatencyTables(FLAT)
+    expected = tables.prefill_ms(1052)
+    assert value("predicted_ttft", view("a")) == pytest.approx(expected)
+    assert value("predicted_ttft", view("c")) > value("predicted_ttft", view("a"))
+
+
+def test_predicted_tpot_from_tables() -> None:
+    profile = LatencyProfile(base_ms=10.0, decode_ms_per_token=1.0, context_ms_per_token=0.001)
+    c = ctx(tables=LatencyTables(profile))
+    # batch 4+1+1 (waiting decode, loading, running) + 1 (this request) = 7, seq 8000 + 100
+    expected = 10.0 + 7 * 1.0 + 0.001 * 8100
+    assert value("predicted_tpot", view(), c) == pytest.approx(expected)
+
+
+def test_predictor_enhanced_subtracts_work_done_since_the_status() -> None:
+    # 2 s after the status; step(chunk=512-4, batch 4) = 10 + 5.08 ms -> ~132 steps x 508 tokens >> 1000
+    later = ctx(predictor_enhanced=True, wall_clock=lambda: NOW + 2.0)
+    assert value("all_prefills_tokens_num", view(inflight=INFLIGHT), later) == pytest.approx(300)
+    # 20 ms later: 20 / 15.08 steps x 508 tokens ~ 674 tokens done
+    soon = ctx(predictor_enhanced=True, wall_clock=lambda: NOW + 0.02)
+    got = value("all_prefills_tokens_num", view(), soon)
+    assert got == pytest.approx(1000 - 0.02 * 1000 / (10 + 0.01 * 508) * 508, rel=1e-6)
+    # at the status's own moment nothing is predicted yet
+    assert value("all_prefills_tokens_num", view(), ctx(predictor_enhanced=True)) == 1000
+
+
+@pytest.mark.parametrize("name", SPEC_METRICS)
+def test_every_spec_metric_is_registered_with_the_uniform_interface(name: str) -> None:
+    metric = METRICS.get(name)(ctx())
+    assert metric.name == name
+    low, high = view("c", status=STATUS), view("c", status=STATUS, inflight=INFLIGHT)
+    ctx().begin(REQ)
+    a, b = metric.get_value(low, REQ), metric.get_value(high, REQ)
+    assert metric.value_less(a, b) == (metric.sort_key(a) < metric.sort_key(b))
+    assert metric.less(low, high, REQ) == metric.value_less(a, b)
+    assert not metric.value_less(a, a)
+
+
+@pytest.mark.parametrize(
+    ("name", "lower_is_better", "lite"),
+    [
+        ("kv_cache_hit_len", False, True),
+        ("num_requests", True, True),
+        ("num_tokens", True, True),
+        ("all_prefills_tokens_num", True, False),
+        ("predicted_ttft", True, False),
+    ],
+)
+def test_metric_direction_and_mode(name: str, lower_is_better: bool, lite: bool) -> None:
+    cls: type[Metric] = METRICS.get(name)
+    assert cls.lower_is_better is lower_is_better
+    assert cls.lite is lite
+
+
+def test_registry_holds_exactly_the_spec_metrics() -> None:
+    assert METRICS.names() == sorted(SPEC_METRICS)

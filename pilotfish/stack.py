@@ -26,6 +26,9 @@ class StackSpec:
     ext_proc_metrics: bool = False
     ext_proc_args: list[str] = field(default_factory=list)
     gateway_knows_engines: bool = True  # False: the ext_proc learns engines only from --discovery
+    # full mode: a Redis CMS the engines' llumlets write to and the scheduler reads (empty: lite mode)
+    cms_url: str = ""
+    cms_cluster: str = "pilotfish"
     with_scheduler: bool = True
     engine_args: list[str] = field(default_factory=list)
 
@@ -59,19 +62,26 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     listen_port = spec.listen_port or free_port()
     instances = ",".join(f"{name}=127.0.0.1:{port}" for name, port in engines)
 
+    cms_engine_args = ["--cms-url", spec.cms_url, "--cms-cluster", spec.cms_cluster] if spec.cms_url else []
     sim = group.start(
         "engines",
         [*py, "sim", "serve", "--ports", ",".join(str(p) for _, p in engines), "--model", spec.model,
-         *spec.engine_args],
+         *cms_engine_args, *spec.engine_args],
         log_path=log_dir / "engines.log",
     )
     for _, port in engines:
         sim.wait_port(port, spec.start_timeout)
 
     if spec.with_scheduler:
+        # full mode finds the engines in the CMS; lite mode is told them
+        view_args = (
+            ["--enable-full-mode-scheduling", "--redis-url", spec.cms_url, "--cms-cluster", spec.cms_cluster]
+            if spec.cms_url
+            else ["--instances", instances]
+        )
         scheduler = group.start(
             "scheduler",
-            [*py, "scheduler", "--port", str(scheduler_port), "--instances", instances, "--model", spec.model,
+            [*py, "scheduler", "--port", str(scheduler_port), *view_args, "--model", spec.model,
              "--metrics-port", str(metrics_port)],
             log_path=log_dir / "scheduler.log",
         )

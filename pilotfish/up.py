@@ -28,6 +28,11 @@ class UpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     port: Annotated[int, Meta(ge=1, le=65535, description="Envoy's listener: where clients send requests")] = 8080
     model: Annotated[str, Meta(description="model name the simulated engines serve")] = "pilotfish-sim"
     demo: Annotated[bool, Meta(description="send a short workload through Envoy, print a table, and exit")] = False
+    full: Annotated[
+        bool,
+        Meta(description="full mode: start a Redis CMS; each engine's llumlet exports its load there and the "
+             "scheduler reads it (needs redis-server)"),
+    ] = False  # fmt: skip
     demo_requests: Annotated[int, Meta(ge=1, description="requests the demo sends")] = 40
     demo_concurrency: Annotated[int, Meta(ge=1, description="requests the demo keeps in flight")] = 8
     log_dir: Annotated[str, Meta(description="where each child's log goes (empty: a new temporary folder)")] = ""
@@ -56,9 +61,12 @@ def _raise_stopped(signum: int, frame: object) -> None:
 def run(args: argparse.Namespace) -> int:
     config = struct_from_args(UpConfig, args)
     from pilotfish.envoy_binary import find_envoy_binary
+    from pilotfish.services import redis_binary, start_redis
     from pilotfish.stack import StackSpec, start_stack
 
     find_envoy_binary()  # a missing binary fails here, before anything starts
+    if config.full:
+        redis_binary()
     if not port_is_free(config.port, config.host):
         raise StartError(f"port {config.port} on {config.host} is in use; choose another with --port")
 
@@ -72,12 +80,18 @@ def run(args: argparse.Namespace) -> int:
             engines=config.engines, model=config.model, listen_host=config.host, listen_port=config.port,
             start_timeout=config.start_timeout,
         )
+        if config.full:
+            redis = start_redis(log_dir / "redis")
+            assert redis.child is not None
+            group.children.append(redis.child)  # stopped last, after everything that uses it
+            spec.cms_url = redis.url
         stack = start_stack(spec, group, log_dir)
         base_url = stack.base_url
         if config.demo:
             return _demo(config, base_url)
         print(
-            f"Pilotfish is up: {len(stack.engines)} engines, scheduler, ext_proc and Envoy (logs in {log_dir}).\n"
+            f"Pilotfish is up ({'full' if config.full else 'lite'} mode): {len(stack.engines)} engines, scheduler, "
+            f"ext_proc and Envoy (logs in {log_dir}).\n"
             f"  curl {base_url}/v1/completions -H 'content-type: application/json' "
             f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"hello\", \"max_tokens\": 16}}'\n"
             "Ctrl-C stops everything.",

@@ -150,3 +150,18 @@ def test_colocated_scheduling_routes_without_a_scheduler_process(make_stack) -> 
             "pilotfish_scheduler_inflight_requests", [({}, 1.0)])),
         timeout=30, what="colocated account draining to zero",
     )
+
+
+def test_full_mode_routes_from_the_engines_own_reports(make_stack, redis_service) -> None:
+    """Full mode: the scheduler knows the engines only from their llumlets' CMS records."""
+    stack = make_stack(engines=2, scheduler_metrics=True, cms_url=redis_service.url)
+    wait_until(
+        lambda: len(scheduler_metric(stack, "pilotfish_scheduler_view_staleness_seconds")) == 2,
+        timeout=60, what="both engines in the scheduler's CMS view",
+    )
+    results = asyncio.run(run_mixed(stack.base_url))
+    for r in results:
+        assert r["status"] == 200, r["raw"][:300]
+        assert r["headers"]["x-pilotfish-route"] == "scheduler"
+        assert r["headers"]["x-pilotfish-instance"] == r["headers"]["x-pilotfish-engine"]
+    assert len({r["headers"]["x-pilotfish-engine"] for r in results}) == 2

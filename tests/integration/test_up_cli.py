@@ -61,6 +61,15 @@ def test_demo_serves_through_two_engines(envoy_binary: Path, tmp_path: Path) -> 
     assert processes_with(marker) == []
 
 
+def test_demo_in_full_mode_with_its_own_redis(envoy_binary: Path, redis_binary: Path, tmp_path: Path) -> None:
+    proc, marker = up("--demo", "--full", "--port", str(free_port()), "--demo-requests", "16",
+                      "--log-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "routed by: scheduler 16" in proc.stdout
+    assert (tmp_path / "redis" / "redis.log").exists()
+    assert processes_with(marker) == []  # the Redis it started is stopped too
+
+
 def test_sigint_stops_every_child(envoy_binary: Path, tmp_path: Path) -> None:
     port = free_port()
     marker = uuid.uuid4().hex

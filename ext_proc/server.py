@@ -12,6 +12,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import parse_instances
 from pilotfish.ext_proc.config import ExtProcConfig
 from pilotfish.ext_proc.processor import ExtProcServicer
@@ -73,28 +74,13 @@ class ExtProcServer:
             registry, host = self.metrics.registry, self.config.host
             self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port)
         await self.server.start()
-        if self.config.discovery.strip() not in ("", "static:"):
-            self._discovery_task = asyncio.get_running_loop().create_task(self._follow_discovery())
+        if discovery_configured(self.config):
+            self._discovery_task = asyncio.get_running_loop().create_task(
+                follow(self.config, self.router.instance_added, self.router.instance_removed)
+            )
         for name in HEALTH_SERVICES:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
-
-    async def _follow_discovery(self) -> None:
-        """Keep the router's engine list equal to what discovery reports ready."""
-        from pilotfish.discovery import open_discovery
-        from pilotfish.discovery.api import InstanceAddedEvent
-
-        c = self.config
-        discovery = open_discovery(c.discovery, ttl=c.discovery_ttl_seconds, interval=c.discovery_interval_seconds)
-        async with (
-            discovery,
-            contextlib.aclosing(discovery.watch(c.discovery_namespace, c.discovery_component)) as events,
-        ):
-            async for event in events:
-                if isinstance(event, InstanceAddedEvent):
-                    self.router.instance_added(event.instance)
-                else:
-                    self.router.instance_removed(event.instance.instance_id)
 
     async def stop(self, grace: float = 2.0) -> None:
         for name in HEALTH_SERVICES:

@@ -25,7 +25,9 @@ class StackSpec:
     scheduler_metrics: bool = False
     ext_proc_metrics: bool = False
     ext_proc_args: list[str] = field(default_factory=list)
-    gateway_knows_engines: bool = True  # False: the ext_proc learns engines only from --discovery
+    # a discovery URL: scheduler (lite mode) and ext_proc learn the engines only from it, and
+    # registering them there is the caller's job
+    discovery_url: str = ""
     # full mode: a Redis CMS the engines' llumlets write to and the scheduler reads (empty: lite mode)
     cms_url: str = ""
     cms_cluster: str = "pilotfish"
@@ -74,11 +76,13 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
 
     if spec.with_scheduler:
         # full mode finds the engines in the CMS; lite mode is told them
-        view_args = (
-            ["--enable-full-mode-scheduling", "--redis-url", spec.cms_url, "--cms-cluster", spec.cms_cluster]
-            if spec.cms_url
-            else ["--instances", instances]
-        )
+        if spec.cms_url:
+            view_args = ["--enable-full-mode-scheduling", "--redis-url", spec.cms_url]
+            view_args += ["--cms-cluster", spec.cms_cluster]
+        elif spec.discovery_url:
+            view_args = ["--discovery", spec.discovery_url, "--discovery-interval-seconds", "0.2"]
+        else:
+            view_args = ["--instances", instances]
         scheduler = group.start(
             "scheduler",
             [*py, "scheduler", "--port", str(scheduler_port), *view_args, "--model", spec.model,
@@ -91,7 +95,9 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         "ext_proc",
         [*py, "ext-proc", "--port", str(ext_proc_port),
          "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
-         "--instances", instances if spec.gateway_knows_engines else "", "--model", spec.model,
+         *(["--discovery", spec.discovery_url, "--discovery-interval-seconds", "0.2"] if spec.discovery_url
+           else ["--instances", instances]),
+         "--model", spec.model,
          "--metrics-port", str(ext_proc_metrics_port),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",

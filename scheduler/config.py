@@ -9,9 +9,13 @@ from msgspec import Meta
 
 from pilotfish.cms.keys import BadId, check_id
 from pilotfish.config import ConfigError
+from pilotfish.discovery.config import DiscoveryConfig
 
 
-class SchedulerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
+    """Lite mode's instances come from --instances and, when it names a backend, --discovery (watched
+    live); full mode's come from the CMS."""
+
     scheduling_policy: Annotated[
         str,
         Meta(

@@ -20,12 +20,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from pilotfish.discovery.follow import discovery_configured, follow
+from pilotfish.discovery.static import Instance
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
-from pilotfish.scheduler.view.types import Endpoint, InferType, RequestInfo
+from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -133,6 +135,7 @@ class SchedulerServer:
         self._expiry: asyncio.Task[None] | None = None
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Bind and serve; raises StartError naming the address when a port cannot be bound."""
@@ -167,6 +170,15 @@ class SchedulerServer:
                 self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
+        elif discovery_configured(self.config):
+            self._discovery_task = asyncio.create_task(
+                follow(self.config, self._instance_added, self.core.remove_instance), name="scheduler-discovery"
+            )
+
+    def _instance_added(self, instance: Instance) -> None:
+        """Lite mode: a discovered engine serves the configured models (any, when none is given)."""
+        endpoint = Endpoint(instance.instance_id, instance.address)
+        self.core.add_instance(InstanceView(endpoint, models=frozenset(self.config.model)))
 
     async def _start_metrics(self) -> None:
         from aiohttp import web
@@ -203,8 +215,9 @@ class SchedulerServer:
         await self._health.enter_graceful_shutdown()
         expiry, server, runner = self._expiry, self._server, self._metrics_runner
         reader, self._reader_task = self._reader_task, None
+        discovery, self._discovery_task = self._discovery_task, None
         self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
-        for task in (expiry, reader):
+        for task in (expiry, reader, discovery):
             if task is not None:
                 task.cancel()
                 # bounded: the CMS reader may be mid-reconnect to a Redis that is gone

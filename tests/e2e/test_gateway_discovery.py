@@ -1,4 +1,4 @@
-"""The gateway follows discovery: engines registered in a real Redis become routable, and leave."""
+"""Scheduler and gateway follow discovery: engines registered in a real Redis become routable, and leave."""
 
 from __future__ import annotations
 
@@ -18,28 +18,27 @@ MODEL = "pilotfish-sim"
 
 
 def serving_engines(stack: Stack, attempts: int = 8) -> set[str]:
-    """Which engines answer through Envoy now (empty set when requests fail)."""
+    """Which engines answer through Envoy now, chosen by the scheduler (empty set when none is)."""
 
     async def run() -> set[str]:
-        served = set()
+        # concurrent, so the scheduler sees load and spreads them (idle ties go to the same instance)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
-            for i in range(attempts):
-                body = {"model": MODEL, "prompt": f"d {i}", "max_tokens": 2}
+
+            async def one(i: int) -> str | None:
+                body = {"model": MODEL, "prompt": f"d {i}", "max_tokens": 8}
                 async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
                     await resp.read()
-                    if resp.status == 200:
-                        served.add(resp.headers["x-pilotfish-engine"])
-        return served
+                    if resp.status == 200 and resp.headers["x-pilotfish-route"] == "scheduler":
+                        return resp.headers["x-pilotfish-engine"]
+                    return None
+
+            return {e for e in await asyncio.gather(*(one(i) for i in range(attempts))) if e}
 
     return asyncio.run(run())
 
 
-def test_gateway_routes_to_what_discovery_reports(make_stack, redis_service: RunningService) -> None:
-    stack = make_stack(
-        engines=2, with_scheduler=False, gateway_knows_engines=False,
-        ext_proc_args=["--discovery", redis_service.url, "--discovery-interval-seconds", "0.2",
-                       "--discovery-ttl-seconds", "3"],
-    )
+def test_scheduler_and_gateway_route_to_what_discovery_reports(make_stack, redis_service: RunningService) -> None:
+    stack = make_stack(engines=2, discovery_url=redis_service.url)
     (id0, port0), (id1, port1) = stack.engines
 
     async def register(which: list[tuple[str, int]]) -> tuple:

@@ -62,3 +62,11 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = True
     metrics_port: Annotated[int, Meta(ge=0, le=65535, description="Prometheus /metrics port (0: off)")] = 0
+    prefix_block_size: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="tokens per prefix block hashed for the scheduler's prefix index (cms/prefix_hash.py); "
+            "coarser than the engine's block is fine for routing and cheaper; 0: no hashes",
+        ),
+    ] = 64

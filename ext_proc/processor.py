@@ -17,6 +17,7 @@ from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
+from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import SCHEDULER, Decision, Router
@@ -51,14 +52,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     def __init__(
         self,
         router: Router,
-        count_tokens: Callable[[str], int],
+        tokenize: Callable[[str], list[int]],
         models: frozenset[str],
         max_body_bytes: int,
         metrics: ExtProcMetrics,
         exact_usage: bool = True,
+        prefix_block_size: int = 0,
     ) -> None:
+        self._prefix_block_size = prefix_block_size
         self._router = router
-        self._count_tokens = count_tokens
+        self._tokenize = tokenize
         self._models = models
         self._max_body_bytes = max_body_bytes
         self._metrics = metrics
@@ -120,10 +123,14 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             if parsed.stream and not parsed.include_usage and self._exact_usage:
                 new_body = parsed.body_requesting_usage()
                 s.stripper = UsageStripper()
+            token_ids = self._tokenize(parsed.prompt_text)
+            block_size = self._prefix_block_size
             request = scheduler_pb2.ScheduleRequest(
                 request_id=s.request_id,
                 model=parsed.model,
-                prompt_tokens=self._count_tokens(parsed.prompt_text),
+                prompt_tokens=len(token_ids),
+                prefix_block_hashes=prefix_block_hashes(token_ids, block_size) if block_size else (),
+                prefix_block_size=block_size,
                 max_tokens=parsed.max_tokens or 0,
                 stream=parsed.stream,
             )

@@ -19,7 +19,7 @@ from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
-from pilotfish.ext_proc.tokens import token_counter
+from pilotfish.ext_proc.tokens import tokenizer
 from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 
@@ -47,11 +47,12 @@ class ExtProcServer:
         )
         self.servicer = ExtProcServicer(
             self.router,
-            token_counter(config.tokenizer_path, config.tokenizer_name),
+            tokenizer(config.tokenizer_path, config.tokenizer_name),
             frozenset(config.model),
             config.max_body_bytes,
             self.metrics,
             exact_usage=config.exact_usage,
+            prefix_block_size=config.prefix_block_size,
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

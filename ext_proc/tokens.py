@@ -1,8 +1,10 @@
-"""Prompt token counting: a real tokenizer when one is configured, else an estimate.
+"""Prompt tokenization: a real tokenizer when one is configured, else a deterministic fallback.
 
+The token ids give the prompt token count and the prefix block hashes the scheduler matches.
 Tokenizers come from a local file (`--tokenizer-path`) or from an installed Python package
 that ships one (`--tokenizer-name package` or `package:path/inside/it`); nothing is ever
-downloaded.
+downloaded. Without one, the simulator's fallback tokenizer is used: exact for simulated
+engines, an estimate for real ones (about one token per word or punctuation mark).
 """
 
 from __future__ import annotations
@@ -10,11 +12,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-
-
-def estimate_tokens(text: str) -> int:
-    """About four characters per token for English text (OpenAI's rule of thumb)."""
-    return max(1, (len(text) + 3) // 4)
 
 
 def packaged_tokenizer(name: str) -> Path:
@@ -33,8 +30,8 @@ def packaged_tokenizer(name: str) -> Path:
     return found[0]
 
 
-def token_counter(tokenizer_path: str = "", tokenizer_name: str = "") -> Callable[[str], int]:
-    """The counting function for the configured tokenizer."""
+def tokenizer(tokenizer_path: str = "", tokenizer_name: str = "") -> Callable[[str], list[int]]:
+    """The text -> token ids function for the configured tokenizer."""
     if tokenizer_path and tokenizer_name:
         raise FileNotFoundError("give --tokenizer-path or --tokenizer-name, not both")
     if tokenizer_name:
@@ -46,15 +43,17 @@ def token_counter(tokenizer_path: str = "", tokenizer_name: str = "") -> Callabl
         if not path.is_file():
             raise FileNotFoundError(f"--tokenizer-path {tokenizer_path}: no tokenizer.json there")
     else:
-        return estimate_tokens
+        from pilotfish.simulator.tokens import fallback_token_ids
+
+        return fallback_token_ids
     from tokenizers import Tokenizer
 
     try:
-        tokenizer = Tokenizer.from_file(str(path))
+        loaded = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on a malformed file
         raise FileNotFoundError(f"{path} is not a readable tokenizer.json: {exc}") from None
 
-    def count(text: str) -> int:
-        return len(tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(text: str) -> list[int]:
+        return loaded.encode(text, add_special_tokens=False).ids
 
-    return count
+    return encode

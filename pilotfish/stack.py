@@ -25,6 +25,7 @@ class StackSpec:
     scheduler_metrics: bool = False
     ext_proc_metrics: bool = False
     ext_proc_args: list[str] = field(default_factory=list)
+    scheduler_args: list[str] = field(default_factory=list)
     # a discovery URL: scheduler (lite mode) and ext_proc learn the engines only from it, and
     # registering them there is the caller's job
     discovery_url: str = ""
@@ -86,7 +87,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         scheduler = group.start(
             "scheduler",
             [*py, "scheduler", "--port", str(scheduler_port), *view_args, "--model", spec.model,
-             "--metrics-port", str(metrics_port)],
+             "--metrics-port", str(metrics_port), *spec.scheduler_args],
             log_path=log_dir / "scheduler.log",
         )
         scheduler.wait_port(scheduler_port, spec.start_timeout)

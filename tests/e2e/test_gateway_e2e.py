@@ -165,3 +165,35 @@ def test_full_mode_routes_from_the_engines_own_reports(make_stack, redis_service
         assert r["headers"]["x-pilotfish-route"] == "scheduler"
         assert r["headers"]["x-pilotfish-instance"] == r["headers"]["x-pilotfish-engine"]
     assert len({r["headers"]["x-pilotfish-engine"] for r in results}) == 2
+
+
+@pytest.mark.parametrize("mode", ["lite", "full"])
+def test_cache_aware_routing_keeps_shared_prefixes_together(make_stack, mode: str, request) -> None:
+    """The gateway's prefix hashes reach the scheduler's prefix index: each shared prefix sticks
+    to the engine it first went to, while different prefixes still spread by load."""
+    cms_url = request.getfixturevalue("redis_service").url if mode == "full" else ""
+    stack = make_stack(engines=2, scheduler_metrics=True, cms_url=cms_url,
+                       scheduler_args=["--enable-cache-aware-scheduling"])
+    if mode == "full":
+        wait_until(lambda: len(scheduler_metric(stack, "pilotfish_scheduler_view_staleness_seconds")) == 2,
+                   timeout=60, what="both engines in the scheduler's CMS view")
+    prefixes = {g: " ".join(f"{g}{i}" for i in range(600)) for g in ("alpha", "beta", "gamma", "delta")}
+
+    async def run() -> dict[str, set[str]]:
+        served: dict[str, set[str]] = {g: set() for g in prefixes}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one(group: str, round_: int) -> None:
+                body = {"model": MODEL, "prompt": f"{prefixes[group]} question {round_}", "max_tokens": 16}
+                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+                    await resp.read()
+                    assert resp.status == 200 and resp.headers["x-pilotfish-route"] == "scheduler"
+                    served[group].add(resp.headers["x-pilotfish-engine"])
+
+            for round_ in range(4):  # each round concurrently, so the first placements see load
+                await asyncio.gather(*(one(group, round_) for group in prefixes))
+        return served
+
+    served = asyncio.run(run())
+    assert all(len(engines) == 1 for engines in served.values()), served
+    assert len(set().union(*served.values())) == 2, f"different prefixes should spread: {served}"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from pilotfish.ext_proc.tokens import estimate_tokens, token_counter
+from pilotfish.ext_proc.tokens import tokenizer
+from pilotfish.simulator.tokens import fallback_token_ids
 
 
 def train_tokenizer(folder: Path) -> Tokenizer:
@@ -24,7 +25,7 @@ def train_tokenizer(folder: Path) -> Tokenizer:
 def test_local_file_and_folder(tmp_path: Path) -> None:
     train_tokenizer(tmp_path / "tok")
     for given in (tmp_path / "tok", tmp_path / "tok" / "tokenizer.json"):
-        assert token_counter(str(given))("the quick brown fox") == 4
+        assert len(tokenizer(str(given))("the quick brown fox")) == 4
 
 
 def test_tokenizer_shipped_in_an_installed_package(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -33,8 +34,8 @@ def test_tokenizer_shipped_in_an_installed_package(tmp_path: Path, monkeypatch: 
     (package / "__init__.py").write_text("")
     train_tokenizer(package / "assets")
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    assert token_counter(tokenizer_name="shipped_tok")("lazy dog jumps") == 3
-    assert token_counter(tokenizer_name="shipped_tok:assets/tokenizer.json")("lazy dog") == 2
+    assert len(tokenizer(tokenizer_name="shipped_tok")("lazy dog jumps")) == 3
+    assert len(tokenizer(tokenizer_name="shipped_tok:assets/tokenizer.json")("lazy dog")) == 2
     sys.modules.pop("shipped_tok", None)
 
 
@@ -49,9 +50,9 @@ def test_tokenizer_shipped_in_an_installed_package(tmp_path: Path, monkeypatch: 
 )
 def test_bad_tokenizer_settings_name_the_problem(kwargs, fragment) -> None:
     with pytest.raises(FileNotFoundError, match=fragment):
-        token_counter(**kwargs)
+        tokenizer(**kwargs)
 
 
-def test_estimate_without_a_tokenizer() -> None:
-    assert token_counter() is estimate_tokens
-    assert estimate_tokens("") == 1 and estimate_tokens("x" * 40) == 10
+def test_without_a_tokenizer_the_simulators_fallback_is_used() -> None:
+    assert tokenizer() is fallback_token_ids
+    assert len(tokenizer()("the quick brown fox.")) == 5

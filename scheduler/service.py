@@ -22,6 +22,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import Instance
+from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig, validate_service
@@ -159,9 +160,9 @@ class SchedulerServer:
         if metrics_port:
             try:
                 await self._start_metrics()
-            except OSError as exc:
+            except StartError:
                 await self.stop(0)
-                raise _bind_error(host, metrics_port, "--metrics-port", exc) from None
+                raise
         self._expiry = asyncio.create_task(self._expire_periodically(), name="scheduler-expiry")
         if self.core.cms is not None:
             from pilotfish.cms.reader import CmsReader
@@ -181,26 +182,8 @@ class SchedulerServer:
         self.core.add_instance(InstanceView(endpoint, models=frozenset(self.config.model)))
 
     async def _start_metrics(self) -> None:
-        from aiohttp import web
-        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-
-        registry = self.core.registry
-
-        async def metrics(_: web.Request) -> web.Response:
-            # rendered on the loop that owns the core, so the scrape sees consistent counts
-            return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-        app = web.Application()
-        app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, self.config.host, self.config.metrics_port, reuse_port=False)
-        try:
-            await site.start()
-        except OSError:
-            await runner.cleanup()
-            raise
-        self._metrics_runner = runner
+        # served on the loop that owns the core, so a scrape sees consistent counts
+        self._metrics_runner = await serve_metrics(self.core.registry, self.config.host, self.config.metrics_port)
         self.metrics_port = self.config.metrics_port
 
     async def _expire_periodically(self) -> None:

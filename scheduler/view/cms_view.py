@@ -93,6 +93,8 @@ class CmsView:
             if inst.step_model is None:
                 inst.step_model = StepTimeModel(self._profile, self._prior_weight)
         inst.node_id, inst.unit_id = meta.node_id, meta.unit_id
+        inst.llumlet_address = f"{_host(meta.host)}:{meta.llumlet_port}" if meta.llumlet_port else ""
+        inst.kv_events_endpoint, inst.kv_events_topic = meta.kv_events_endpoint, meta.kv_events_topic
         inst.block_size = meta.block_size or inst.block_size
         inst.max_num_batched_tokens = meta.max_num_batched_tokens
         inst.max_num_seqs = meta.max_num_seqs

@@ -134,6 +134,11 @@ class InstanceView:
     # failure domains (CMS metadata); empty in lite mode
     node_id: str = ""
     unit_id: str = ""
+    # full mode, from CMS metadata: the llumlet's gRPC "host:port" (Migrate, Abort; empty: none)
+    # and the engine's KV-event publisher (empty: none)
+    llumlet_address: str = ""
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
     block_size: int = 16
     max_num_batched_tokens: int = 0
     max_num_seqs: int = 0

@@ -42,6 +42,18 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
         float | None,
         Meta(description="step cost per decoding request in ms (overrides the profile)"),
     ] = None
+    migration_bandwidth_gbps: Annotated[
+        float, Meta(gt=0, description="migration by KV transfer: link bandwidth between engines, gigabits/s")
+    ] = 100.0
+    kv_bytes_per_token: Annotated[
+        int,
+        Meta(ge=1, description="KV-cache bytes per token a KV transfer moves (Llama-3-8B bf16: 2 x 32 layers "
+             "x 8 KV heads x 128 x 2 B)"),
+    ] = 131072  # fmt: skip
+
+    def kv_transfer_seconds(self, num_tokens: int) -> float:
+        """How long moving `num_tokens` tokens of KV cache to another engine takes."""
+        return num_tokens * self.kv_bytes_per_token * 8 / (self.migration_bandwidth_gbps * 1e9)
 
     def __post_init__(self) -> None:
         for name in ("step_ms", "prefill_ms_per_token", "decode_ms_per_token"):

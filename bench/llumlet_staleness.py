@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--burst-gap-ms", type=float, default=20.0, help="burst: pause between bursts (default 20)")
     parser.add_argument("--engine", choices=("idle", "busy"), default="idle",
                         help="engine thread between events: blocked (idle) or running Python (busy)")
-    parser.add_argument("--switch-interval-us", type=int, default=0,
-                        help="set sys.setswitchinterval in the engine process (0: Python's default, 5000)")
+    parser.add_argument("--switch-interval-us", type=int, default=None,
+                        help="the llumlet's gil_switch_interval_us in the engine process (default: the llumlet's "
+                             "default; 0: leave Python's 5000)")
     parser.add_argument("--redis-url", default="", help="use this Redis instead of starting a redis-server")
 
 
@@ -134,6 +135,8 @@ def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespac
         [sys.executable, __file__, "--reader", url, cluster, str(out), str(ready)], stdin=subprocess.DEVNULL
     )
     cfg = LlumletConfig(cms_url=url, cluster=cluster)
+    if args.switch_interval_us is not None:
+        cfg.gil_switch_interval_us = args.switch_interval_us
     meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1)
     llumlet = Llumlet(cfg, instance, meta)
     written: list[tuple[int, int]] = []  # (step_id, monotonic ns when Redis acknowledged it)
@@ -211,8 +214,6 @@ def run(args: argparse.Namespace) -> int:
     from pilotfish import services
     from pilotfish.bench.report import write_report
 
-    if args.switch_interval_us:
-        sys.setswitchinterval(args.switch_interval_us / 1e6)
     with tempfile.TemporaryDirectory(prefix="pf-staleness-") as tmp:
         work = Path(tmp)
         service = None if args.redis_url else services.start_redis(work / "redis")
@@ -225,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     goal_met = all(r["view"]["p99_us"] <= 5000 and r["never_seen"] == 0 for r in results.values())
     result = {
         "schedules": results, "goal_p99_ms": 5, "goal_met": goal_met, "cpus": os.cpu_count(),
-        "engine": args.engine, "switch_interval_us": args.switch_interval_us or round(sys.getswitchinterval() * 1e6),
+        "engine": args.engine, "switch_interval_us": round(sys.getswitchinterval() * 1e6),
     }  # fmt: skip
     rows = [
         "| schedule | path | records | p50 (µs) | p90 (µs) | p99 (µs) | max (µs) |",

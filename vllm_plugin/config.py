@@ -57,6 +57,14 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_export_interval_us: Annotated[
         int, _doc("least time between two status writes; 0: export on every change, coalesced", ge=0)
     ] = 0
+    gil_switch_interval_us: Annotated[
+        int,
+        _doc(
+            "lower the engine process's GIL switch interval (sys.setswitchinterval) to this; Python's 5000 us "
+            "lets an engine thread running Python hold the export thread back that long; 0: leave it",
+            ge=0,
+        ),
+    ] = 1000
 
     def __post_init__(self) -> None:
         if self.infer_type not in INFER_TYPES:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from collections import deque
@@ -104,6 +105,11 @@ class Llumlet:
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self, serve_grpc: bool = True) -> None:
+        wanted = self.config.gil_switch_interval_us / 1e6
+        if wanted and sys.getswitchinterval() > wanted:
+            # measured (bench llumlet-staleness --engine busy): event -> view p99 17 ms at Python's
+            # 5 ms, 4 ms at 1 ms; the exporter needs the GIL for every write
+            sys.setswitchinterval(wanted)
         if serve_grpc:
             from pilotfish.vllm_plugin.core.server import start_server
 

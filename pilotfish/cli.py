@@ -21,6 +21,7 @@ from pilotfish.procs import StartError
 SUBCOMMAND_MODULES = [
     "pilotfish.up",
     "pilotfish.scheduler.cli",
+    "pilotfish.scheduler.rescheduler.cli",
     "pilotfish.ext_proc.cli",
     "pilotfish.discovery.cli",
     "pilotfish.vllm_plugin.cli",

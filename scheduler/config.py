@@ -164,6 +164,118 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         ),
     ] = 300.0
 
+    # -- rescheduling: the rescheduler's settings, checked by rescheduler/settings.py (scheduler/README.md) --
+    enable_rescheduling: Annotated[
+        bool,
+        Meta(description="run the rescheduler: plan migrations from the CMS view and ask the llumlets to migrate"),
+    ] = False
+    rescheduling_policies: Annotated[
+        list[str],
+        Meta(
+            description="rescheduling policies, run in this order (earlier ones win a conflict): decode_load, "
+            "neutral_load, prefill_failover, decode_failover, neutral_failover, binpacking_mitigation, "
+            "binpacking_consolidation"
+        ),
+    ] = msgspec.field(
+        default_factory=lambda: [
+            "prefill_failover",
+            "decode_failover",
+            "neutral_failover",
+            "decode_load",
+            "neutral_load",
+        ]
+    )
+    rescheduling_interval_ms: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="period of the rescheduling loop; long enough for the statuses after one cycle's "
+            "migrations to reach the view before the next cycle plans (use 100 with the binpacking policies)",
+        ),
+    ] = 500
+    colocated_rescheduling_mode: Annotated[
+        bool,
+        Meta(
+            description="run the rescheduler inside `pilotfish scheduler` (needs full mode); ignored when "
+            "--standalone-rescheduling-mode is on"
+        ),
+    ] = True
+    standalone_rescheduling_mode: Annotated[
+        bool,
+        Meta(description="the rescheduler runs as its own process (`pilotfish rescheduler`); the scheduler runs none"),
+    ] = False
+    rescheduling_decode_load_metric: Annotated[
+        str, Meta(description="decode_load: the load metric of decode instances")
+    ] = "kv_cache_usage_ratio_projected"
+    rescheduling_decode_load_threshold: Annotated[
+        float,
+        Meta(description="decode_load: instances at or above this load are sources, those below destinations"),
+    ] = 0.7
+    rescheduling_neutral_load_metric: Annotated[
+        str, Meta(description="neutral_load: the load metric of neutral instances")
+    ] = "kv_cache_usage_ratio_projected"
+    rescheduling_neutral_load_threshold: Annotated[
+        float,
+        Meta(description="neutral_load: instances at or above this load are sources, those below destinations"),
+    ] = 0.7
+    rescheduling_load_balance_threshold: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="load balance: minimum load difference (in the load metric's units) between a source "
+            "and its destination",
+        ),
+    ] = 0.1
+    rescheduling_load_balance_scope: Annotated[
+        str, Meta(description="load balance: cluster (any pair) or unit (pairs within one unit_id only)")
+    ] = "cluster"
+    rescheduling_req_select_rule: Annotated[
+        str, Meta(description="what --rescheduling-req-select-value counts: NUM_REQ, TOKEN or RATIO")
+    ] = "TOKEN"
+    rescheduling_req_select_order: Annotated[
+        str, Meta(description="which requests migrate first: LCR, FCR, LR, SR, FCW or FCWSR")
+    ] = "SR"
+    rescheduling_req_select_value: Annotated[
+        float,
+        Meta(gt=0, description="requests (NUM_REQ), tokens (TOKEN) or fraction of the KV cache (RATIO) per migration"),
+    ] = 1024.0
+    rescheduling_migration_method: Annotated[
+        str,
+        Meta(
+            description="auto (the source llumlet decides: KV transfer where a connector is configured), "
+            "recompute or kv_transfer"
+        ),
+    ] = "auto"
+    llumlet_grpc_connection_pool_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="gRPC channels per llumlet address; one HTTP/2 channel already multiplexes the calls "
+            "of a cycle, which asks each source once",
+        ),
+    ] = 1
+    llumlet_grpc_timeout_seconds: Annotated[
+        float, Meta(gt=0, description="deadline of one Migrate call; a timeout counts as a failed rescheduling")
+    ] = 10.0
+    llumlet_token: Annotated[
+        str, Meta(description="sent to the llumlets as 'authorization: Bearer <token>' (their --llumlet-token)")
+    ] = ""
+    tpot_migrate_out_ceil_threshold: Annotated[
+        float,
+        Meta(gt=0, description="binpacking_mitigation: sources are predicted at or above tpot-slo x this"),
+    ] = 0.95
+    tpot_migrate_out_floor_threshold: Annotated[
+        float,
+        Meta(gt=0, description="binpacking_consolidation: sources are predicted below tpot-slo x this"),
+    ] = 0.60
+    enable_adaptive_pd: Annotated[
+        bool,
+        Meta(
+            description="adaptive PD: needs --scheduling-policy slo and --tpot-slo; the binpacking_* rescheduling "
+            "policies are its rescheduling half"
+        ),
+    ] = False
+
 
 def parse_instance(text: str) -> tuple[str, str]:
     """`host:port` or `id=host:port` -> (instance id, address); raises ConfigError naming the flag."""

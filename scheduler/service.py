@@ -28,6 +28,7 @@ from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
+from pilotfish.scheduler.rescheduler.service import colocated_loop
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ class SchedulerServer:
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        # colocated rescheduling: None unless enabled (bad rescheduling flags fail here, before binding)
+        self._rescheduler = colocated_loop(config, self.core)
 
     async def start(self) -> None:
         """Bind and serve; raises StartError naming the address when a port cannot be bound."""
@@ -171,6 +174,8 @@ class SchedulerServer:
                 self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
+            if self._rescheduler is not None:
+                self._rescheduler.start(self.reader.wait_first_poll)
         elif discovery_configured(self.config):
             self._discovery_task = asyncio.create_task(
                 follow(self.config, self._instance_added, self.core.remove_instance), name="scheduler-discovery"
@@ -200,6 +205,8 @@ class SchedulerServer:
         reader, self._reader_task = self._reader_task, None
         discovery, self._discovery_task = self._discovery_task, None
         self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
+        if self._rescheduler is not None:
+            await self._rescheduler.stop()  # before the reader: no cycle plans over a view being torn down
         for task in (expiry, reader, discovery):
             if task is not None:
                 task.cancel()

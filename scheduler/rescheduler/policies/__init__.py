@@ -1,0 +1,1 @@
+"""Rescheduling policies, one class each: load balance, failover, adaptive-PD binpacking."""

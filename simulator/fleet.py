@@ -51,6 +51,7 @@ class SimEngine:
     address: EngineAddress
     config: EngineConfig
     driver: EngineDriver
+    llumlet: Any = None  # the engine's Llumlet, in full mode (--cms-url)
 
     @property
     def core(self) -> EngineCore:
@@ -126,9 +127,11 @@ async def serve_engines(
             site = web.TCPSite(runner, serve.host, port, reuse_address=True)
             await site.start()
             bound = _bound_port(runner, port)
-            engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver))
+            llumlet = None
             if serve.cms_url:
-                llumlets.append(_attach_llumlet(serve, config, core, engine_id, bound))
+                llumlet = _attach_llumlet(serve, config, driver, engine_id, bound)
+                llumlets.append(llumlet)
+            engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver, llumlet))
         yield Fleet(engines)
     finally:
         for llumlet in llumlets:
@@ -141,15 +144,15 @@ async def serve_engines(
             publisher.close()
 
 
-def _attach_llumlet(serve: ServeConfig, config: EngineConfig, core: EngineCore, engine_id: str, port: int) -> Any:
-    """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs."""
+def _attach_llumlet(serve: ServeConfig, config: EngineConfig, driver: EngineDriver, engine_id: str, port: int) -> Any:
+    """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs, migration included."""
     from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
     from pilotfish.vllm_plugin.config import LlumletConfig
 
     llumlet_config = LlumletConfig(cms_url=serve.cms_url, cluster=serve.cms_cluster, instance_id=engine_id)
     return attach_llumlet(
-        core, config, llumlet_config, engine_id, serve.host, port, model=serve.model,
-        loop=asyncio.get_running_loop(),
+        driver.core, config, llumlet_config, engine_id, serve.host, port, model=serve.model,
+        loop=asyncio.get_running_loop(), driver=driver,
     )
 
 

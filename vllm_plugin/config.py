@@ -65,6 +65,14 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             ge=0,
         ),
     ] = 1000
+    max_migrations: Annotated[
+        int,
+        _doc("most requests migrating at once, out of and into this engine each (a migrated request counts until "
+             "it finishes: its tokens are relayed through the source)", ge=1, le=256),
+    ] = 8  # fmt: skip
+    migration_accept_timeout_ms: Annotated[
+        int, _doc("how long a source waits for the destination to accept a migrating request", ge=100)
+    ] = 10_000
 
     def __post_init__(self) -> None:
         if self.infer_type not in INFER_TYPES:

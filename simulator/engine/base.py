@@ -17,6 +17,8 @@ class TokenOutput:
     token_id: int | None
     index: int  # position in the output, from 0
     finish_reason: FinishReason | None = None
+    # set (with no token) when the request ends in an error: no engine could continue it
+    error: str | None = None
 
 
 @dataclass(slots=True)
@@ -70,6 +72,16 @@ class EngineCore(Protocol):
 
     def abort_request(self, request_id: str, now: float) -> bool:
         """Drop a waiting or running request and free what it holds; False if it is unknown."""
+        ...
+
+    def detach_request(self, request_id: str, now: float) -> SimRequest | None:
+        """Take a waiting or running request out to continue elsewhere (migration): its blocks
+        are freed and no finish is recorded. None if it is not in the engine."""
+        ...
+
+    def resume_request(self, request: SimRequest, now: float) -> None:
+        """Add a request that already has output tokens (migrated in, or back after a failed
+        migration): it recomputes prompt + output and continues after them."""
         ...
 
     def has_unfinished_requests(self) -> bool: ...

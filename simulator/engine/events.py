@@ -39,5 +39,8 @@ class EngineObserver:
     def finished(self, request: SimRequest, reason: FinishReason, now: float) -> None:
         """A request left the engine: finished by length or stop, or aborted."""
 
+    def detached(self, request: SimRequest, now: float) -> None:
+        """A request left the engine to continue on another (migration); it did not finish."""
+
     def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
         """A step that started at `now` lasted `duration` seconds."""

@@ -11,6 +11,7 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
+    MIGRATED = "migrated"  # taken out of this engine to continue on another
 
 
 class FinishReason(enum.StrEnum):
@@ -37,6 +38,9 @@ class SimRequest:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     block_hashes: list[int] = field(default_factory=list)  # of full blocks of all_token_ids, grown lazily
+    # Leading tokens whose KV arrived from another engine (migration by KV transfer): they count as
+    # computed when the request is next scheduled, like a prefix-cache hit, then this goes back to 0.
+    num_external_computed_tokens: int = 0
 
     # read every step for every running request; the prompt never changes, so its length is kept
     num_prompt_tokens: int = field(init=False)

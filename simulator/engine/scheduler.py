@@ -90,6 +90,38 @@ class V1Engine:
         self._finish(request, FinishReason.ABORT, now)
         return True
 
+    def detach_request(self, request_id: str, now: float) -> SimRequest | None:
+        """Take a waiting or running request out to continue on another engine (migration).
+
+        Its blocks are freed (their hashed content stays in the prefix cache until evicted) and
+        observers see `detached`, not `finished`: no finish is counted. `num_computed_tokens`
+        keeps the KV it had, for a KV transfer to size itself by; None if it is not here.
+        """
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        self._free(request, now)
+        # not RUNNING, so a step in flight that scheduled it produces nothing for it (as for an abort)
+        request.status = RequestStatus.MIGRATED
+        for o in self.observers:
+            o.detached(request, now)
+        return request
+
+    def resume_request(self, request: SimRequest, now: float) -> None:
+        """Add a request that already has output tokens: migrated in, or back after its migration
+        failed. Like a preempted request it recomputes prompt + output (the prefix cache helps, as
+        do `num_external_computed_tokens`) and samples its next token after them."""
+        if request.length_limit_reached(self.config.max_model_len) is not None:
+            # it would recompute and never sample: its client must be told it ended instead
+            raise ValueError(f"request {request.request_id!r} has reached its length limit")
+        request.num_computed_tokens = 0
+        request.finish_reason = None
+        self.add_request(request, now)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -136,14 +168,17 @@ class V1Engine:
             request = self.waiting[0]
             cached = self.kv.computed_blocks(request)
             hit = len(cached) * self.config.block_size
-            num_new = min(request.num_tokens - hit, budget)
-            new_blocks = self.kv.allocate(request, num_new, cached)
+            # KV that arrived by transfer counts as computed, like a hit, but needs fresh blocks
+            skip = max(hit, min(request.num_external_computed_tokens, request.num_tokens - 1))
+            num_new = min(request.num_tokens - skip, budget)
+            new_blocks = self.kv.allocate(request, skip - hit + num_new, cached)
             if new_blocks is None:
                 break
             self.waiting.popleft()
             self.running.append(request)
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit
+            request.num_computed_tokens = skip
+            request.num_external_computed_tokens = 0  # consumed: a later preemption recomputes
             if request.num_preemptions == 0:
                 # vLLM counts prefix-cache queries and hits of new requests only; a preempted
                 # request's return goes to separate (unexported) preempted_* counters

@@ -154,6 +154,9 @@ class EngineApp:
             words: list[str] = []
             while True:
                 out = await queue.get()
+                if out.error is not None:
+                    finished = True
+                    raise ApiError(500, out.error, "InternalServerError")
                 if out.token_id is not None:
                     words.append(generated_word(out.index))
                 if out.finish_reason is not None:

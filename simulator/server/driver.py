@@ -84,6 +84,42 @@ class EngineDriver:
             else:
                 self.core.abort_request(request_id, time.monotonic())
 
+    # ---- migration: the request moves, its stream (the sink) stays -----------------------------
+
+    def has_stream(self, request_id: str) -> bool:
+        return request_id in self._sinks
+
+    def detach(self, request_id: str) -> SimRequest | None:
+        """Take a request out of the engine to continue elsewhere; its sink stays, for `relay`."""
+        if request_id not in self._sinks or request_id in self._pending:
+            return None  # unknown, finished, or not in the engine yet
+        return self.core.detach_request(request_id, time.monotonic())
+
+    def relay(self, out: TokenOutput) -> bool:
+        """Deliver a token computed elsewhere to the request's sink; False if its client is gone."""
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return False
+        if out.finish_reason is not None or out.error is not None:
+            del self._sinks[out.request_id]
+        _deliver(sink, out)
+        return True
+
+    def resume(self, request: SimRequest, sink: TokenSink | None = None) -> None:
+        """Put a request that has output tokens (back) into the engine; `sink` is its stream where
+        it has none here yet (migrated in). Raises ValueError if the engine cannot take it."""
+        if sink is not None:
+            if request.request_id in self._sinks:
+                raise ValueError(f"request {request.request_id!r} already streams from this engine")
+            self._sinks[request.request_id] = sink
+        try:
+            self.core.resume_request(request, time.monotonic())
+        except BaseException:
+            if sink is not None:
+                del self._sinks[request.request_id]
+            raise
+        self._wake.set()
+
     async def _run(self) -> None:
         core = self.core
         sinks = self._sinks

@@ -61,3 +61,7 @@ class LatencyHistograms(EngineObserver):
     def finished(self, request: SimRequest, reason: FinishReason, now: float) -> None:
         self._added.pop(request.request_id, None)
         self._last.pop(request.request_id, None)
+
+    def detached(self, request: SimRequest, now: float) -> None:
+        # migrated away: the destination times the rest; nothing may linger here
+        self.finished(request, FinishReason.ABORT, now)

@@ -13,7 +13,7 @@ import asyncio
 from typing import Any
 
 from pilotfish.simulator.engine.base import TokenOutput
-from pilotfish.simulator.server.protocol import SSE_DONE, ResponseShape, sse
+from pilotfish.simulator.server.protocol import SSE_DONE, ApiError, ResponseShape, sse
 from pilotfish.simulator.tokens import generated_word
 
 _MARK = "@@pilotfish-text@@"  # JSON-encodes as itself
@@ -39,6 +39,11 @@ class SseSink:
             return
         if self.transport.is_closing():
             self.done.set_exception(ConnectionResetError("client went away"))
+            return
+        if out.error is not None:
+            # as vLLM ends a stream that fails mid-way: an error event, then [DONE]
+            self._write(sse(ApiError(500, out.error, "InternalServerError").body()) + SSE_DONE)
+            self.done.set_result(None)
             return
         text = ""
         if out.token_id is not None:

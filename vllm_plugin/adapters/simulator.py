@@ -4,6 +4,9 @@
     ...
     llumlet.stop()
 
+With the HTTP driver as well (`driver=`), the llumlet can migrate requests in and out
+(adapters/simulator_migration.py).
+
 Observer hooks run inside the simulator's step (on its asyncio loop, or in virtual time); each
 updates the LoadState under the llumlet's lock and wakes the export thread, exactly as the vLLM
 adapter does. KV usage is read from the engine's block pool: the block events alone cannot
@@ -14,13 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pilotfish.protos import cms_pb2
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
+from pilotfish.vllm_plugin.adapters.simulator_migration import SimMigrationAdapter
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
+
+if TYPE_CHECKING:
+    from pilotfish.simulator.server.driver import EngineDriver
 
 ABORT_TIMEOUT_S = 5.0
 
@@ -76,6 +83,10 @@ class LlumletObserver(EngineObserver):
         with self.llumlet.events() as s:
             s.finished(request.request_id)
 
+    def detached(self, request: SimRequest, now: float) -> None:
+        with self.llumlet.events() as s:
+            s.finished(request.request_id)  # migrated away: no longer load here
+
     def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
         # The hook does not carry the step's context length; the running batch after the step
         # is the same requests less those that finished, which is close enough for the fit.
@@ -96,6 +107,7 @@ def attach_llumlet(
     model: str = "",
     kv_events_endpoint: str = "",
     loop: asyncio.AbstractEventLoop | None = None,
+    driver: EngineDriver | None = None,
     serve_grpc: bool = True,
     start: bool = True,
 ) -> Llumlet:
@@ -103,6 +115,8 @@ def attach_llumlet(
 
     `loop` is the asyncio loop that owns the core: Abort calls from the gRPC thread run there.
     Without it Abort answers UNIMPLEMENTED (a virtual-time core has no thread to hand them to).
+    `driver` (the HTTP driver running `core` on `loop`) enables Migrate and MigrateIn; without
+    it they answer UNIMPLEMENTED.
     """
     meta = cms_pb2.InstanceMetadata(
         host=host,
@@ -127,8 +141,14 @@ def attach_llumlet(
             loop.call_soon_threadsafe(lambda: done.set_result(run()))
             return done.result(timeout=ABORT_TIMEOUT_S)
 
-    llumlet = Llumlet(config, instance_id, meta, abort_handler=abort)
+    migration = None
+    if loop is not None and driver is not None:
+        migration = SimMigrationAdapter(driver, engine_config, loop)
+    llumlet = Llumlet(config, instance_id, meta, abort_handler=abort, migration_adapter=migration)
     core.add_observer(LlumletObserver(llumlet, core, engine_config.block_size, engine_config.num_gpu_blocks))
+    if migration is not None:
+        migration.llumlet = llumlet
+        core.add_observer(migration)
     if start:
         llumlet.start(serve_grpc=serve_grpc)
     return llumlet

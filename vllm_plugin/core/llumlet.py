@@ -8,8 +8,9 @@ Threads:
                   the lock. Events that arrive while a write is in flight only re-set the flag,
                   so the next write carries the latest state: latest wins, nothing newer is lost.
                   It also re-writes status and metadata every `refresh_ms` to keep the TTL alive.
-  gRPC threads    Migrate, Abort, GetStatus (core/server.py); Abort is handed to the engine
-                  thread through `abort_handler`, never applied from here.
+  gRPC threads    Migrate, MigrateIn, Abort, GetStatus (core/server.py); Abort is handed to the
+                  engine thread through `abort_handler`, migrations through `migration_adapter`
+                  (core/migration.py), never applied from here.
 """
 
 from __future__ import annotations
@@ -22,11 +23,16 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
 from pilotfish.vllm_plugin.core.state import LoadState
+
+if TYPE_CHECKING:
+    from pilotfish.vllm_plugin.core.migration import MigrationCoordinator
 
 log = logging.getLogger("pilotfish.llumlet")
 
@@ -50,6 +56,7 @@ class Llumlet:
         metadata: cms_pb2.InstanceMetadata,
         writer: CmsWriter | None = None,
         abort_handler: AbortHandler | None = None,
+        migration_adapter: MigrationAdapter | None = None,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
@@ -63,6 +70,10 @@ class Llumlet:
             self.metadata.unit_id = config.unit_id
         self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
         self.abort_handler = abort_handler
+        # Migrate and MigrateIn answer UNIMPLEMENTED without an adapter
+        self.migration: MigrationCoordinator | None = None
+        self._migration_adapter: MigrationAdapter | None = None
+        self.migration_adapter = migration_adapter
         # Set by adapters that run in a child of the engine's frontend (vLLM's engine core): if
         # the parent dies and this process lingers, stop exporting so the keys expire.
         self.watch_parent = False
@@ -86,6 +97,22 @@ class Llumlet:
         self.engine_cpu_start_ns = 0
         self.engine_cpu_ns = 0
         self.export_cpu_ns = 0
+
+    @property
+    def migration_adapter(self) -> MigrationAdapter | None:
+        return self._migration_adapter
+
+    @migration_adapter.setter
+    def migration_adapter(self, adapter: MigrationAdapter | None) -> None:
+        """The engine's side of migration; assignable after construction (an adapter that needs the
+        llumlet first), before or after start: each Migrate and MigrateIn reads the current one."""
+        self._migration_adapter = adapter
+        if adapter is None:
+            self.migration = None
+            return
+        from pilotfish.vllm_plugin.core.migration import MigrationCoordinator
+
+        self.migration = MigrationCoordinator(self, adapter)
 
     # ---- engine side --------------------------------------------------------------------------
 
@@ -135,6 +162,8 @@ class Llumlet:
         self._thread.join(timeout=5)
         self._thread = None
         log.info("llumlet %s stopping: %s", self.instance_id, self.staleness_summary())
+        if self.migration is not None:
+            self.migration.shutdown()  # before the server stops, so sources hear why
         if self._server is not None:
             self._server.stop(grace=0.5)  # type: ignore[attr-defined]
             self._server = None

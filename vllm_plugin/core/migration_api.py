@@ -47,6 +47,9 @@ class MigratingRequest:
     running: bool = True  # was in the running batch on the source (waiting otherwise)
     # adapter-private state the source keeps while the request is away (e.g. its stream handle)
     extra: dict[str, object] = field(default_factory=dict)
+    # how the destination gets the KV: "recompute" (prefill prompt + output) or "kv_transfer";
+    # the coordinator sets it from the Migrate call on the source and from MigrateIn on the destination
+    method: str = "recompute"
 
 
 class MigrationAdapter(Protocol):

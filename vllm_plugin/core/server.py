@@ -1,14 +1,17 @@
-"""The llumlet's gRPC server: Migrate, Abort, GetStatus (protos/llumlet.proto).
+"""The llumlet's gRPC server: Migrate, MigrateIn, Abort, GetStatus (protos/llumlet.proto).
 
 Bound to loopback unless configured; with a token, every call must carry metadata
 `authorization: Bearer <token>` or gets UNAUTHENTICATED. A small thread pool: the rescheduler and
-tools call it rarely, and it must never compete with the engine for cores.
+tools call it rarely, and it must never compete with the engine for cores. Each MigrateIn stream
+holds a thread for as long as its request generates, so the pool has one per allowed incoming
+migration (`max_migrations`) on top of the few the short calls share.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+from collections.abc import Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +19,7 @@ import grpc
 
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.migration import MigrationError
 
 if TYPE_CHECKING:
     from pilotfish.vllm_plugin.core.llumlet import Llumlet
@@ -23,6 +27,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("pilotfish.llumlet")
 
 MAX_ABORT_IDS = 4096
+# threads for the short calls (GetStatus, Abort, Migrate waiting for acceptance), beside MigrateIn's
+SHORT_CALL_WORKERS = 3
+NO_MIGRATION = (
+    "this engine adapter cannot migrate requests: the llumlet has no migration adapter, so the rescheduler "
+    "cannot move requests from or to this engine"
+)
 
 
 class _TokenAuth(grpc.ServerInterceptor):
@@ -66,18 +76,31 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
     def Migrate(
         self, request: llumlet_pb2.MigrateRequest, context: grpc.ServicerContext
     ) -> llumlet_pb2.MigrateResponse:
-        context.abort(
-            grpc.StatusCode.UNIMPLEMENTED,
-            "migration is not implemented in this llumlet yet (it arrives with the rescheduler)",
-        )
+        coordinator = self.llumlet.migration
+        if coordinator is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_MIGRATION)
+        try:
+            return coordinator.migrate(request)  # type: ignore[union-attr]
+        except MigrationError as exc:
+            context.abort(exc.code, exc.message)
         raise AssertionError("unreachable")  # context.abort raises
+
+    def MigrateIn(
+        self, request: llumlet_pb2.MigrateInRequest, context: grpc.ServicerContext
+    ) -> Iterator[llumlet_pb2.MigrateInChunk]:
+        coordinator = self.llumlet.migration
+        if coordinator is None:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, NO_MIGRATION)
+        return coordinator.migrate_in(request, context)  # type: ignore[union-attr]
 
 
 def start_server(llumlet: Llumlet, config: LlumletConfig) -> tuple[grpc.Server, int]:
     """Serve on config.llumlet_host:llumlet_port (0: any free port); returns (server, port)."""
     interceptors = [_TokenAuth(config.llumlet_token)] if config.llumlet_token else []
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="pilotfish-llumlet-grpc"),
+        futures.ThreadPoolExecutor(
+            max_workers=SHORT_CALL_WORKERS + config.max_migrations, thread_name_prefix="pilotfish-llumlet-grpc"
+        ),
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0)],
     )

@@ -174,6 +174,14 @@ class LoadState:
         if r is not None:
             self._apply(r, -1)
 
+    def migrating(self, out_delta: int = 0, in_delta: int = 0, loading_delta: int = 0) -> None:
+        """Requests started or stopped moving: out (detached here, not yet accepted elsewhere), in
+        (arriving, not yet admitted), loading (admitted, their KV still in transfer)."""
+        self.num_migrating_out = max(0, self.num_migrating_out + out_delta)
+        self.num_migrating_in = max(0, self.num_migrating_in + in_delta)
+        self.num_loading = max(0, self.num_loading + loading_delta)
+        self.changed = True
+
     def kv_usage(self, used_blocks: int, total_blocks: int, block_size: int) -> None:
         used, total = min(used_blocks, total_blocks) * block_size, total_blocks * block_size
         if used != self.used_kv_tokens or total != self.total_kv_tokens:

@@ -82,7 +82,9 @@ class _Scrape(EngineObserver):
         self.core = core
         self.history: deque[tuple[float, int, float]] = deque([(0.0, 0, 0.0)])
 
-    def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
+    def step_finished(
+        self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int
+    ) -> None:
         # vLLM refreshes these gauges once per step, so a scrape sees the state after the last step
         self.history.append((now + duration, len(self.core.waiting), self.core.kv.usage()))
 

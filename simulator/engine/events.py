@@ -42,5 +42,8 @@ class EngineObserver:
     def detached(self, request: SimRequest, now: float) -> None:
         """A request left the engine to continue on another (migration); it did not finish."""
 
-    def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
-        """A step that started at `now` lasted `duration` seconds."""
+    def step_finished(
+        self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int
+    ) -> None:
+        """A step that started at `now` lasted `duration` seconds; it computed `num_prefill_tokens`
+        prompt tokens and `num_decodes` decode tokens, attending `num_context_tokens` of context."""

@@ -238,7 +238,9 @@ class V1Engine:
         if any_finished:
             self.running = [r for r in self.running if r.status is running]
         for o in observers:
-            o.step_finished(plan.start, plan.duration, plan.num_prefill_tokens, plan.num_decode_requests)
+            o.step_finished(
+                plan.start, plan.duration, plan.num_prefill_tokens, plan.num_decode_requests, plan.num_context_tokens
+            )
         return outputs
 
     # ---- helpers ------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from pilotfish.simulator.engine.base import EngineCore, TokenOutput
-from pilotfish.simulator.engine.request import SimRequest
+from pilotfish.simulator.engine.request import FinishReason, SimRequest
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,25 @@ class EngineDriver:
                 self.core.abort_request(request_id, time.monotonic())
 
     # ---- migration: the request moves, its stream (the sink) stays -----------------------------
+
+    def abort_from_engine(self, request_id: str) -> bool:
+        """Abort a request on the engine's side (the llumlet's Abort, not the client): the client's
+        stream ends with finish_reason "abort", as vLLM ends an aborted request's stream. False if
+        the request is not here."""
+        pending = self._pending.pop(request_id, None)
+        if pending is not None:
+            pending.cancel()  # never reached the engine
+            request = None
+        else:
+            # read before the abort frees it: the finish goes after the tokens already streamed
+            request = getattr(self.core, "requests", {}).get(request_id)
+            if not self.core.abort_request(request_id, time.monotonic()):
+                return False
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            index = request.num_output_tokens if request is not None else 0
+            _deliver(sink, TokenOutput(request_id, None, index, FinishReason.ABORT))
+        return True
 
     def has_stream(self, request_id: str) -> bool:
         return request_id in self._sinks

@@ -227,3 +227,32 @@ async def test_request_no_engine_can_continue_ends_with_an_error_event(redis_ser
         assert stream.texts == [WORDS[i % len(WORDS)] for i in range(len(moving.output_token_ids))]
 
     await with_fleet(redis_service, [engine_config(5), engine_config(5)], body)
+
+
+async def test_llumlet_abort_ends_the_clients_stream(redis_service: RunningService) -> None:
+    """An Abort from the llumlet (not the client) frees the request and ends its stream with
+    finish_reason "abort" and one [DONE], as vLLM ends an aborted request's stream."""
+    n = 400
+
+    async def body(fleet: Fleet, session: aiohttp.ClientSession) -> None:
+        a, _ = fleet.engines
+        stream = Stream()
+        client = asyncio.create_task(stream_completion(session, a.address.url, "abort-1", n, stream))
+        await wait_for(lambda: len(stream.texts) >= 5, "the first tokens from A")
+        rid = internal_id(a, "abort-1")
+
+        def call() -> llumlet_pb2.AbortResponse:
+            with grpc.insecure_channel(llumlet_address(a)) as channel:
+                return llumlet_pb2_grpc.LlumletStub(channel).Abort(
+                    llumlet_pb2.AbortRequest(request_ids=[rid, "unknown"]), timeout=TIMEOUT_S
+                )
+
+        reply = await asyncio.to_thread(call)
+        assert list(reply.aborted_request_ids) == [rid]
+        await asyncio.wait_for(client, TIMEOUT_S)
+        assert stream.finish_reasons == ["abort"] and stream.done_markers == 1 and stream.errors == []
+        assert 5 <= len(stream.texts) < n
+        assert stream.texts == [WORDS[i % len(WORDS)] for i in range(len(stream.texts))]
+        await wait_for(lambda: idle(a), "A idle, the request's blocks freed")
+
+    await with_fleet(redis_service, [engine_config(5), engine_config(5)], body)

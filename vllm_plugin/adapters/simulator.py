@@ -87,13 +87,11 @@ class LlumletObserver(EngineObserver):
         with self.llumlet.events() as s:
             s.finished(request.request_id)  # migrated away: no longer load here
 
-    def step_finished(self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int) -> None:
-        # The hook does not carry the step's context length; the running batch after the step
-        # is the same requests less those that finished, which is close enough for the fit.
-        running = getattr(self.core, "running", ())
-        seq_len_sum = sum(r.num_computed_tokens for r in running)
+    def step_finished(
+        self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int
+    ) -> None:
         with self.llumlet.events() as s:
-            s.step_finished(duration, num_prefill_tokens, num_decodes, seq_len_sum)
+            s.step_finished(duration, num_prefill_tokens, num_decodes, num_context_tokens)
 
 
 def attach_llumlet(
@@ -134,6 +132,8 @@ def attach_llumlet(
 
         def abort(request_ids: list[str]) -> list[str]:
             def run() -> list[str]:
+                if driver is not None:  # through the driver, so each client's stream ends too
+                    return [rid for rid in request_ids if driver.abort_from_engine(rid)]
                 now = loop.time()
                 return [rid for rid in request_ids if core.abort_request(rid, now)]
 

@@ -11,6 +11,7 @@ An engine with no step to report still writes its (idle) status at start and the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -21,9 +22,11 @@ from pilotfish.simulator.engine.scheduler import V1Engine
 
 
 class FullModeRouter(SchedulerRouter):
-    def __init__(self, config: Any, engine: EngineConfig, *, kv_events: bool = True, heartbeat: float = 1.0) -> None:
+    def __init__(self, config: Any, engine: EngineConfig, *, kv_events: bool = True, heartbeat: float = 1.0,
+                 node_ids: Sequence[str] = ()) -> None:
         super().__init__(config, apply_status=self._apply)
         self.engine = engine
+        self.node_ids = list(node_ids)  # engine i's node (its metadata's failure domain); empty: none
         self.kv_events = kv_events
         self.heartbeat = heartbeat
         self.cores: dict[int, V1Engine] = {}
@@ -32,6 +35,7 @@ class FullModeRouter(SchedulerRouter):
         # core's "newer update_id wins" holds across both sources
         self._update_ids: list[int] = []
         self._stamped: list[float] = []
+        self.unschedulable: set[int] = set()  # engines whose heartbeats say schedulable = false
 
     def attach_engines(self, engines: list[Any]) -> None:
         self.engines = dict(enumerate(engines))
@@ -50,7 +54,22 @@ class FullModeRouter(SchedulerRouter):
             engine = self.engines.get(k)
             idle = engine is None or engine.step_end is None
             if idle and now - self._stamped[k] >= self.heartbeat:
-                self._apply(self.core, self._ids[k], instance_status(core, self._ids[k], update_id=0, now=now))
+                status = instance_status(core, self._ids[k], update_id=0, now=now,
+                                         schedulable=k not in self.unschedulable)
+                self._apply(self.core, self._ids[k], status)
+
+    def set_schedulable(self, engine: int, schedulable: bool) -> None:
+        if schedulable:
+            self.unschedulable.discard(engine)
+        else:
+            self.unschedulable.add(engine)
+
+    def refresh(self, now: float) -> None:
+        """Bring the core's view to `now` as a decision would (heartbeats, KV events), for a rescheduler."""
+        self._now = now
+        self._heartbeats(now)
+        if self.kv_events:
+            self._drain_kv_events()
 
     def observe_engine(self, index: int, core: V1Engine) -> None:
         self.cores[index] = core
@@ -69,7 +88,8 @@ class FullModeRouter(SchedulerRouter):
             self.core.apply_metadata(InstanceMetadata(
                 instance_id=eid, host=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}", http_port=8000, model=self.model,
                 block_size=e.block_size, num_gpu_blocks=e.num_gpu_blocks,
-                max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs, update_id=1))
+                max_num_batched_tokens=e.max_num_batched_tokens, max_num_seqs=e.max_num_seqs, update_id=1,
+                node_id=self.node_ids[i] if i < len(self.node_ids) else ""))
         self._index = {eid: i for i, eid in enumerate(engine_ids)}
         self._ids = list(engine_ids)
         self._update_ids = [0] * len(engine_ids)

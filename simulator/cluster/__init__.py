@@ -3,10 +3,21 @@
     sim = ClusterSim(ClusterConfig(engines=16), SchedulerRouter(SchedulerConfig()))
     result = sim.run(trace)
     result.summary()  # TTFT / TPOT / e2e / queueing percentiles, throughput, cache hits
+
+With a rescheduler (`ClusterSim(..., rescheduler=PlannerRescheduler(planner, router))`) requests
+migrate between engines, by recompute or KV transfer (migration.py); `sim.migrate` does it by hand.
 """
 
 from pilotfish.simulator.cluster.driver import ClusterConfig, ClusterResult, ClusterSim
 from pilotfish.simulator.cluster.metrics import RequestRecord, summarize
+from pilotfish.simulator.cluster.migration import (
+    KV_TRANSFER,
+    RECOMPUTE,
+    MigrationEvent,
+    MigrationOrder,
+    Rescheduler,
+)
+from pilotfish.simulator.cluster.rescheduling import PlannerRescheduler
 from pilotfish.simulator.cluster.routers import (
     FixedRouter,
     LeastRequestsRouter,
@@ -19,12 +30,18 @@ from pilotfish.simulator.cluster.routers import (
 from pilotfish.simulator.cluster.status import instance_status
 
 __all__ = [
+    "KV_TRANSFER",
+    "RECOMPUTE",
     "ClusterConfig",
     "ClusterResult",
     "ClusterSim",
     "FixedRouter",
     "LeastRequestsRouter",
+    "MigrationEvent",
+    "MigrationOrder",
+    "PlannerRescheduler",
     "RequestRecord",
+    "Rescheduler",
     "RoundRobinRouter",
     "RouteRequest",
     "Router",

@@ -1,15 +1,21 @@
-"""The discrete-event loop: arrivals, engine step ends and delayed observations on one clock.
+"""The discrete-event loop: arrivals, engine step ends, timers and delayed observations on one clock.
 
-Events are processed in time order. An engine step that ends at t is applied before an arrival
-at t (its tokens exist at t), and engines woken by arrivals at the same instant share their
-first step, as the real-time driver's loop does. The router hears engine events
-`observation_delay` seconds after they happen; it always decides before the engine sees the
-request, so an instant router (delay 0) is what an in-process gateway would be.
+Events are processed in time order. An engine step that ends at t is applied before a timer at
+t, and a timer before an arrival at t (its tokens exist at t), and engines woken at the same
+instant share their first step, as the real-time driver's loop does. The router hears engine
+events `observation_delay` seconds after they happen; it always decides before the engine sees
+the request, so an instant router (delay 0) is what an in-process gateway would be.
+
+Timers (`at`) carry what is not an arrival or a step: the rescheduling tick (every
+`rescheduling_interval` while requests are in flight, when a `rescheduler` is given), the end
+of a KV transfer, and whatever a benchmark schedules (an engine marked unschedulable). Moving
+requests between engines is `migrate`; the engine-side mechanics are in migration.py.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -17,6 +23,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pilotfish.simulator.cluster.metrics import RequestRecord, summarize
+from pilotfish.simulator.cluster.migration import (
+    KV_TRANSFER,
+    RECOMPUTE,
+    MigrationEvent,
+    Rescheduler,
+    admit_running,
+    check_method,
+    detach,
+    release_blocks,
+    reserve_blocks,
+    successor,
+)
 from pilotfish.simulator.cluster.routers import Router, RouteRequest
 from pilotfish.simulator.cluster.status import LastStep, instance_status
 from pilotfish.simulator.config import EngineConfig
@@ -41,6 +59,7 @@ class ClusterConfig:
     observation_delay: float = 0.0  # seconds between an engine event and the router hearing of it
     report_every: int = 16  # token progress goes to the router at the first token, then every N
     engine_id_prefix: str = "sim"
+    rescheduling_interval: float = 0.5  # seconds between rescheduler calls, when the sim has one
 
 
 @dataclass(slots=True)
@@ -51,6 +70,9 @@ class ClusterResult:
     virtual_seconds: float
     wall_seconds: float
     steps: int
+    migrations: list[MigrationEvent] = field(default_factory=list)
+    # token outputs out of order, duplicated or missing (should be empty): "request: what"
+    integrity_errors: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
         out = summarize(self.records)
@@ -59,7 +81,18 @@ class ClusterResult:
         out["wall_seconds"] = self.wall_seconds
         out["steps"] = self.steps
         out["engine_preemptions"] = sum(s.num_preemptions_total for s in self.engine_stats)
+        out["migrations"] = len(self.migrations)
+        out["integrity_errors"] = len(self.integrity_errors)
         return out
+
+
+@dataclass(slots=True)
+class _Transfer:
+    """A KV transfer under way: the source still holds `left`'s blocks, the destination `arriving`'s."""
+
+    event: MigrationEvent
+    left: SimRequest  # the source's dead copy
+    arriving: SimRequest  # what joins the destination's running batch
 
 
 class _Recorder(EngineObserver):
@@ -74,8 +107,9 @@ class _Recorder(EngineObserver):
             record.scheduled = now
 
     def cache_hit(self, request: SimRequest, num_tokens: int, now: float) -> None:
-        if request.num_preemptions == 0:
-            self.records[request.request_id].cached_tokens = num_tokens
+        record = self.records[request.request_id]
+        if request.num_preemptions == 0 and record.migrations == 0:  # the hit of the first schedule only
+            record.cached_tokens = num_tokens
 
     def preempted(self, request: SimRequest, now: float) -> None:
         self.records[request.request_id].preemptions += 1
@@ -83,9 +117,11 @@ class _Recorder(EngineObserver):
 
 class ClusterSim:
     def __init__(self, config: ClusterConfig, router: Router, *, prompt_builder: PromptBuilder = prompt_token_ids,
-                 observers: Iterable[Callable[[int, V1Engine], None]] = ()) -> None:
+                 observers: Iterable[Callable[[int, V1Engine], None]] = (),
+                 rescheduler: Rescheduler | None = None) -> None:
         self.config = config
         self.router = router
+        self.rescheduler = rescheduler
         self.prompt_builder = prompt_builder
         self.engine_ids = [f"{config.engine_id_prefix}-{i}" for i in range(config.engines)]
         self.records: dict[str, RequestRecord] = {}
@@ -100,6 +136,14 @@ class ClusterSim:
         self._pending: deque[tuple[float, Callable[[], None]]] = deque()
         self._update_ids = [0] * config.engines
         self._steps = 0
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []  # (time, sequence, action)
+        self._timer_seq = 0
+        self._woken: set[int] = set()  # engines given work at the current instant, not yet stepped
+        self._next_arrival: float | None = None  # the run's next arrival (after the serving overhead)
+        self.schedulable = [True] * config.engines
+        self.migrations: list[MigrationEvent] = []
+        self._transfers: dict[str, _Transfer] = {}
+        self.integrity_errors: list[str] = []
 
     # ---- observations -------------------------------------------------------------------------
 
@@ -127,13 +171,19 @@ class ClusterSim:
         limit = self.config.engine.max_model_len
         rejected: list[str] = []
         heap: list[tuple[float, int]] = []  # (step end, engine): stale entries are skipped
-        woken: set[int] = set()  # engines given a request at the current instant, not yet stepped
+        woken = self._woken
+        timers = self._timers
         engines = self.engines
         i = 0
         n = len(arrivals)
+        if self.rescheduler is not None and arrivals:
+            self.at(arrivals[0].arrival + overhead + self.config.rescheduling_interval, self._reschedule)
         while True:
             next_arrival = arrivals[i].arrival + overhead if i < n else None
-            if woken and (next_arrival is None or next_arrival > self.now):
+            self._next_arrival = next_arrival
+            # woken engines start once nothing else happens at this instant that could join their step
+            instant = (next_arrival is not None and next_arrival <= self.now) or (timers and timers[0][0] <= self.now)
+            if woken and not instant:
                 for k in woken:
                     end = engines[k].busy_until
                     if end is not None:
@@ -143,14 +193,23 @@ class ClusterSim:
             # step early, which would keep a same-instant arrival out of it)
             while heap and engines[heap[0][1]].step_end != heap[0][0]:
                 heapq.heappop(heap)
-            if heap and (next_arrival is None or heap[0][0] <= next_arrival):
+            next_timer = timers[0][0] if timers else None
+            if heap and (next_arrival is None or heap[0][0] <= next_arrival) and \
+                    (next_timer is None or heap[0][0] <= next_timer):
                 end, k = heapq.heappop(heap)
                 self._step(k, end)
                 nxt = engines[k].busy_until
                 if nxt is not None:
                     heapq.heappush(heap, (nxt, k))
                 continue
+            if next_timer is not None and (next_arrival is None or next_timer <= next_arrival):
+                at, _, action = heapq.heappop(timers)
+                self.now = max(self.now, at)
+                action()
+                continue
             if next_arrival is None:
+                if woken:
+                    continue  # a timer woke an engine as the last thing: its step is still to run
                 break
             request = arrivals[i]
             i += 1
@@ -161,6 +220,7 @@ class ClusterSim:
             k = self._dispatch(request)
             woken.add(k)
         self._deliver_until(float("inf"))
+        self._check_outputs()
         return ClusterResult(
             records=list(self.records.values()),
             rejected=rejected,
@@ -168,7 +228,107 @@ class ClusterSim:
             virtual_seconds=self.now,
             wall_seconds=time.perf_counter() - started,
             steps=self._steps,
+            migrations=list(self.migrations),
+            integrity_errors=list(self.integrity_errors),
         )
+
+    # ---- timers, rescheduling and migration ---------------------------------------------------
+
+    def at(self, t: float, action: Callable[[], None]) -> None:
+        """Run `action` at virtual time `t` (after the steps that end at t, before arrivals at t)."""
+        self._timer_seq += 1
+        heapq.heappush(self._timers, (max(t, self.now), self._timer_seq, action))
+
+    def transfers(self) -> list[MigrationEvent]:
+        """The KV transfers under way (their requests are on neither engine's queues yet)."""
+        return [t.event for t in self._transfers.values()]
+
+    def in_flight(self) -> bool:
+        """Some request is on an engine or between two."""
+        return bool(self._transfers) or any(c.has_unfinished_requests() for c in self.cores)
+
+    def _reschedule(self) -> None:
+        now = self.now
+        if self.in_flight():
+            self._deliver_until(now)  # the rescheduler sees what the router has heard by now
+            assert self.rescheduler is not None
+            for order in self.rescheduler(self, now):
+                self.migrate(order.source, order.destination, order.request_ids, order.method, now,
+                             reason=order.reason)
+        interval = self.config.rescheduling_interval
+        if self.in_flight():
+            self.at(now + interval, self._reschedule)
+        elif self._next_arrival is not None:
+            # idle until the next arrival: the first tick on the interval's grid after it
+            nxt = self._next_arrival
+            self.at(now + interval * max(1, math.ceil((nxt - now) / interval)), self._reschedule)
+
+    def set_schedulable(self, k: int, schedulable: bool) -> None:
+        """Mark engine `k` (un)schedulable, as its llumlet would (draining it, or a failing health check).
+
+        Its next status says so; one is written now too, as the llumlet writes on every change.
+        """
+        self.schedulable[k] = schedulable
+        self.router.set_schedulable(k, schedulable)
+        if self.router.wants_status:
+            self._write_status(k, self.now, None)
+
+    def migrate(self, source: int, destination: int, request_ids: Iterable[str], method: str = RECOMPUTE,
+                now: float | None = None, *, reason: str = "") -> list[MigrationEvent]:
+        """Move the listed requests that are still on `source` to `destination`; one event per request moved.
+
+        Recompute: each joins the destination's waiting queue now. KV transfer: each joins its
+        running batch after the transfer time (or by recompute now, when it does not fit).
+        """
+        check_method(method)
+        now = self.now if now is None else now
+        if source == destination:
+            return []
+        src, dst = self.engines[source], self.engines[destination]
+        for out in src.advance_to(now):
+            self._output(source, out)
+        for out in dst.advance_to(now):
+            self._output(destination, out)
+        done: list[MigrationEvent] = []
+        for rid in request_ids:
+            request = self.cores[source].requests.get(rid)
+            if request is None:
+                continue  # finished (or moved) since it was selected
+            computed = request.num_computed_tokens if method == KV_TRANSFER else 0
+            left = detach(self.cores[source], rid, now, keep_blocks=computed > 0)
+            assert left is not None
+            arriving = successor(left)
+            record = self.records[rid]
+            record.migrations += 1
+            if computed and reserve_blocks(self.cores[destination], arriving, computed,
+                                           self._arriving_count(destination), now):
+                arrives = now + self.config.engine.kv_transfer_seconds(computed)
+                event = MigrationEvent(now, rid, source, destination, KV_TRANSFER, method, computed, arrives, reason)
+                self._transfers[rid] = _Transfer(event, left, arriving)
+                self.at(arrives, lambda rid=rid: self._transfer_done(rid))
+            else:
+                if computed:  # no room for its KV on the destination: move it by recompute
+                    release_blocks(self.cores[source], left, now)
+                event = MigrationEvent(now, rid, source, destination, RECOMPUTE, method, 0, now, reason)
+                for out in dst.add_request(arriving, now):
+                    self._output(destination, out)
+                self._woken.add(destination)
+            record.engine = destination
+            self.migrations.append(event)
+            done.append(event)
+        return done
+
+    def _transfer_done(self, request_id: str) -> None:
+        transfer = self._transfers.pop(request_id)
+        event = transfer.event
+        now = self.now
+        release_blocks(self.cores[event.source], transfer.left, now)
+        for out in admit_running(self.engines[event.destination], transfer.arriving, event.tokens, now):
+            self._output(event.destination, out)
+        self._woken.add(event.destination)
+
+    def _arriving_count(self, k: int) -> int:
+        return sum(1 for t in self._transfers.values() if t.event.destination == k)
 
     def _dispatch(self, request: TraceRequest) -> int:
         now = self.now
@@ -194,13 +354,18 @@ class ClusterSim:
             self._output(k, out)
         self._steps += 1
         if self.router.wants_status and plan is not None:
-            self._update_ids[k] += 1
             last = LastStep(plan.duration, plan.num_prefill_tokens, plan.num_decode_requests,
                             plan.num_context_tokens)
-            status = instance_status(self.cores[k], self.engine_ids[k], update_id=self._update_ids[k], now=end,
-                                     step_id=self._update_ids[k], last_step=last)
-            router = self.router
-            self._observe(end, lambda: router.on_status(k, status, end + self.config.observation_delay))
+            self._write_status(k, end, last)
+
+    def _write_status(self, k: int, now: float, last: LastStep | None) -> None:
+        self._update_ids[k] += 1
+        out = sum(1 for t in self._transfers.values() if t.event.source == k)
+        status = instance_status(self.cores[k], self.engine_ids[k], update_id=self._update_ids[k], now=now,
+                                 step_id=self._update_ids[k], last_step=last, schedulable=self.schedulable[k],
+                                 migrating_in=self._arriving_count(k), migrating_out=out)
+        router = self.router
+        self._observe(now, lambda: router.on_status(k, status, now + self.config.observation_delay))
 
     def _output(self, k: int, timed: TimedOutput) -> None:
         out = timed.output
@@ -210,6 +375,9 @@ class ClusterSim:
         delay = self.config.observation_delay
         rid = out.request_id
         if out.token_id is not None:
+            if out.index != record.num_output_tokens:
+                self.integrity_errors.append(
+                    f"{out.request_id}: token index {out.index} on engine {k} after {record.num_output_tokens} tokens")
             record.num_output_tokens += 1
             generated = record.num_output_tokens
             if generated == 1:
@@ -221,3 +389,13 @@ class ClusterSim:
             record.finish_reason = out.finish_reason.value
             if out.finish_reason is not FinishReason.ABORT:
                 self._observe(t, lambda: router.on_finish(rid, k, t + delay))
+
+    def _check_outputs(self) -> None:
+        """Every finished request has exactly the tokens it asked for (indices were checked as they came)."""
+        for record in self.records.values():
+            # max_tokens was clipped to max_model_len at dispatch, so "length" means all of them
+            if record.finish_reason == "length" and record.num_output_tokens != record.output_length:
+                self.integrity_errors.append(
+                    f"{record.request_id}: finished with {record.num_output_tokens} of {record.output_length} tokens")
+            if record.finished is None:
+                self.integrity_errors.append(f"{record.request_id}: never finished")

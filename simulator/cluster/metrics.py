@@ -10,7 +10,11 @@ from typing import Any
 
 @dataclass(slots=True)
 class RequestRecord:
-    """One request's life, in seconds on the driver's clock. Unset times stay None."""
+    """One request's life, in seconds on the driver's clock. Unset times stay None.
+
+    A migrated request keeps its one record: its times run on across the move, `engine` follows
+    it to the engine it is on (or finished on) and `migrations` counts the moves.
+    """
 
     request_id: str
     engine: int
@@ -24,6 +28,7 @@ class RequestRecord:
     cached_tokens: int = 0  # prefix-cache hit at first schedule
     preemptions: int = 0
     finish_reason: str | None = None
+    migrations: int = 0
 
     @property
     def ttft(self) -> float | None:

@@ -52,6 +52,10 @@ class Router:
     def on_status(self, engine: int, status: InstanceStatus, now: float) -> None:
         """An engine's status as the llumlet would have written it, `observation_delay` late."""
 
+    def set_schedulable(self, engine: int, schedulable: bool) -> None:
+        """The engine's llumlet reports it (un)schedulable from now on: statuses a router writes for
+        it itself (heartbeats) must say so too. The cluster's own statuses already do."""
+
 
 class RoundRobinRouter(Router):
     def __init__(self) -> None:

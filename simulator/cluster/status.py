@@ -29,6 +29,9 @@ def instance_status(
     now: float,
     step_id: int = 0,
     last_step: LastStep | None = None,
+    schedulable: bool = True,
+    migrating_in: int = 0,
+    migrating_out: int = 0,
 ) -> InstanceStatus:
     block_size = core.config.block_size
     waiting_prefill = uncomputed = unallocated = 0
@@ -54,9 +57,11 @@ def instance_status(
         update_id=update_id,
         timestamp_ms=int(now * 1000),
         step_id=step_id,
-        schedulable=True,
+        schedulable=schedulable,
         num_waiting=len(core.waiting),
         num_running=len(core.running),
+        num_migrating_in=migrating_in,
+        num_migrating_out=migrating_out,
         num_waiting_prefill=waiting_prefill,
         num_running_prefill=running_prefill,
         num_running_decode=running_decode,

@@ -357,20 +357,34 @@ def test_planner_drops_conflicting_pairs(
 
 
 def test_earlier_policy_wins_a_conflict() -> None:
-    # hot shares a node with a failed instance: failover (first) moves it; load balance may not again
+    # failover (first) sends bad's requests to a; decode_load would then have a send too, and an
+    # instance never both receives and sends in one cycle
     views = [
         view("bad", node="n1", schedulable=False),
-        view("hot", node="n1", load=0.9),
-        view("a", node="n2", load=0.1),
-        view("b", node="n3", load=0.2),
+        view("a", node="n2", load=0.95),
+        view("b", node="n3", load=0.1),
     ]
     plan = planner(config("decode_failover", "decode_load", failover_domain="node"))
     pairs = plan.plan(views, NOW)
-    assert [(p.policy, *ids([p])[0]) for p in pairs] == [
-        ("decode_failover", "bad", "a"),
-        ("decode_failover", "hot", "b"),
+    assert [(p.policy, *ids([p])[0]) for p in pairs] == [("decode_failover", "bad", "a")]
+    assert plan.num_conflicts == 1  # decode_load's a -> b
+
+
+def test_load_balance_stays_out_of_failure_domains() -> None:
+    # hot shares node n1 with a failed instance: only failover moves its requests, and no policy
+    # sends requests into n1 (the spec's global failover filter applies to every policy)
+    views = [
+        view("bad", node="n1", schedulable=False),
+        view("hot", node="n1", load=0.9),
+        view("cold", node="n1", load=0.0),
+        view("a", node="n2", load=0.95),
+        view("b", node="n3", load=0.2),
     ]
-    assert plan.num_conflicts == 1  # decode_load's hot -> a
+    pairs = planner(config("decode_load", failover_domain="node")).plan(views, NOW)
+    assert [ids([p])[0] for p in pairs] == [("a", "b")]
+    pairs = planner(config("decode_failover", "decode_load", failover_domain="node")).plan(views, NOW)
+    assert all(p.destination.node_id != "n1" for p in pairs)
+    assert {p.source.instance_id for p in pairs if p.policy == "decode_load"} <= {"a"}
 
 
 def test_default_policies_run_failover_first() -> None:

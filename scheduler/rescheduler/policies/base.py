@@ -15,6 +15,7 @@ from typing import ClassVar
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.policy.base import Candidate
 from pilotfish.scheduler.policy.context import PolicyContext
+from pilotfish.scheduler.policy.filters.failover import FailoverMigrationSrcFilter
 from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
 from pilotfish.scheduler.rescheduler.types import PROBE, MigrationPair
 from pilotfish.scheduler.view.types import InferType, InstanceView
@@ -31,6 +32,7 @@ class ReschedulingPolicy(abc.ABC):
         self.ctx = ctx
         self._schedulable = SchedulabilityFilter(ctx=ctx)
         self._fresh = StalenessFilter(config.instance_staleness_seconds, ctx=ctx)
+        self._domains = FailoverMigrationSrcFilter(config.failover_domain, config.instance_staleness_seconds, ctx=ctx)
 
     @abc.abstractmethod
     def pairs(self, instances: Sequence[InstanceView]) -> list[MigrationPair]:
@@ -44,6 +46,20 @@ class ReschedulingPolicy(abc.ABC):
 
     def own(self, instances: Sequence[InstanceView]) -> list[InstanceView]:
         return [i for i in instances if i.infer_type == self.infer_type]
+
+    def failure_domains(self, instances: Sequence[InstanceView]) -> list[InstanceView]:
+        """The failing instances (unschedulable or stale) and every instance sharing a failure domain
+        with one (--failover-domain), whatever their infer type. An instance without a status yet is
+        not judged: it holds nothing known."""
+        population = [Candidate(i) for i in instances if i.status is not None]
+        return [c.inst for c in self._domains.apply([], PROBE, (), population)]
+
+    def balanced(self, instances: Sequence[InstanceView]) -> list[InstanceView]:
+        """What the load-balance and binpacking policies move requests between: instances of their
+        infer type, healthy, outside every failure domain — the spec's global failover filter, so
+        no policy refills a failed node while failover drains it."""
+        blocked = {i.instance_id for i in self.failure_domains(instances)}
+        return [i for i in self.own(instances) if i.instance_id not in blocked and self.healthy(i)]
 
     def pair(
         self,

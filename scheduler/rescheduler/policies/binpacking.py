@@ -58,8 +58,8 @@ class BinpackingPolicy(ReschedulingPolicy):
     def decode_instances(self, instances: Sequence[InstanceView]) -> list[_Decode]:
         return [
             _Decode(i, self._tpot.value(i, PROBE), self._batch.value(i, PROBE))
-            for i in self.own(instances)
-            if self.healthy(i) and not prefill_reserved(i)
+            for i in self.balanced(instances)
+            if not prefill_reserved(i)
         ]
 
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pilotfish.scheduler.config import SchedulerConfig
-from pilotfish.scheduler.policy.base import Candidate
 from pilotfish.scheduler.policy.context import PolicyContext
-from pilotfish.scheduler.policy.filters.failover import FailoverMigrationSrcFilter
 from pilotfish.scheduler.rescheduler.policies.base import ReschedulingPolicy
 from pilotfish.scheduler.rescheduler.selectors import RoundRobin
-from pilotfish.scheduler.rescheduler.types import PROBE, MigrationPair
+from pilotfish.scheduler.rescheduler.types import MigrationPair
 from pilotfish.scheduler.view.types import InferType, InstanceView
 
 
@@ -30,20 +28,14 @@ def holds_requests(inst: InstanceView) -> bool:
 class FailoverPolicy(ReschedulingPolicy):
     def __init__(self, config: SchedulerConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx)
-        self._src_filter = FailoverMigrationSrcFilter(
-            config.failover_domain, config.instance_staleness_seconds, ctx=ctx
-        )
         self._selector = RoundRobin()
 
     def pairs(self, instances: Sequence[InstanceView]) -> list[MigrationPair]:
-        population = [Candidate(i) for i in instances if i.status is not None]
-        in_domain = self._src_filter.apply([], PROBE, (), population)
+        in_domain = self.failure_domains(instances)
         if not in_domain:
             return []
-        blocked = {c.inst.instance_id for c in in_domain}
-        sources = [c.inst for c in in_domain if c.inst.infer_type == self.infer_type and holds_requests(c.inst)]
-        destinations = [i for i in self.own(instances) if i.instance_id not in blocked and self.healthy(i)]
-        return [self.pair(s, d) for s, d in self._selector.assign(sources, destinations)]
+        sources = [i for i in in_domain if i.infer_type == self.infer_type and holds_requests(i)]
+        return [self.pair(s, d) for s, d in self._selector.assign(sources, self.balanced(instances))]
 
 
 class PrefillFailover(FailoverPolicy):

@@ -1,7 +1,7 @@
 """decode_load and neutral_load: move load from instances at or above a threshold to those below.
 
 Sources have load >= threshold, destinations load < threshold (both healthy, of the policy's
-infer type); metricBalanceSelector pairs the highest-load source with the lowest-load
+infer type, outside every failure domain); metricBalanceSelector pairs the highest-load source with the lowest-load
 destination, then the next of each, while they differ by at least
 --rescheduling-load-balance-threshold. Scope `unit` balances within each unit_id only (an
 instance without one is a unit of its own, so it is never paired).
@@ -36,10 +36,9 @@ class LoadBalancePolicy(ReschedulingPolicy):
 
     def pairs(self, instances: Sequence[InstanceView]) -> list[MigrationPair]:
         scopes: dict[str, list[Loaded]] = defaultdict(list)
-        for inst in self.own(instances):
-            if self.healthy(inst):
-                scope = (inst.unit_id or "instance:" + inst.instance_id) if self.per_unit else ""
-                scopes[scope].append((inst, self.metric.value(inst, PROBE)))
+        for inst in self.balanced(instances):
+            scope = (inst.unit_id or "instance:" + inst.instance_id) if self.per_unit else ""
+            scopes[scope].append((inst, self.metric.value(inst, PROBE)))
         out = []
         for scope in sorted(scopes):
             loads = scopes[scope]

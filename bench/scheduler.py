@@ -7,7 +7,8 @@ Figures (all wall-clock, single thread, this machine):
   failover), in steady state: requests are released as new ones arrive, and in full mode
   every decision is followed by a status update of a random instance (which re-keys it in
   the load index) and a status confirming the request. Cache-aware and predictor-enhanced
-  full mode are measured too; their metrics depend on the request or the clock, so they scan.
+  full mode are measured too (the index merges the cached instances in, and orders the forward
+  prediction by drain time; see scheduler/policy/index.py).
 - **status update**: one InstanceStatus applied to the core (decoded from bytes + applied,
   and applied alone), 4,096 instances.
 - **gRPC**: Schedule round trip p50/p99 from a client to `pilotfish scheduler` in another
@@ -35,6 +36,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rpcs", type=int, default=3_000, help="timed Schedule round trips")
     parser.add_argument("--sizes", default="256,4096", help="instance counts, comma-separated")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--configs",
+        default="",
+        help="only the decision configurations whose label contains one of these (comma-separated)",
+    )
+    parser.add_argument(
+        "--decisions-only", action="store_true", help="skip the status-update and gRPC figures (with --configs)"
+    )
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -44,7 +53,12 @@ def _pct(samples: list[float], q: float) -> float:
 
 def _summary(samples_s: list[float]) -> dict[str, float]:
     us = [s * 1e6 for s in samples_s]
-    return {"p50_us": round(_pct(us, 0.50), 1), "p99_us": round(_pct(us, 0.99), 1), "n": len(us)}
+    return {
+        "mean_us": round(sum(us) / len(us), 1),
+        "p50_us": round(_pct(us, 0.50), 1),
+        "p99_us": round(_pct(us, 0.99), 1),
+        "n": len(us),
+    }
 
 
 def _meta(k: int) -> Any:
@@ -195,6 +209,33 @@ def _grpc(n: int, rpcs: int) -> dict[str, Any]:
             proc.kill()
 
 
+def _decision_rows(decisions: dict[str, dict[str, Any]]) -> list[str]:
+    rows = ["| configuration | instances | mean µs | p50 µs | p99 µs | goal p99 µs |", "|---|---:|---:|---:|---:|---:|"]
+    for label, fig in decisions.items():
+        n = fig["instances"]
+        rows.append(
+            f"| {label.split(' @ ')[0]} | {n} | {fig['mean_us']} | {fig['p50_us']} | {fig['p99_us']} "
+            f"| {GOALS_US.get(n, '')} |"
+        )
+    return rows
+
+
+def _decisions_report(args: argparse.Namespace, decisions: dict[str, dict[str, Any]]) -> int:
+    from pilotfish.bench.report import write_report
+
+    result = {
+        "decisions": decisions,
+        "goals_p99_us": GOALS_US,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "command": f"pilotfish bench scheduler --configs {args.configs} --decisions-only --out {args.out}",
+    }
+    rows = _decision_rows(decisions)
+    markdown = "\n".join(["# Scheduler benchmark", "", "## Schedule decision, in-process", "", *rows])
+    write_report(Path(args.out), "scheduler", result, markdown)
+    print(markdown)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from pilotfish.bench.report import write_report
 
@@ -204,14 +245,19 @@ def run(args: argparse.Namespace) -> int:
         ("full load-balance (all_prefills_tokens_num)", True, {}),
         ("full load-balance, top-k 4", True, {"dispatch_top_k": 4}),
         ("full load-balance, cache-aware", True, {"enable_cache_aware_scheduling": True}),
-        ("full load-balance, predictor-enhanced (scan)", True, {"enable_predictor_enhanced_scheduling": True}),
+        ("full load-balance, predictor-enhanced", True, {"enable_predictor_enhanced_scheduling": True}),
     ]
+    wanted = [w.strip() for w in str(args.configs).split(",") if w.strip()]
+    if wanted:
+        configs = [c for c in configs if any(w in c[0] for w in wanted)]
     decisions: dict[str, dict[str, Any]] = {}
     for label, full, flags in configs:
         for n in sizes:
-            count = args.decisions if "scan" not in label or n <= 256 else max(2000, args.decisions // 10)
+            count = args.decisions
             decisions[f"{label} @ {n}"] = {**_decisions(n, full, count, args.seed, **flags), "instances": n}
             print(f"{label} @ {n}: {decisions[f'{label} @ {n}']}", flush=True)
+    if args.decisions_only:
+        return _decisions_report(args, decisions)
     status = _status_cost(max(sizes), 5000, args.seed)
     print(f"status update: {status}", flush=True)
     rpc = _grpc(min(sizes), args.rpcs)
@@ -224,10 +270,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
         "command": f"pilotfish bench scheduler --out {args.out}",
     }
-    rows = ["| configuration | instances | p50 µs | p99 µs | goal p99 µs |", "|---|---:|---:|---:|---:|"]
-    for label, fig in decisions.items():
-        n = fig["instances"]
-        rows.append(f"| {label.split(' @ ')[0]} | {n} | {fig['p50_us']} | {fig['p99_us']} | {GOALS_US.get(n, '')} |")
+    rows = _decision_rows(decisions)
     markdown = "\n".join(
         [
             "# Scheduler benchmark",

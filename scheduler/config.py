@@ -10,6 +10,12 @@ from msgspec import Meta
 from pilotfish.cms.keys import BadId, check_id
 from pilotfish.config import ConfigError
 from pilotfish.discovery.config import DiscoveryConfig
+from pilotfish.ext_proc.config import ExtProcConfig
+
+# the gateway's default, so the two agree unless an operator changes one of them
+_GATEWAY_PREFIX_BLOCK_SIZE = next(
+    f.default for f in msgspec.structs.fields(ExtProcConfig) if f.name == "prefix_block_size"
+)
 
 
 class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
@@ -79,6 +85,22 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     prefix_index_capacity_blocks: Annotated[
         int, Meta(ge=1, description="prefix blocks remembered per instance when its metadata gives no KV size")
     ] = 65536
+    enable_kv_events: Annotated[
+        bool,
+        Meta(
+            description="full mode with a prefix index (cache-aware scheduling): subscribe to each engine's KV "
+            "events (ZMQ) that its llumlet advertises in the CMS metadata, and feed them to the prefix index"
+        ),
+    ] = True
+    kv_events_prefix_block_size: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=4096,
+            description="the gateway's --prefix-block-size: engine KV events are re-hashed into prefix blocks "
+            "of this many tokens (cms/prefix_hash.py) to match the hashes the gateway sends",
+        ),
+    ] = _GATEWAY_PREFIX_BLOCK_SIZE
     enable_predictor_enhanced_scheduling: Annotated[
         bool,
         Meta(

@@ -33,7 +33,7 @@ from pilotfish.scheduler.errors import (
     UnknownModelError,
 )
 from pilotfish.scheduler.policy.base import Pipeline, Policy
-from pilotfish.scheduler.policy.index import LoadIndex
+from pilotfish.scheduler.policy.index import LoadIndex, load_index
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
 from pilotfish.scheduler.telemetry import Telemetry
 from pilotfish.scheduler.view.account import InflightAccount
@@ -180,7 +180,7 @@ class SchedulerCore:
     def apply_kv_event(
         self, instance_id: str, stored: Sequence[int] = (), removed: Iterable[int] = (), cleared: bool = False
     ) -> None:
-        """An engine's KV-cache event, hashes from cms.prefix_hash (the llumlet's feed of the prefix index)."""
+        """An engine's KV-cache event, hashes from cms.prefix_hash (view/kv_events.py feeds it in full mode)."""
         if self.prefix_index is not None:
             self.prefix_index.apply_kv_event(instance_id, stored, removed, cleared)
 
@@ -214,7 +214,7 @@ class SchedulerCore:
             for stage in groups.stages.values():
                 pipeline = stage.pipeline
                 if pipeline is not None and pipeline.indexable and len(stage.instances) >= INDEX_MIN_INSTANCES:
-                    stage.index = LoadIndex(stage.pipeline, stage.instances)
+                    stage.index = load_index(stage.pipeline, stage.instances)
             if len(self._by_model) > 1024:  # bound it: with no --model every name is accepted
                 self._by_model.clear()
             self._by_model[model] = groups

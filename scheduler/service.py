@@ -29,6 +29,7 @@ from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.rescheduler.service import colocated_loop
+from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 
 if TYPE_CHECKING:
@@ -138,6 +139,7 @@ class SchedulerServer:
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self.kv_events: KvEventSubscriber | None = None
         # colocated rescheduling: None unless enabled (bad rescheduling flags fail here, before binding)
         self._rescheduler = colocated_loop(config, self.core)
 
@@ -174,6 +176,7 @@ class SchedulerServer:
                 self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
+            self.kv_events = KvEventSubscriber.start_for(self.core, self.config)
             if self._rescheduler is not None:
                 self._rescheduler.start(self.reader.wait_first_poll)
         elif discovery_configured(self.config):
@@ -212,6 +215,9 @@ class SchedulerServer:
                 task.cancel()
                 # bounded: the CMS reader may be mid-reconnect to a Redis that is gone
                 await asyncio.wait([task], timeout=5.0)
+        kv_events, self.kv_events = self.kv_events, None
+        if kv_events is not None:
+            await kv_events.close()
         if server is not None:
             await server.stop(grace)
         if runner is not None:

@@ -15,6 +15,11 @@ nothing for them; only the decision-latency histogram is observed per decision.
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
 | `pilotfish_scheduler_view_staleness_seconds{instance}` | full: age of the instance's status (now - timestamp_ms) |
 | `pilotfish_scheduler_cms_records_total{result}` | full: statuses applied / dropped as not newer |
+| `pilotfish_scheduler_kv_events_applied_total{kind}` | full: engine KV events applied (stored, removed, cleared) |
+| `pilotfish_scheduler_kv_events_dropped_total{reason}` | full: KV event messages dropped (malformed, topic, ...) |
+| `pilotfish_scheduler_kv_events_gaps_total`, `..._missed_batches_total` | full: sequence gaps, batches they skipped |
+| `pilotfish_scheduler_kv_events_unchained_blocks_total` | full: stored blocks whose parent was never seen |
+| `pilotfish_scheduler_kv_events_subscriptions` | full: engines whose KV events are subscribed |
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from pilotfish.scheduler.view.types import RequestInfo
 
 if TYPE_CHECKING:
     from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.view.kv_events import KvEventStats
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _SCRAPE_REQUEST = RequestInfo(request_id="", model="")
@@ -123,3 +129,50 @@ class Telemetry:
             registry=registry,
         )
         registry.register(_ViewCollector(core))
+
+
+class KvEventsCollector(Collector):
+    """The KV event subscriber's counts (view/kv_events.py), read at scrape time."""
+
+    def __init__(self, stats: KvEventStats) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        applied = CounterMetricFamily(
+            "pilotfish_scheduler_kv_events_applied", "Engine KV events applied to the prefix index.", labels=["kind"]
+        )
+        for kind in ("stored", "removed", "cleared"):
+            applied.add_metric([kind], s.applied[kind])
+        dropped = CounterMetricFamily(
+            "pilotfish_scheduler_kv_events_dropped", "KV event messages dropped, by reason.", labels=["reason"]
+        )
+        for reason, n in sorted(s.dropped.items()):
+            dropped.add_metric([reason], n)
+        yield applied
+        yield dropped
+        yield CounterMetricFamily(
+            "pilotfish_scheduler_kv_events_gaps", "Sequence gaps in engines' KV event streams.", value=s.gaps
+        )
+        yield CounterMetricFamily(
+            "pilotfish_scheduler_kv_events_missed_batches", "KV event batches skipped by gaps.", value=s.missed_batches
+        )
+        yield CounterMetricFamily(
+            "pilotfish_scheduler_kv_events_unchained_blocks",
+            "Stored blocks whose parent block was never seen (their prefix cannot be hashed).",
+            value=s.unchained_blocks,
+        )
+        yield GaugeMetricFamily(
+            "pilotfish_scheduler_kv_events_subscriptions",
+            "Engines whose KV events are subscribed.",
+            value=s.subscriptions,
+        )
+
+
+def register_kv_events(registry: CollectorRegistry, stats: KvEventStats) -> KvEventsCollector:
+    collector = KvEventsCollector(stats)
+    registry.register(collector)
+    return collector

@@ -106,6 +106,7 @@ async def serve_engines(
             engine_id = f"{serve.engine_id_prefix}-{i}"
             core = core_factory(config)
             publisher = None
+            kv_endpoint = ""  # advertised in the llumlet's metadata, so full-mode schedulers subscribe
             if serve.kv_events_endpoint and (not serve.kv_events_engines or i in serve.kv_events_engines):
                 from pilotfish.simulator.kv_events import ZmqKVEventPublisher, engine_endpoint
 
@@ -115,6 +116,7 @@ async def serve_engines(
                 except Exception as exc:  # a bad endpoint or a taken port: say which flag, at start-up
                     raise ConfigError(f"--kv-events-endpoint: engine {i}: {exc}") from None
                 publishers.append(publisher)
+                kv_endpoint = engine_endpoint(serve.kv_events_endpoint, i).replace("*", serve.host)
                 core.enable_kv_events()  # type: ignore[attr-defined]
             driver = EngineDriver(core, publisher)
             driver.start()
@@ -129,7 +131,7 @@ async def serve_engines(
             bound = _bound_port(runner, port)
             llumlet = None
             if serve.cms_url:
-                llumlet = _attach_llumlet(serve, config, driver, engine_id, bound)
+                llumlet = _attach_llumlet(serve, config, driver, engine_id, bound, kv_endpoint)
                 llumlets.append(llumlet)
             engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver, llumlet))
         yield Fleet(engines)
@@ -144,7 +146,9 @@ async def serve_engines(
             publisher.close()
 
 
-def _attach_llumlet(serve: ServeConfig, config: EngineConfig, driver: EngineDriver, engine_id: str, port: int) -> Any:
+def _attach_llumlet(
+    serve: ServeConfig, config: EngineConfig, driver: EngineDriver, engine_id: str, port: int, kv_events_endpoint: str
+) -> Any:
     """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs, migration included."""
     from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
     from pilotfish.vllm_plugin.config import LlumletConfig
@@ -152,7 +156,7 @@ def _attach_llumlet(serve: ServeConfig, config: EngineConfig, driver: EngineDriv
     llumlet_config = LlumletConfig(cms_url=serve.cms_url, cluster=serve.cms_cluster, instance_id=engine_id)
     return attach_llumlet(
         driver.core, config, llumlet_config, engine_id, serve.host, port, model=serve.model,
-        loop=asyncio.get_running_loop(), driver=driver,
+        kv_events_endpoint=kv_events_endpoint, loop=asyncio.get_running_loop(), driver=driver,
     )
 
 

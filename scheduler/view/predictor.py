@@ -95,6 +95,18 @@ class StepTimeModel:
         return ms if ms > self._floor else self._floor
 
 
+def prefill_rate(
+    model: StepTimeModel, uncomputed: int, decode_batch: int, seq_len_sum: int, token_budget: int
+) -> float:
+    """Prefill tokens per second that `prefill_tokens_done` assumes for these arguments (`uncomputed` > 0).
+
+    The load index (policy/index.py) bounds a forward-predicted load with it: the prediction falls
+    at this rate from the status's value until the status's uncomputed tokens are done.
+    """
+    chunk = min(uncomputed, max(1, token_budget - decode_batch))
+    return chunk * 1000.0 / model.step_ms(chunk, decode_batch, seq_len_sum)
+
+
 def prefill_tokens_done(
     model: StepTimeModel,
     uncomputed: int,

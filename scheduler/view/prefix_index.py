@@ -7,8 +7,9 @@ the request that the instance holds. Two feeds:
 - dispatch decisions (`record_dispatch`): the target will cache the prompt's blocks; this is
   all lite mode has, and it keeps full mode right between KV events;
 - engine KV events (`apply_kv_event`, full mode): blocks stored and evicted as the engine
-  reports them; the llumlet calls it (through the CMS or in-process) with hashes computed by
-  `prefix_block_hashes` from the stored blocks' token ids.
+  reports them; the scheduler's subscriber (view/kv_events.py) calls it with hashes re-computed
+  by `prefix_block_hashes` from the stored blocks' token ids (the virtual-time benchmark feeds
+  the simulator's own hashes, which its requests carry too).
 
 Per-instance memory is bounded: each instance keeps its most recently used `capacity` blocks
 (its KV cache cannot hold more), the oldest dropped first.
@@ -35,6 +36,10 @@ class PrefixIndex:
         held = self._blocks.get(instance_id)
         return len(held) if held else 0
 
+    def capacity_of(self, instance_id: str) -> int:
+        """Blocks remembered for the instance: its KV capacity when known, else the default."""
+        return self._capacity.get(instance_id, self.default_capacity)
+
     def set_capacity(self, instance_id: str, blocks: int) -> None:
         """The instance's KV capacity in blocks (from its metadata); 0 keeps the default."""
         if blocks > 0:
@@ -55,8 +60,8 @@ class PrefixIndex:
     ) -> None:
         """An engine KV-cache event: `cleared` drops everything first, then `removed`, then `stored`.
 
-        The method the llumlet side feeds (vLLM's BlockStored / BlockRemoved / AllBlocksCleared,
-        with hashes re-computed by `prefix_block_hashes`); safe with unknown or repeated hashes.
+        What view/kv_events.py feeds (vLLM's BlockStored / BlockRemoved / AllBlocksCleared, with
+        hashes re-computed by `prefix_block_hashes`); safe with unknown or repeated hashes.
         """
         if cleared:
             self.drop_instance(instance_id)

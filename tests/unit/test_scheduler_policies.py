@@ -168,10 +168,11 @@ def test_slo_policy_routes_to_the_lowest_predicted_ttft_and_blocks_slo_breakers(
     assert selection.target.instance_id == "b" and selection.fallbacks == ()
 
 
-def test_predictor_enhanced_pipeline_is_not_indexed() -> None:
+def test_which_pipelines_are_indexed() -> None:
     assert build_policy(full(), ctx=ctx()).pipelines[InferType.NEUTRAL].indexable
+    # predictor-enhanced: by drain time (tests/unit/test_scheduler_index.py)
     enhanced = build_policy(full(enable_predictor_enhanced_scheduling=True), ctx=ctx(predictor_enhanced=True))
-    assert not enhanced.pipelines[InferType.NEUTRAL].indexable
+    assert enhanced.pipelines[InferType.NEUTRAL].indexable
     cache_aware = build_policy(full(enable_cache_aware_scheduling=True), ctx=ctx())
     assert cache_aware.pipelines[InferType.NEUTRAL].indexable
 

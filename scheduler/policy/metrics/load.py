@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pilotfish.scheduler.policy.base import Metric
 from pilotfish.scheduler.policy.context import DEFAULT_TOKEN_BUDGET, PolicyContext
-from pilotfish.scheduler.view.predictor import prefill_tokens_done
+from pilotfish.scheduler.view.predictor import prefill_rate, prefill_tokens_done
 from pilotfish.scheduler.view.types import EngineStatus, InstanceView, RequestInfo
 
 EMPTY = EngineStatus()
@@ -58,8 +58,10 @@ class AllPrefillsTokensNum(Metric):
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)
-        # a prediction moves with the clock: such a metric cannot be kept in a sorted index
+        # a prediction moves with the clock: a plain sorted index cannot keep it, the load index's
+        # drain ordering can (it reads `drain` below)
         self.indexable = not self.ctx.predictor_enhanced
+        self.forward_predicted = self.ctx.predictor_enhanced
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         s = inst.status
@@ -76,6 +78,24 @@ class AllPrefillsTokensNum(Metric):
                 self.ctx.elapsed_since(s.timestamp_ms),
             )
         return tokens
+
+    def drain(self, inst: InstanceView) -> tuple[float, float, float, float] | None:
+        """Predictor-enhanced: how `value` moves with the clock, as (value at the status's time, floor,
+        tokens per second, status time in s): it falls from the first at that rate, never below the
+        floor (the in-flight tokens). None when it does not move: then `value` is constant until the
+        instance changes (no status, nothing to prefill, no step-time fit, or no prediction)."""
+        s = inst.status
+        if not self.ctx.predictor_enhanced or s is None or not s.uncomputed_prefill_tokens or inst.step_model is None:
+            return None
+        rate = prefill_rate(
+            inst.step_model,
+            s.uncomputed_prefill_tokens,
+            s.num_running_decode,
+            s.running_decode_seq_len_sum,
+            inst.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
+        )
+        floor = float(inst.inflight.prefill_tokens)
+        return floor + s.uncomputed_prefill_tokens, floor, rate, s.timestamp_ms / 1000.0
 
 
 class AllDecodesTokensNum(Metric):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -64,22 +66,57 @@ def served_endpoint(metadata: base_pb2.Metadata) -> str:
     return namespace.fields[SERVED_METADATA_KEY].string_value
 
 
-def route_on_headers(address: str, request_id: str) -> ep.ProcessingResponse:
-    """Route a request that has no body, answering its headers."""
+def route_on_headers(address: str, request_id: str, fallbacks: tuple[str, ...] = ()) -> ep.ProcessingResponse:
+    """Route by answering the request headers: a bodiless request, or a FULL_DUPLEX_STREAMED one whose
+    headers reply was held back until its body was read."""
     common = ep.CommonResponse(
         header_mutation=_set_headers([(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]),
         clear_route_cache=True,
     )
     return ep.ProcessingResponse(
-        request_headers=ep.HeadersResponse(response=common), dynamic_metadata=_destination_metadata(address)
+        request_headers=ep.HeadersResponse(response=common),
+        dynamic_metadata=_destination_metadata(address, fallbacks),
+    )
+
+
+def streamed_request_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED: Envoy drained the chunks it sent us; this is the body the upstream gets."""
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+                )
+            )
+        )
     )
 
 
 def route_on_body(
-    address: str, request_id: str, new_body: bytes | None = None, fallbacks: tuple[str, ...] = ()
+    address: str, request_id: str | None, new_body: bytes | None = None, fallbacks: tuple[str, ...] = ()
 ) -> ep.ProcessingResponse:
-    """Route a request after its buffered body was read: the header mutation rides on the body reply."""
-    headers = [(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]
+    """Route a request after its buffered body was read: the header mutation rides on the body reply.
+
+    `request_id` None: the request already carries its x-request-id (Envoy's or the client's), so
+    nothing in the reply is per request and the common case comes from a cache.
+    """
+    if request_id is None and new_body is None:
+        return _cached_route_on_body(address, fallbacks)
+    return _route_on_body(address, request_id, new_body, fallbacks)
+
+
+# Bounded by the engines x their fallback lists; cached replies are shared, never mutated.
+@lru_cache(maxsize=4096)
+def _cached_route_on_body(address: str, fallbacks: tuple[str, ...]) -> ep.ProcessingResponse:
+    return _route_on_body(address, None, None, fallbacks)
+
+
+def _route_on_body(
+    address: str, request_id: str | None, new_body: bytes | None, fallbacks: tuple[str, ...]
+) -> ep.ProcessingResponse:
+    headers = [(DESTINATION_HEADER, address)]
+    if request_id is not None:
+        headers.append((REQUEST_ID_HEADER, request_id))
     if new_body is not None:
         headers.append(("content-length", str(len(new_body))))
     common = ep.CommonResponse(header_mutation=_set_headers(headers), clear_route_cache=True)
@@ -109,6 +146,7 @@ def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
     )
 
 
+@lru_cache(maxsize=4096)  # a handful of engines x two sources x two modes; replies are never mutated
 def response_headers_reply(instance_id: str, source: str, stream_body: bool) -> ep.ProcessingResponse:
     """Tag the response with the routing decision; stop body streaming unless it is SSE."""
     reply = ep.ProcessingResponse(

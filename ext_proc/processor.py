@@ -1,8 +1,12 @@
 """The ExternalProcessor servicer: one gRPC stream per HTTP request that Envoy proxies.
 
-Request path: headers (held) → buffered body → parse, count prompt tokens → Schedule →
-route by header mutation. Response path: SSE chunks are counted and reported as they pass;
-the request is released exactly once — at the end of the stream, or when the stream dies.
+Request path: headers → body → parse, count prompt tokens → Schedule → route by header
+mutation. With a BUFFERED body (the default) Envoy waits for the headers reply before it sends
+the body, and the routing mutation rides on the body reply; with FULL_DUPLEX_STREAMED (Envoy
+says which in the first message's protocol_config) the headers reply is held back until the
+whole body is here, then carries the routing, and the body goes back as a streamed response.
+Response path: SSE chunks are counted and reported as they pass; the request is released
+exactly once — at the end of the stream, or when the stream dies.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
@@ -31,15 +36,30 @@ FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
 UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
 _REASON_LABELS = {FINISHED: "finished", CLIENT_ABORT: "stream_ended_early", UPSTREAM_ERROR: "upstream_error"}
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 
 
 class _Stream:
     """What one HTTP request's processing remembers between messages."""
 
-    __slots__ = ("counter", "decision", "path", "released", "request_id", "status", "stripper")
+    __slots__ = (
+        "body",
+        "counter",
+        "decision",
+        "full_duplex",
+        "id_in_headers",
+        "path",
+        "released",
+        "request_id",
+        "status",
+        "stripper",
+    )
 
     def __init__(self) -> None:
+        self.full_duplex = False  # FULL_DUPLEX_STREAMED request body: the headers reply waits for the body
+        self.body: list[bytes] | None = None  # chunks read so far while the headers reply is held
         self.request_id = ""
+        self.id_in_headers = False  # the request carries x-request-id already: no need to set it
         self.path = ""
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
@@ -75,14 +95,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
-                if kind == "request_headers":
-                    yield self._on_request_headers(s, message.request_headers)
+                if kind == "response_body":  # first: SSE chunks are most of the messages
+                    yield self._on_response_body(s, message.response_body)
+                elif kind == "request_headers":
+                    s.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
+                    reply = self._on_request_headers(s, message.request_headers)
+                    if reply is not None:
+                        yield reply
                 elif kind == "request_body":
-                    yield await self._on_request_body(s, message.request_body)
+                    if s.full_duplex:
+                        for reply in await self._on_streamed_request_body(s, message.request_body):
+                            yield reply
+                    else:
+                        yield await self._on_request_body(s, message.request_body)
+                elif kind == "request_trailers" and s.body is not None:
+                    # FULL_DUPLEX: trailers, not a body chunk, ended the request; route on what came.
+                    for reply in await self._finish_held(s, end_of_stream=False):
+                        yield reply
+                    yield _continue_for(kind)
                 elif kind == "response_headers":
                     yield self._on_response_headers(s, message.response_headers, message.metadata_context)
-                elif kind == "response_body":
-                    yield self._on_response_body(s, message.response_body)
                 else:  # trailers are not requested by our config; answer so Envoy never waits
                     yield _continue_for(kind)
         finally:
@@ -92,11 +124,16 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             if s.decision is not None and not s.released:
                 self._release(s, UPSTREAM_ERROR if s.status >= 500 else CLIENT_ABORT)
 
-    def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+    def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse | None:
         h = messages.header_map(headers)
         s.path = route_path(h.get(":path", ""))
-        s.request_id = h.get(messages.REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request_id = h.get(messages.REQUEST_ID_HEADER)
+        s.id_in_headers = bool(request_id)
+        s.request_id = request_id or uuid.uuid4().hex
         if not headers.end_of_stream and s.path in ROUTED_PATHS:
+            if s.full_duplex:
+                s.body = []
+                return None  # held: the body decides where it goes, and Envoy is already sending it
             return messages.CONTINUE_REQUEST_HEADERS  # the body decides where it goes
         # No body to schedule on (GET /v1/models, /health, ...): any engine will do.
         try:
@@ -113,34 +150,69 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             except RequestError as exc:
                 return self._reject(exc)
             return messages.route_on_body(inst.address, s.request_id)
-        new_body = None
         try:
-            if len(body.body) > self._max_body_bytes:
-                raise RequestError(413, f"request body of {len(body.body)} bytes exceeds {self._max_body_bytes}")
-            parsed = parse_request(s.path, body.body)
-            if self._models and parsed.model not in self._models:
-                raise RequestError(404, f"The model `{parsed.model}` does not exist.", "model")
-            if parsed.stream and not parsed.include_usage and self._exact_usage:
-                new_body = parsed.body_requesting_usage()
-                s.stripper = UsageStripper()
-            token_ids = self._tokenize(parsed.prompt_text)
-            block_size = self._prefix_block_size
-            request = scheduler_pb2.ScheduleRequest(
-                request_id=s.request_id,
-                model=parsed.model,
-                prompt_tokens=len(token_ids),
-                prefix_block_hashes=prefix_block_hashes(token_ids, block_size) if block_size else (),
-                prefix_block_size=block_size,
-                max_tokens=parsed.max_tokens or 0,
-                stream=parsed.stream,
-            )
-            started = time.perf_counter()
-            s.decision = await self._router.choose(request)
-            self._metrics.schedule_seconds.observe(time.perf_counter() - started)
+            new_body = await self._schedule(s, body.body)
         except RequestError as exc:
             return self._reject(exc)
+        assert s.decision is not None
+        request_id = None if s.id_in_headers else s.request_id
+        return messages.route_on_body(s.decision.address, request_id, new_body, s.decision.fallbacks)
+
+    async def _on_streamed_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """FULL_DUPLEX_STREAMED: every byte Envoy sends must come back, or the upstream gets less."""
+        if s.body is None:  # the headers were answered already (a path we don't schedule): echo
+            return [messages.streamed_request_body(body.body, body.end_of_stream)]
+        s.body.append(body.body)
+        size = sum(map(len, s.body))
+        if size > self._max_body_bytes:  # Envoy holds no buffer in this mode, so its 413 never fires
+            s.body = None
+            return [self._reject(RequestError(413, f"request body exceeds {self._max_body_bytes} bytes"))]
+        if not body.end_of_stream:
+            return []
+        return await self._finish_held(s, end_of_stream=True)
+
+    async def _finish_held(self, s: _Stream, end_of_stream: bool) -> list[ep.ProcessingResponse]:
+        """The whole body is here: the held headers reply routes, then the body goes on."""
+        assert s.body is not None
+        whole = b"".join(s.body)
+        s.body = None
+        try:
+            new_body = await self._schedule(s, whole)
+        except RequestError as exc:
+            return [self._reject(exc)]
+        assert s.decision is not None
+        return [
+            messages.route_on_headers(s.decision.address, s.request_id, s.decision.fallbacks),
+            messages.streamed_request_body(whole if new_body is None else new_body, end_of_stream),
+        ]
+
+    async def _schedule(self, s: _Stream, body: bytes) -> bytes | None:
+        """Parse and schedule; sets s.decision. Returns the body to send instead, if it changed."""
+        new_body = None
+        if len(body) > self._max_body_bytes:
+            raise RequestError(413, f"request body of {len(body)} bytes exceeds {self._max_body_bytes}")
+        parsed = parse_request(s.path, body)
+        if self._models and parsed.model not in self._models:
+            raise RequestError(404, f"The model `{parsed.model}` does not exist.", "model")
+        if parsed.stream and not parsed.include_usage and self._exact_usage:
+            new_body = parsed.body_requesting_usage()
+            s.stripper = UsageStripper()
+        token_ids = self._tokenize(parsed.prompt_text)
+        block_size = self._prefix_block_size
+        request = scheduler_pb2.ScheduleRequest(
+            request_id=s.request_id,
+            model=parsed.model,
+            prompt_tokens=len(token_ids),
+            prefix_block_hashes=prefix_block_hashes(token_ids, block_size) if block_size else (),
+            prefix_block_size=block_size,
+            max_tokens=parsed.max_tokens or 0,
+            stream=parsed.stream,
+        )
+        started = time.perf_counter()
+        s.decision = await self._router.choose(request)
+        self._metrics.schedule_seconds.observe(time.perf_counter() - started)
         self._metrics.routed.labels(s.decision.source).inc()
-        return messages.route_on_body(s.decision.address, s.request_id, new_body, s.decision.fallbacks)
+        return new_body
 
     def _on_response_headers(
         self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata

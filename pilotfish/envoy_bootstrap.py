@@ -7,6 +7,8 @@ from string import Template
 
 from pilotfish.envoy_binary import config_path
 
+REQUEST_BODY_MODES = ("BUFFERED", "FULL_DUPLEX_STREAMED")
+
 
 def _endpoints(addresses: list[tuple[str, int]]) -> str:
     # JSON is YAML: a flow list drops into the template at any indentation.
@@ -24,8 +26,15 @@ def render_sidecar(
     listen_host: str = "127.0.0.1",
     max_body_bytes: int = 4 * 1024 * 1024,
     ext_proc_timeout_s: float = 5.0,
+    request_body_mode: str = "BUFFERED",
 ) -> str:
-    """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters."""
+    """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters.
+
+    `request_body_mode` is BUFFERED or FULL_DUPLEX_STREAMED (measured side by side by
+    `pilotfish bench gateway`).
+    """
+    if request_body_mode not in REQUEST_BODY_MODES:
+        raise ValueError(f"request_body_mode {request_body_mode!r}: expected one of {', '.join(REQUEST_BODY_MODES)}")
     template = Template(config_path("sidecar.yaml").read_text())
     return template.substitute(
         listen_host=listen_host,
@@ -33,6 +42,10 @@ def render_sidecar(
         admin_port=admin_port,
         max_body_bytes=max_body_bytes,
         ext_proc_timeout=f"{ext_proc_timeout_s}s",
+        request_body_mode=request_body_mode,
+        # In full duplex a request that ends in trailers has no end_of_stream body chunk: ext_proc
+        # must see the trailers to know the body is complete.
+        request_trailer_mode="SEND" if request_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         ext_proc_endpoints=_endpoints([("127.0.0.1", p) for p in ext_proc_ports]),
         default_endpoints=_endpoints(default_endpoints),
     )

@@ -1,0 +1,122 @@
+"""The servicer's message flow per request body mode, driven without gRPC or Envoy."""
+
+import asyncio
+import json
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from pilotfish.discovery.static import parse_instances
+from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.ext_proc.routing import CircuitBreaker, Router
+from pilotfish.ext_proc.telemetry import ExtProcMetrics
+
+ENGINE = "127.0.0.1:9001"
+FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def servicer(max_body_bytes: int = 1 << 20) -> ExtProcServicer:
+    router = Router(None, parse_instances([f"e0={ENGINE}"]), breaker=CircuitBreaker(3, 1.0))
+    return ExtProcServicer(router, lambda text: [1] * len(text.split()), frozenset(), max_body_bytes, ExtProcMetrics())
+
+
+def request_headers(path: str, *, full_duplex: bool, request_id: str = "rid-1", end: bool = False):
+    headers = base_pb2.HeaderMap(
+        headers=[
+            base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key="x-request-id", raw_value=request_id.encode()),
+        ]
+    )
+    message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers, end_of_stream=end))
+    if full_duplex:
+        message.protocol_config.request_body_mode = FULL_DUPLEX
+    return message
+
+
+def body(data: bytes, end: bool) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def run(messages: list[ep.ProcessingRequest], svc: ExtProcServicer | None = None) -> list[ep.ProcessingResponse]:
+    svc = svc or servicer()
+
+    async def feed():
+        for m in messages:
+            yield m
+
+    async def collect():
+        return [reply async for reply in svc.Process(feed(), None)]
+
+    return asyncio.run(collect())
+
+
+def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
+    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+
+
+COMPLETION = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4}).encode()
+
+
+def test_buffered_routes_on_the_body_reply():
+    replies = run([request_headers("/v1/completions", full_duplex=False), body(COMPLETION, end=True)])
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    common = replies[1].request_body.response
+    assert common.clear_route_cache
+    # Envoy's own x-request-id is already on the request: only the destination is set.
+    assert set_headers(common.header_mutation) == {"x-gateway-destination-endpoint": ENGINE}
+
+
+def test_full_duplex_holds_the_headers_reply_until_the_body_is_complete():
+    half = len(COMPLETION) // 2
+    replies = run(
+        [
+            request_headers("/v1/completions", full_duplex=True),
+            body(COMPLETION[:half], end=False),
+            body(COMPLETION[half:], end=True),
+        ]
+    )
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
+    routed = replies[0].request_headers.response
+    assert routed.clear_route_cache
+    assert set_headers(routed.header_mutation)["x-gateway-destination-endpoint"] == ENGINE
+    streamed = replies[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == COMPLETION and streamed.end_of_stream
+
+
+def test_full_duplex_sends_the_rewritten_body_of_a_stream_that_did_not_ask_for_usage():
+    stream = json.dumps({"model": "m", "prompt": "x", "stream": True}).encode()
+    replies = run([request_headers("/v1/completions", full_duplex=True), body(stream, end=True)])
+    sent = json.loads(replies[1].request_body.response.body_mutation.streamed_response.body)
+    assert sent["stream_options"]["include_usage"] is True
+
+
+def test_full_duplex_request_ending_in_trailers_is_routed_and_answered_in_order():
+    replies = run(
+        [
+            request_headers("/v1/completions", full_duplex=True),
+            body(COMPLETION, end=False),
+            ep.ProcessingRequest(request_trailers=ep.HttpTrailers()),
+        ]
+    )
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body", "request_trailers"]
+    assert not replies[1].request_body.response.body_mutation.streamed_response.end_of_stream
+
+
+@pytest.mark.parametrize("full_duplex", [False, True])
+def test_bad_bodies_get_an_immediate_answer_in_both_modes(full_duplex: bool):
+    replies = run([request_headers("/v1/completions", full_duplex=full_duplex), body(b"{not json", end=True)])
+    assert replies[-1].immediate_response.status.code == 400
+
+
+def test_full_duplex_body_over_the_limit_is_refused_without_waiting_for_its_end():
+    svc = servicer(max_body_bytes=1024)
+    replies = run([request_headers("/v1/completions", full_duplex=True), body(b"x" * 2000, end=False)], svc)
+    assert replies[-1].immediate_response.status.code == 413
+
+
+def test_full_duplex_body_on_a_path_we_do_not_schedule_is_echoed_back():
+    replies = run([request_headers("/other", full_duplex=True), body(b"abc", end=True)])
+    assert replies[0].request_headers.response.clear_route_cache
+    assert replies[1].request_body.response.body_mutation.streamed_response.body == b"abc"

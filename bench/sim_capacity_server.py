@@ -1,5 +1,6 @@
 """The engine side of `pilotfish bench sim-capacity`: a simulated fleet that records, per request,
-the engine's own arrival and first-token times (its TTFT), and writes them out on SIGTERM.
+the engine's own arrival and first-token times (its TTFT) and when the first token's bytes were
+handed to the socket, and writes them out on SIGTERM with the loop's lag, GC pauses and CPU.
 
     python -m pilotfish.bench.sim_capacity_server --engines 16 --timings FILE [engine flags]
 
@@ -17,43 +18,95 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
+from pilotfish.simulator.engine.base import TokenOutput
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import SimRequest
+from pilotfish.simulator.server.driver import EngineDriver, TokenSink
 
 
 class FirstTokenClock(EngineObserver):
-    """x-request-id -> [engine arrival, first token], on the engine's own clock."""
+    """x-request-id -> [engine arrival, first token, first token written], on the engine's own clock;
+    and the tokens generated, in `tokens[0]`."""
 
-    def __init__(self, out: dict[str, list[float]]) -> None:
+    def __init__(self, out: dict[str, list[float]], tokens: list[int]) -> None:
         self.out = out
+        self.tokens = tokens
 
     def request_added(self, request: SimRequest, now: float) -> None:
-        self.out[request.request_id.split("#", 1)[0]] = [now, -1.0]
+        self.out[request.request_id.split("#", 1)[0]] = [now, -1.0, -1.0]
 
     def token_generated(self, request: SimRequest, token_id: int, now: float) -> None:
+        self.tokens[0] += 1
         if request.num_output_tokens == 1:
             self.out[request.request_id.split("#", 1)[0]][1] = now
 
 
-def _gc_timer(pauses: list[float]) -> Callable[[str, dict], None]:
-    started = [0.0]
+def time_first_writes(driver: EngineDriver, out: dict[str, list[float]]) -> None:
+    """Wrap each stream's sink to stamp when its first token went to the socket.
+
+    The stamp is taken after the sink returns, so the server-side gap includes the write itself.
+    """
+    submit = driver.submit
+
+    def timed_submit(request: SimRequest, sink: TokenSink | None = None) -> Any:
+        if sink is None:
+            return submit(request)
+        rid = request.request_id.split("#", 1)[0]
+
+        def timed(token: TokenOutput) -> None:
+            sink(token)
+            if token.index == 0 and rid in out:
+                out[rid][2] = time.monotonic()
+
+        return submit(request, timed)
+
+    driver.submit = timed_submit  # type: ignore[method-assign]
+
+
+_schedstat: list[int] = []  # this process's open /proc/self/schedstat, kept: a probe reads it 400 times a second
+
+
+def run_delay() -> float:
+    """Seconds this process has waited on a run queue, runnable but without a CPU (Linux schedstat)."""
+    try:
+        if not _schedstat or _schedstat[0] != os.getpid():  # opened anew in a forked child
+            _schedstat[:] = [os.getpid(), os.open("/proc/self/schedstat", os.O_RDONLY)]
+        return int(os.pread(_schedstat[1], 128, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def _gc_timer(pauses: list[tuple[int, float, float, int, float]]) -> Callable[[str, dict], None]:
+    """(generation, wall seconds, CPU seconds, objects collected, when) per collection: a wall pause
+    far above its CPU is the process losing the CPU mid-collection, not the collection's own work."""
+    started = [0.0, 0.0]
 
     def on_gc(phase: str, info: dict) -> None:
         if phase == "start":
-            started[0] = time.perf_counter()
+            started[0], started[1] = time.perf_counter(), time.thread_time()
         else:
-            pauses.append(time.perf_counter() - started[0])
+            pauses.append(
+                (
+                    info["generation"],
+                    time.perf_counter() - started[0],
+                    time.thread_time() - started[1],
+                    info["collected"],
+                    time.monotonic(),
+                )
+            )
 
     return on_gc
 
 
-async def _lag_probe(samples: list[float], period: float = 0.005) -> None:
-    """How late the loop wakes a sleeper: the delay every stream's next token also sees."""
+async def lag_probe(samples: list[tuple[float, float]], period: float = 0.005) -> None:
+    """How late the loop wakes a sleeper (the delay every stream's next token also sees), with how
+    much of that time the process spent waiting for a CPU the machine's other work held."""
     while True:
-        start = time.monotonic()
+        start, waited = time.monotonic(), run_delay()
         await asyncio.sleep(period)
-        samples.append(time.monotonic() - start - period)
+        samples.append((time.monotonic() - start - period, run_delay() - waited))
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -61,26 +114,37 @@ async def serve(args: argparse.Namespace) -> None:
     from pilotfish.simulator.fleet import serve_engines, settle_for_load
 
     timings: dict[str, list[float]] = {}
-    lag: list[float] = []
+    tokens = [0]
+    lag: list[tuple[float, float]] = []
     engine = EngineConfig(profile=args.profile, max_num_seqs=args.max_num_seqs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     async with serve_engines(ServeConfig(engines=args.engines, base_port=0), engine) as fleet:
         for e in fleet.engines:
-            e.core.add_observer(FirstTokenClock(timings))
+            e.core.add_observer(FirstTokenClock(timings, tokens))
+            time_first_writes(e.driver, timings)
         settle_for_load(fleet)
-        probe = loop.create_task(_lag_probe(lag))
-        gc_pauses: list[float] = []
+        probe = loop.create_task(lag_probe(lag))
+        gc_pauses: list[tuple[int, float, float, int, float]] = []
         gc.callbacks.append(_gc_timer(gc_pauses))
-        cpu0 = os.times()
+        cpu0, waited0 = os.times(), run_delay()
         print(json.dumps({"urls": fleet.urls}), flush=True)
         await stop.wait()
-        cpu1 = os.times()
+        cpu1, waited1 = os.times(), run_delay()
         probe.cancel()
     with open(args.timings, "w") as f:
-        json.dump({"requests": timings, "loop_lag": lag, "gc_pauses": gc_pauses,
-                   "cpu_seconds": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)}, f)
+        json.dump(
+            {
+                "requests": timings,
+                "loop_lag": lag,
+                "gc_pauses": gc_pauses,
+                "tokens": tokens[0],
+                "run_queue_wait_seconds": waited1 - waited0,
+                "cpu_seconds": (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system),
+            },
+            f,
+        )
 
 
 def main() -> int:

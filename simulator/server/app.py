@@ -133,8 +133,9 @@ class EngineApp:
         response: web.StreamResponse | None = None
         try:
             if parsed.stream:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
+                response = web.StreamResponse(
+                    headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+                )
                 await response.prepare(http)
                 if chat:  # vLLM opens a chat stream with the assistant role before any token
                     await response.write(sse(shape.chunk(None, None, role=True)))
@@ -142,9 +143,14 @@ class EngineApp:
                 transport = http.transport
                 if transport is None:
                     raise ConnectionResetError("client went away")
-                sink = SseSink(shape, transport, is_chunked(response), include_usage=parsed.include_usage,
-                               continuous_usage=parsed.continuous_usage_stats)
-                self.driver.submit(sim_request, sink)
+                sink = SseSink(
+                    shape,
+                    transport,
+                    is_chunked(response),
+                    include_usage=parsed.include_usage,
+                    continuous_usage=parsed.continuous_usage_stats,
+                )
+                self.driver.submit(sim_request, sink.send)
                 await sink.done
                 finished = True
                 await response.write_eof()

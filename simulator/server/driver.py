@@ -173,10 +173,13 @@ class EngineDriver:
                     continue
                 if out.finish_reason is not None:
                     del sinks[out.request_id]
-                if out.index == 0:
-                    _deliver(sink, out)
-                else:
+                if out.index:
                     later.append((sink, out))
+                    continue
+                try:
+                    sink(out)
+                except Exception:
+                    _delivery_failed(out)
             if later:
                 loop.call_soon(_deliver_all, later)
             if self.kv_events is not None:
@@ -188,10 +191,18 @@ def _deliver(sink: TokenSink, out: TokenOutput) -> None:
     try:
         sink(out)
     except Exception:
-        # one broken stream must not stop the engine; its handler cleans up
-        log.exception("token delivery to request %s failed", out.request_id)
+        _delivery_failed(out)
 
 
 def _deliver_all(batch: list[tuple[TokenSink, TokenOutput]]) -> None:
+    # the step loop's hottest path: one call per token, nothing else (a try costs nothing until it catches)
     for sink, out in batch:
-        _deliver(sink, out)
+        try:
+            sink(out)
+        except Exception:
+            _delivery_failed(out)
+
+
+def _delivery_failed(out: TokenOutput) -> None:
+    # one broken stream must not stop the engine; its handler cleans up
+    log.exception("token delivery to request %s failed", out.request_id)

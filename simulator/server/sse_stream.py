@@ -14,14 +14,22 @@ from typing import Any
 
 from pilotfish.simulator.engine.base import TokenOutput
 from pilotfish.simulator.server.protocol import SSE_DONE, ApiError, ResponseShape, sse
-from pilotfish.simulator.tokens import generated_word
+from pilotfish.simulator.tokens import WORDS, generated_word
 
 _MARK = "@@pilotfish-text@@"  # JSON-encodes as itself
+_WORD_BYTES = tuple(w.encode() for w in WORDS)  # generated_word(i) is WORDS[i % len(WORDS)]
 
 
 class SseSink:
-    def __init__(self, shape: ResponseShape, transport: asyncio.Transport, chunked: bool, *,
-                 include_usage: bool, continuous_usage: bool) -> None:
+    def __init__(
+        self,
+        shape: ResponseShape,
+        transport: asyncio.Transport,
+        chunked: bool,
+        *,
+        include_usage: bool,
+        continuous_usage: bool,
+    ) -> None:
         self.shape = shape
         self.transport = transport
         self.chunked = chunked
@@ -29,16 +37,29 @@ class SseSink:
         self.continuous_usage = continuous_usage
         self.completion_tokens = 0
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        # the bytes around the text of a mid-stream event, so a token is a join, not a JSON encode
+        # the bytes around the text of a mid-stream event, so a token is a format, not a JSON encode
         head, found, tail = sse(shape.chunk(_MARK, None)).partition(_MARK.encode())
-        self._template = bool(found)  # a model name that escapes oddly falls back to encoding each event
-        self._head, self._tail = head, tail
+        # a mid-stream token is then one %-format and one write: its frame is head + word + tail,
+        # where a model name that escapes oddly, or continuous usage, makes every event encoded whole
+        self._template = bool(found) and not continuous_usage
+        self._head, self._tail = head, (tail + b"\r\n" if chunked else tail)
+        self._frame = b"%x\r\n%b%b%b" if chunked else b"%b%b%b"
+        self._frame_len = len(head) + len(tail)
 
-    def __call__(self, out: TokenOutput) -> None:
+    def send(self, out: TokenOutput) -> None:
+        """The token sink (pass the bound method: CPython calls it faster than an instance's __call__)."""
         if self.done.done():
             return
         if self.transport.is_closing():
             self.done.set_exception(ConnectionResetError("client went away"))
+            return
+        if self._template and out.finish_reason is None and out.token_id is not None:
+            self.completion_tokens += 1
+            word = _WORD_BYTES[out.index % len(_WORD_BYTES)]
+            if self.chunked:
+                self.transport.write(self._frame % (self._frame_len + len(word), self._head, word, self._tail))
+            else:
+                self.transport.write(self._frame % (self._head, word, self._tail))
             return
         if out.error is not None:
             # as vLLM ends a stream that fails mid-way: an error event, then [DONE]
@@ -49,9 +70,6 @@ class SseSink:
         if out.token_id is not None:
             text = generated_word(out.index)
             self.completion_tokens += 1
-        if out.finish_reason is None and not self.continuous_usage and self._template:
-            self._write(self._head + text.encode() + self._tail)
-            return
         usage = self.shape.usage(self.completion_tokens) if self.include_usage and self.continuous_usage else None
         reason = out.finish_reason.value if out.finish_reason else None
         payload = sse(self.shape.chunk(text, reason, usage=usage))

@@ -10,6 +10,11 @@ against load.
     pilotfish bench cluster --trace azure_code_2023.csv --instances 4 --load 2 --sweep "" --out DIR
     pilotfish bench cluster --trace synthetic:groups=16,rate=40 --policies oracle,dynamo --out DIR
     pilotfish bench cluster --policies pilotfish-full:slo,pilotfish-full:slo+dispatch_top_k=2 --out DIR
+    pilotfish bench cluster --matrix-at sweep --out DIR          # the feature matrix at every load, not just --load
+
+The feature matrix (full mode's shipped default with one feature flipped per arm: the in-flight
+account, forward prediction, cache-aware ranking, rescheduling) runs at --load only unless
+`--matrix-at sweep`, which keeps the default set within 15 minutes on 2 cores.
 
 Policy names: bench/cluster_policies.py; the peers' reimplementations and their sources:
 bench/peers.py; the oracle: bench/cluster_oracle.py; full mode on the virtual clock:
@@ -19,14 +24,14 @@ bench/cluster_full.py; tables, conclusions and plots: bench/cluster_report.py.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import sys
 import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
-
+    from pilotfish.bench.cluster_policies import PolicySpec
     from pilotfish.simulator.cluster import ClusterConfig, ClusterResult, Router, RouteRequest
     from pilotfish.simulator.traces import Trace
 
@@ -53,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time compression: 2 = twice the trace's rate (its latency CDFs are plotted)")
     parser.add_argument("--sweep", default="1,2,3",
                         help="comma list of loads to run (includes --load; empty: --load only)")
+    parser.add_argument("--matrix-at", choices=("load", "sweep"), default="load",
+                        help="where policies with a feature toggle in their name (pilotfish-full:load-balance"
+                             "+predictor, ...-account) run: at --load only, or at every load of the sweep")
     parser.add_argument("--profile", default="llama3-8b-a100", help="engine step-time profile")
     parser.add_argument("--num-gpu-blocks", type=int, default=30000, help="KV blocks per engine (8B on an 80 GB A100)")
     parser.add_argument("--max-model-len", type=int, default=196608, help="fits the Mooncake trace's longest request")
@@ -164,14 +172,19 @@ def _counted(router: Router, progress: Progress) -> Router:
 # ---- the run ------------------------------------------------------------------------------------------------
 
 
-def run_policy(config: ClusterConfig, trace: Trace, make: Callable[[int], Router], seed: int,
-               progress: Progress) -> ClusterResult:
-    """One policy over one trace on fresh engines; the ClusterResult."""
+def run_policy(config: ClusterConfig, trace: Trace, spec: PolicySpec, seed: int, progress: Progress) -> ClusterResult:
+    """One policy over one trace on fresh engines (and its rescheduler, if it has one); the ClusterResult."""
+    import dataclasses
+
     from pilotfish.simulator.cluster import ClusterSim
 
-    router = make(seed)
+    router = spec.make(seed)
     observe = getattr(router, "observe_engine", None)
-    sim = ClusterSim(config, _counted(router, progress), observers=[observe] if observe else ())
+    rescheduler = spec.rescheduler(router) if spec.rescheduler is not None else None
+    if rescheduler is not None:
+        config = dataclasses.replace(config, rescheduling_interval=spec.rescheduling_interval)
+    sim = ClusterSim(config, _counted(router, progress), observers=[observe] if observe else (),
+                     rescheduler=rescheduler)
     attach = getattr(router, "attach_engines", None)
     if attach is not None:
         attach(sim.engines)
@@ -204,18 +217,22 @@ def run(args: argparse.Namespace) -> int:
         base = take_duration(base, args.duration)
     loads = parse_loads(args.load, args.sweep)
     config = ClusterConfig(engines=args.instances, engine=engine, observation_delay=args.observation_delay)
-    progress = Progress(len(base) * len(loads) * len(specs), enabled=not args.no_progress)
-    sweep: dict[str, dict[str, dict[str, Any]]] = {}
+
+    def runs_at(spec: PolicySpec, load: float) -> bool:
+        return not spec.toggles or args.matrix_at == "sweep" or load == args.load
+
+    plan = [(load, spec) for load in loads for spec in specs if runs_at(spec, load)]
+    progress = Progress(len(base) * len(plan), enabled=not args.no_progress)
+    sweep: dict[str, dict[str, dict[str, Any]]] = {str(load): {} for load in loads}
     samples: dict[str, dict[str, list[float]]] = {}
-    for load in loads:
-        trace = compress(base, load) if load != 1.0 else base
-        sweep[str(load)] = {}
-        for spec in specs:
-            progress.label = f"{spec.name} @ load {load:g}"
-            result = run_policy(config, trace, spec.make, args.seed, progress)
-            sweep[str(load)][spec.name] = policy_metrics(result, len(trace), args.slo_ttft, args.slo_tpot)
-            if load == args.load:
-                samples[spec.name] = latency_samples(result)
+    traces = {load: compress(base, load) if load != 1.0 else base for load in loads}
+    for load, spec in plan:
+        trace = traces[load]
+        progress.label = f"{spec.name} @ load {load:g}"
+        result = run_policy(config, trace, spec, args.seed, progress)
+        sweep[str(load)][spec.name] = policy_metrics(result, len(trace), args.slo_ttft, args.slo_tpot)
+        if load == args.load:
+            samples[spec.name] = latency_samples(result)
     progress.finish()
     wall = time.monotonic() - started
 
@@ -227,19 +244,35 @@ def run(args: argparse.Namespace) -> int:
         "instances": args.instances, "profile": args.profile, "num_gpu_blocks": args.num_gpu_blocks,
         "loads": loads, "load": args.load, "seed": args.seed, "observation_delay": args.observation_delay,
         "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
-        "policies": {s.name: {"family": s.family, "description": s.description} for s in specs},
+        "policies": {s.name: {"family": s.family, "description": s.description, "toggles": s.toggles,
+                              "toggled_from": s.toggled_from} for s in specs},
+        "matrix_at": args.matrix_at,
         "skipped": skipped, "runs": sweep, "plots": plots, "no_plots": no_plots, "wall_seconds": wall,
         "host": platform.node(), "python": platform.python_version(),
+        # the machine is shared: its 1/5/15-minute load average at the end puts the wall time in context
+        "load_average": list(os.getloadavg()), "cpus": os.cpu_count(),
     }
     md = render_markdown({"benchmark": "cluster", **result})
     write_report(args.out, "cluster", result, md)
     print(md)
+    broken = [f"{name} @ load {load}" for load, runs in sweep.items() for name, m in runs.items()
+              if m["integrity_errors"]]
+    if broken:  # a migration lost or duplicated tokens: the figures cannot be trusted
+        print(f"token integrity FAILED under: {', '.join(broken)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _machine(result: dict[str, Any]) -> str:
+    load = result.get("load_average")
+    if not load:
+        return ""
+    return f", {result.get('cpus')} CPUs, load average {' / '.join(f'{x:.1f}' for x in load)} at the end"
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     """report.md from result.json alone, so a report can be redrawn without running again."""
-    from pilotfish.bench.cluster_report import conclusions, knee, table
+    from pilotfish.bench.cluster_report import conclusions, knee, matrix, table
 
     loads = result["loads"]
     sweep = result["runs"]
@@ -252,13 +285,16 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Trace `{result['trace']}`" + (f", first {duration:g} s" if duration > 0 else "")
         + f" ({result['requests']} requests over {result.get('span_seconds', 0):.0f} s before compression); "
         f"{result['instances']} engines, profile `{result['profile']}`, {result['num_gpu_blocks']} KV blocks each; "
-        f"loads {', '.join(f'{x:g}' for x in loads)} (time compression); seed {result['seed']}; routers hear engine "
+        f"loads {', '.join(f'{x:g}' for x in loads)} (time compression"
+        + ("; the feature arms at load " + f"{result['load']:g} only" if result.get("matrix_at", "load") == "load"
+           and any(p.get("toggles") for p in result["policies"].values()) else "")
+        + f"); seed {result['seed']}; routers hear engine "
         f"events {result.get('observation_delay', 0.0) * 1000:g} ms late. Goodput SLO: "
         f"TTFT <= {slo['ttft_s']:g} s and TPOT <= {slo['tpot_s'] * 1000:g} ms; goodput counts the requests that "
         "met both, per second of the trace's arrivals at that load, and \"SLO met\" is their share of all "
         "requests (the knee uses it). Every policy saw the same engines and the same arrivals. "
         f"Wall time {result['wall_seconds']:.0f} s on {result.get('host') or 'this machine'} "
-        f"(Python {result['python']}).",
+        f"(Python {result['python']}" + _machine(result) + ").",
         "",
         "Policies:",
         "",
@@ -268,15 +304,26 @@ def render_markdown(result: dict[str, Any]) -> str:
     ]
     for load in loads:
         md += [f"## Load {load:g}", "", *table(sweep[str(load)], families), ""]
+    toggled_from = {name: p.get("toggled_from") for name, p in result["policies"].items()}
+    for load in loads:
+        rows = matrix(sweep[str(load)], toggled_from)
+        if rows:
+            md += [f"## One feature at a time (load {load:g})", "",
+                   "Each arm flips one feature of the policy it is set against; the percentages are its change "
+                   "from that policy, and the verdict ranks as the conclusions do (SLO met, then P99 TTFT). "
+                   "`-account` drops each in-flight account entry as the core makes it (a bench-only switch: the "
+                   "scheduler has no flag for it); `+rescheduling` runs the scheduler's ReschedulingPlanner with "
+                   "its default settings every interval over the router's own view, moving requests as the "
+                   "llumlets would.", "", *rows, ""]
     md += ["## Conclusions (computed from the tables)", ""]
     for load in loads:
         md += conclusions(load, sweep[str(load)], families)
     if len(loads) > 1:
-        md += ["", "## Knee", "", *knee(loads, sweep, slo["ttft_s"])]
+        md += ["", "## Knee", "", *knee(loads, sweep, slo["ttft_s"], list(result["policies"]))]
     md += ["", "## Plots", ""]
     plots = result["plots"]
     md += [f"![{p}]({p})" for p in plots] if plots else [f"None: {result.get('no_plots')}."]
-    md += ["", "Migrations are 0: the virtual cluster has no rescheduler yet. One seed per run: a P99 rests on the "
-           "slowest 1% of requests, so differences of a few percent are within what another `--seed` or trace "
-           "slice can move."]
+    md += ["", "Migrations (\"migr\") count moves from the requests' records; only a policy with rescheduling on "
+           "moves any. One seed per run: a P99 rests on the slowest 1% of requests, so differences of a few "
+           "percent are within what another `--seed` or trace slice can move."]
     return "\n".join(md)

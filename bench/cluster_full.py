@@ -7,6 +7,11 @@ each step (`apply_status`), and the engines' KV events (`apply_kv_event`), drain
 decision. The status delay is the cluster's `observation_delay`; KV events arrive with zero delay.
 An engine with no step to report still writes its (idle) status at start and then every
 `heartbeat` seconds, as the llumlet refreshes its record, so the core never sees it stale.
+
+`inflight_account=False` is a bench-only ablation, not a scheduler flag: each dispatch's
+in-flight account entry is released as soon as the core makes it, so the core ranks on engine
+statuses alone (what full mode would be without the dispatch-time account). The LRS and the
+prefix index still record the dispatch, as they do with the account on.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from pilotfish.simulator.engine.scheduler import V1Engine
 
 class FullModeRouter(SchedulerRouter):
     def __init__(self, config: Any, engine: EngineConfig, *, kv_events: bool = True, heartbeat: float = 1.0,
-                 node_ids: Sequence[str] = ()) -> None:
+                 node_ids: Sequence[str] = (), inflight_account: bool = True) -> None:
         super().__init__(config, apply_status=self._apply)
         self.engine = engine
+        self.inflight_account = inflight_account
         self.node_ids = list(node_ids)  # engine i's node (its metadata's failure domain); empty: none
         self.kv_events = kv_events
         self.heartbeat = heartbeat
@@ -102,7 +108,10 @@ class FullModeRouter(SchedulerRouter):
         self._heartbeats(now)
         if self.kv_events:
             self._drain_kv_events()
-        return super().route(request, now)
+        engine = super().route(request, now)
+        if not self.inflight_account:
+            self.core.account.release(request.request_id)  # type: ignore[attr-defined]
+        return engine
 
     def _drain_kv_events(self) -> None:
         core = self.core

@@ -5,21 +5,26 @@
 - Pilotfish: `pilotfish:<policy>` for any policy the scheduler's registry offers (lite mode,
   the real core on the virtual clock), plus `pilotfish:cache-aware` (lite load-balance with the
   cache-aware metric first); `pilotfish-full:<policy>` the same in full mode (bench/cluster_full.py);
-  `+field=value` after the policy sets any SchedulerConfig field, to turn one feature on or off
-  (`pilotfish-full:load-balance+enable_cache_aware_scheduling=true`); a name the registry
-  lacks, or a configuration the core refuses, is skipped with the reason;
+  `+field=value` after the policy sets any SchedulerConfig field
+  (`pilotfish-full:load-balance+dispatch_top_k=2`); a name the registry lacks, or a
+  configuration the core refuses, is skipped with the reason;
+- feature toggles, last in the name: `+feature` turns one on, `-feature` off, against what the
+  policy ships with (`pilotfish-full:load-balance-account`, `pilotfish-full:load-balance+predictor`);
+  the features are FEATURES below, and the default set toggles each once against full mode's
+  shipped default (FEATURE_ARMS);
 - peers: `llm-d`, `dynamo`, `sglang` (see bench/peers.py for the sources);
 - `oracle`: least predicted TTFT from the engines' true state (bench/cluster_oracle.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # `pilotfish --help` imports this module: nothing heavy at module level
-    from pilotfish.simulator.cluster import Router
+    from pilotfish.simulator.cluster import Rescheduler, Router
     from pilotfish.simulator.config import EngineConfig
 
 # what a bare `pilotfish:NAME` means when NAME is not itself a registry policy
@@ -28,9 +33,25 @@ _PILOTFISH_ALIASES: dict[str, dict[str, Any]] = {
                     "cache_aware_metric": "kv_cache_hit_len"},
 }
 
+# Full mode's features, each toggled by name: the SchedulerConfig field that switches it. The
+# dispatch-time (in-flight) account has no field, since full mode is not correct without it; the
+# bench turns it off inside the router (bench/cluster_full.py), hence None.
+FEATURES: dict[str, str | None] = {
+    "account": None,
+    "predictor": "enable_predictor_enhanced_scheduling",
+    "cache-aware": "enable_cache_aware_scheduling",
+    "rescheduling": "enable_rescheduling",
+}
+_TOGGLE = re.compile(r"([+-])(" + "|".join(re.escape(f) for f in FEATURES) + r")$")
+
+# the matrix: each feature flipped once against full mode as shipped (account on, the others off)
+FULL_DEFAULT = "pilotfish-full:load-balance"
+FEATURE_ARMS = (f"{FULL_DEFAULT}-account", f"{FULL_DEFAULT}+predictor", f"{FULL_DEFAULT}+cache-aware",
+                f"{FULL_DEFAULT}+rescheduling")
+
 DEFAULT_POLICIES = ("round-robin", "least-requests", "power-of-two", "pilotfish:load-balance",
-                    "pilotfish:cache-aware", "pilotfish-full:load-balance", "pilotfish-full:cache-aware",
-                    "pilotfish-full:slo", "llm-d", "dynamo", "sglang", "oracle")
+                    "pilotfish:cache-aware", FULL_DEFAULT, *FEATURE_ARMS, "pilotfish-full:slo", "llm-d", "dynamo",
+                    "sglang", "oracle")
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +60,12 @@ class PolicySpec:
     family: str  # baseline | pilotfish | peer | oracle
     make: Callable[[int], Router]  # seed -> a fresh router
     description: str
+    # router -> the sim's rescheduler, and its period in seconds (None: no rescheduling)
+    rescheduler: Callable[[Router], Rescheduler] | None = None
+    rescheduling_interval: float = 0.0
+    # feature toggles in the name, and the name without them (what the toggles are measured against)
+    toggles: dict[str, bool] = field(default_factory=dict)
+    toggled_from: str | None = None
 
 
 class PolicyUnavailable(Exception):
@@ -61,6 +88,15 @@ def _registry_policies() -> list[str]:
     return list(POLICIES)
 
 
+def _toggles(variant: str) -> tuple[str, dict[str, bool]]:
+    """Peel `+feature` / `-feature` off the end: `load-balance-account+predictor` -> load-balance, both."""
+    toggles: dict[str, bool] = {}
+    while (m := _TOGGLE.search(variant)) and m.start() > 0:
+        toggles.setdefault(m.group(2), m.group(1) == "+")  # peeled from the end: the last written wins
+        variant = variant[:m.start()]
+    return variant, dict(reversed(toggles.items()))
+
+
 def _overrides(name: str, variant: str) -> tuple[str, dict[str, Any]]:
     """`policy+field=value+...`: SchedulerConfig fields set on top of the policy (feature on/off by name)."""
     import yaml
@@ -80,7 +116,9 @@ def _pilotfish(name: str, variant: str, full: bool, engine: EngineConfig | None)
 
     from pilotfish.scheduler.config import SchedulerConfig
 
-    variant, extra = _overrides(name, variant)
+    untoggled, toggles = _toggles(variant)
+    base = name[:len(name) - len(variant)] + untoggled if toggles else None  # what the toggles are measured against
+    variant, extra = _overrides(name, untoggled)
     known = _registry_policies()
     mode = "full mode (CMS statuses after every step, KV events)" if full else \
         "lite mode (Schedule/Report/Release as ext_proc drives it)"
@@ -98,6 +136,15 @@ def _pilotfish(name: str, variant: str, full: bool, engine: EngineConfig | None)
     if extra:
         fields.update(extra)
         what += "; set: " + ", ".join(f"{k}={v}" for k, v in extra.items())
+    for feature, on in toggles.items():
+        key = FEATURES[feature]
+        if key is not None:
+            fields[key] = on
+    account = toggles.get("account", True)
+    if not full and ("account" in toggles or fields.get("enable_rescheduling")):
+        raise ValueError(f"{name}: the in-flight account and rescheduling are full mode's (pilotfish-full:...)")
+    if not account:
+        what += "; in-flight account off (bench-only: each entry dropped as the core makes it)"
     try:
         config = msgspec.convert(fields, SchedulerConfig)
     except msgspec.ValidationError as exc:
@@ -108,12 +155,21 @@ def _pilotfish(name: str, variant: str, full: bool, engine: EngineConfig | None)
         if config.enable_cache_aware_scheduling:
             metric = f"{config.cache_aware_metric}, then {metric}"
         what += f"; ranks by {metric}"
-    make = _full_router(fields, engine) if full else _scheduler_router(fields)
+    if config.enable_predictor_enhanced_scheduling:
+        what += "; forward prediction on"
+    make = _full_router(fields, engine, account) if full else _scheduler_router(fields)
     _probe(name, make)
-    return PolicySpec(name, "pilotfish", make, what)
+    rescheduler, interval = None, 0.0
+    if config.enable_rescheduling:
+        config = msgspec.structs.replace(config, enable_full_mode_scheduling=True)
+        rescheduler, interval = _rescheduler(name, config), config.rescheduling_interval_ms / 1000.0
+        what += (f"; rescheduling every {config.rescheduling_interval_ms} ms: "
+                 f"{', '.join(config.rescheduling_policies)}, {config.rescheduling_neutral_load_metric} >= "
+                 f"{config.rescheduling_neutral_load_threshold:g}, method {config.rescheduling_migration_method}")
+    return PolicySpec(name, "pilotfish", make, what, rescheduler, interval, toggles, base)
 
 
-def _full_router(fields: dict[str, Any], engine: EngineConfig | None) -> Callable[[int], Router]:
+def _full_router(fields: dict[str, Any], engine: EngineConfig | None, account: bool) -> Callable[[int], Router]:
     from pilotfish.bench.cluster_full import FullModeRouter
     from pilotfish.scheduler.config import SchedulerConfig
     from pilotfish.simulator.config import EngineConfig
@@ -121,7 +177,24 @@ def _full_router(fields: dict[str, Any], engine: EngineConfig | None) -> Callabl
     engine = engine or EngineConfig()
 
     def make(seed: int) -> Router:
-        return FullModeRouter(SchedulerConfig(enable_full_mode_scheduling=True, **fields), engine)
+        return FullModeRouter(SchedulerConfig(enable_full_mode_scheduling=True, **fields), engine,
+                              inflight_account=account)
+
+    return make
+
+
+def _rescheduler(name: str, config: Any) -> Callable[[Router], Rescheduler]:
+    """The scheduler's own ReschedulingPlanner over the full-mode router's core (simulator/cluster/rescheduling.py)."""
+    from pilotfish.scheduler.rescheduler import ReschedulingPlanner
+    from pilotfish.simulator.cluster import PlannerRescheduler
+
+    try:
+        ReschedulingPlanner(config)  # bad rescheduling flags: skipped with the reason, not crashed on
+    except Exception as exc:
+        raise PolicyUnavailable(f"{name}: the rescheduler refused it: {exc}") from None
+
+    def make(router: Router) -> Rescheduler:
+        return PlannerRescheduler(ReschedulingPlanner(config), router)  # type: ignore[arg-type]
 
     return make
 

@@ -33,7 +33,10 @@ def policy_metrics(result: ClusterResult, requests: int, slo_ttft: float, slo_tp
         "output_tokens_per_s": s.get("output_tokens_per_s", math.nan),
         "requests_per_s": s.get("requests_per_s", math.nan),
         "preemptions": s["preemptions"],
-        "migrations": 0,  # no rescheduler in the virtual cluster yet
+        # from the records: every move counts on its request, and a request may move more than once
+        "migrations": sum(r.migrations for r in result.records),
+        "migrated_requests": sum(1 for r in result.records if r.migrations),
+        "integrity_errors": len(result.integrity_errors),
         "engine_steps": result.steps,
         "virtual_seconds": result.virtual_seconds,
         "wall_seconds": result.wall_seconds,
@@ -140,25 +143,65 @@ def conclusions(load: float, runs: dict[str, dict[str, Any]], families: dict[str
     return out
 
 
-def knee(loads: Sequence[float], sweep: dict[str, dict[str, dict[str, Any]]], slo_ttft: float) -> list[str]:
+def matrix(runs: dict[str, dict[str, Any]], toggled_from: dict[str, str | None]) -> list[str]:
+    """One row per feature arm that ran with the policy it toggles: its figures, the change against
+    that policy, and whether the feature helped (by SLO met, then P99 TTFT) or hurt."""
+    rows = [(n, b) for n, b in toggled_from.items() if b is not None and n in runs and b in runs]
+    if not rows:
+        return []
+    lines = ["| arm | against | goodput req/s (SLO met) | TTFT p50 / p99 s | TPOT p99 ms | e2e p99 s | cache hit | "
+             "preempt | migr (requests) | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, base in rows:
+        m, b = runs[name], runs[base]
+        # the change in SLO met goes with the verdict, so a worse by a request or two reads as such
+        points = (_num(m["slo_attainment"]) - _num(b["slo_attainment"])) * 100
+        if all(m[k] == b[k] for k in ("ttft", "tpot", "e2e", "prefix_cache_hit_rate")):
+            verdict = "no change (the same decisions)"
+        elif _rank_key(m) < _rank_key(b):
+            verdict = f"better ({points:+.1f} points SLO met)"
+        elif _rank_key(m) == _rank_key(b):
+            verdict = "ties"
+        else:
+            verdict = f"**WORSE** ({points:+.1f} points SLO met)"
+        lines.append(
+            f"| {name} | {base} | {m['goodput_rps']:.2f} ({m['slo_attainment']:.1%}; was {b['slo_attainment']:.1%}) | "
+            f"{m['ttft']['p50']:.2f} / {m['ttft']['p99']:.2f} ({_pct(m['ttft']['p99'], b['ttft']['p99'])}) | "
+            f"{m['tpot']['p99'] * 1000:.1f} ({_pct(m['tpot']['p99'], b['tpot']['p99'])}) | "
+            f"{m['e2e']['p99']:.2f} ({_pct(m['e2e']['p99'], b['e2e']['p99'])}) | "
+            f"{m['prefix_cache_hit_rate']:.1%} (was {b['prefix_cache_hit_rate']:.1%}) | "
+            f"{m['preemptions']} (was {b['preemptions']}) | {m['migrations']} ({m.get('migrated_requests', 0)}) | "
+            f"{verdict} |")
+    return lines
+
+
+def knee(loads: Sequence[float], sweep: dict[str, dict[str, dict[str, Any]]], slo_ttft: float,
+         order: Sequence[str] = ()) -> list[str]:
     """Per policy: SLO attainment per load, the highest load that keeps it within 10 points of the
-    lightest load's (the knee), and the highest load whose P99 TTFT meets the TTFT SLO."""
+    lightest load's (the knee), and the highest load whose P99 TTFT meets the TTFT SLO. A policy run
+    at one load only (a feature arm) is listed at that load. `order`: the policies' order (default: as run)."""
     lines = ["| policy | SLO met per load | knee: highest load within 10 points of the lightest | "
              "highest load with P99 TTFT <= SLO |", "|---|---|---|---|"]
-    names = list(next(iter(sweep.values())).keys()) if sweep else []
-    for name in names:
-        met = [_num(sweep[str(ld)][name]["slo_attainment"]) for ld in loads]
+    for name in _names(sweep, order):
+        ran = [ld for ld in loads if name in sweep[str(ld)]]
+        met = [_num(sweep[str(ld)][name]["slo_attainment"]) for ld in ran]
         # the knee is where it first falls off: loads after a drop do not count even if they recover
-        knee_load = loads[0]
-        for ld, m in zip(loads, met, strict=True):
+        knee_load = ran[0]
+        for ld, m in zip(ran, met, strict=True):
             if m < met[0] - 0.10:
                 break
             knee_load = ld
-        within = [ld for ld in loads if _num(sweep[str(ld)][name]["ttft"]["p99"], math.inf) <= slo_ttft]
-        per_load = ", ".join(f"{ld:g}: {m:.0%}" for ld, m in zip(loads, met, strict=True))
+        knee_text = f"{knee_load:g}" if len(ran) > 1 else "n/a (one load)"
+        within = [ld for ld in ran if _num(sweep[str(ld)][name]["ttft"]["p99"], math.inf) <= slo_ttft]
+        per_load = ", ".join(f"{ld:g}: {m:.0%}" for ld, m in zip(ran, met, strict=True))
         p99_ok = f"{max(within):g}" if within else "none tried"
-        lines.append(f"| {name} | {per_load} | {knee_load:g} | {p99_ok} |")
+        lines.append(f"| {name} | {per_load} | {knee_text} | {p99_ok} |")
     return lines
+
+
+def _names(sweep: dict[str, dict[str, dict[str, Any]]], order: Sequence[str] = ()) -> list[str]:
+    """Every policy that ran at any load, in `order` first, then in the order they ran."""
+    ran = dict.fromkeys(name for runs in sweep.values() for name in runs)
+    return [n for n in order if n in ran] + [n for n in ran if n not in order]
 
 
 # ---- plots ------------------------------------------------------------------------------------------------
@@ -209,11 +252,11 @@ def write_plots(out_dir: Path, load: float, samples: dict[str, dict[str, list[fl
     written.append("latency_cdf.png")
     if len(loads) > 1:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        names = list(next(iter(sweep.values())).keys())
-        for name in names:
-            axes[0].plot(loads, [sweep[str(ld)][name]["ttft"]["p99"] for ld in loads], marker="o", label=name,
+        for name in _names(sweep, list(families)):
+            ran = [ld for ld in loads if name in sweep[str(ld)]]  # a feature arm may run at one load only
+            axes[0].plot(ran, [sweep[str(ld)][name]["ttft"]["p99"] for ld in ran], marker="o", label=name,
                          **style[name])
-            axes[1].plot(loads, [sweep[str(ld)][name]["goodput_rps"] for ld in loads], marker="o", label=name,
+            axes[1].plot(ran, [sweep[str(ld)][name]["goodput_rps"] for ld in ran], marker="o", label=name,
                          **style[name])
         axes[0].set_ylabel("P99 TTFT (s)")
         axes[0].set_yscale("log")

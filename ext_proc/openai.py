@@ -63,6 +63,8 @@ class ParsedRequest:
     max_tokens: int | None
     include_usage: bool
     body: dict[str, Any]
+    # a completion prompt given as token ids: counted and hashed as they are, never re-tokenized
+    prompt_token_ids: list[int] | None = None
 
     def body_requesting_usage(self) -> bytes:
         """The body re-encoded with `stream_options.include_usage`, for an exact generated-token count."""
@@ -101,7 +103,8 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         raise RequestError(400, "'stream' must be a boolean", "stream")
 
     max_tokens = _max_tokens(data, chat=path == CHAT_COMPLETIONS)
-    prompt_text = _chat_text(data) if path == CHAT_COMPLETIONS else _prompt_text(data)
+    prompt_ids = None if path == CHAT_COMPLETIONS else _prompt_token_ids(data)
+    prompt_text = "" if prompt_ids is not None else _chat_text(data) if path == CHAT_COMPLETIONS else _prompt_text(data)
 
     include_usage = False
     options = data.get("stream_options")
@@ -109,7 +112,7 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         if not isinstance(options, dict):
             raise RequestError(400, "'stream_options' must be an object", "stream_options")
         include_usage = options.get("include_usage") is True
-    return ParsedRequest(path, model, prompt_text, stream, max_tokens, include_usage, data)
+    return ParsedRequest(path, model, prompt_text, stream, max_tokens, include_usage, data, prompt_ids)
 
 
 def _max_tokens(data: dict[str, Any], chat: bool) -> int | None:
@@ -126,16 +129,25 @@ def _max_tokens(data: dict[str, Any], chat: bool) -> int | None:
     return None
 
 
+MAX_TOKEN_ID = 2**32 - 1  # vocabularies are far smaller; beyond this an id cannot be one
+
+
+def _prompt_token_ids(data: dict[str, Any]) -> list[int] | None:
+    """The prompt as token ids, when the client sent them (`"prompt": [1, 2, 3]`); else None."""
+    prompt = data.get("prompt")
+    if not isinstance(prompt, list) or not prompt or not all(type(p) is int for p in prompt):
+        return None
+    if not all(0 <= p <= MAX_TOKEN_ID for p in prompt):
+        raise RequestError(400, "'prompt' token ids must be integers from 0 to 2^32-1", "prompt")
+    return prompt
+
+
 def _prompt_text(data: dict[str, Any]) -> str:
     prompt = data.get("prompt")
     if isinstance(prompt, str):
         return prompt
-    if isinstance(prompt, list) and prompt:
-        if all(isinstance(p, str) for p in prompt):
-            return "".join(prompt)
-        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
-            # token ids: keep one placeholder per token so counting stays exact
-            return " ".join(str(p) for p in prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return "".join(prompt)
     raise RequestError(400, "'prompt' is required: a string, a list of strings or a list of token ids", "prompt")
 
 

@@ -197,7 +197,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         if parsed.stream and not parsed.include_usage and self._exact_usage:
             new_body = parsed.body_requesting_usage()
             s.stripper = UsageStripper()
-        token_ids = self._tokenize(parsed.prompt_text)
+        token_ids = parsed.prompt_token_ids
+        if token_ids is None:
+            token_ids = self._tokenize(parsed.prompt_text)
         block_size = self._prefix_block_size
         request = scheduler_pb2.ScheduleRequest(
             request_id=s.request_id,

@@ -16,7 +16,7 @@ def body(obj: object) -> bytes:
     [
         (COMPLETIONS, {"model": "m", "prompt": "hello"}, "hello", False, None, False),
         (COMPLETIONS, {"model": "m", "prompt": ["a", "b"], "stream": True, "max_tokens": 5}, "ab", True, 5, False),
-        (COMPLETIONS, {"model": "m", "prompt": [1, 2, 3]}, "1 2 3", False, None, False),
+        (COMPLETIONS, {"model": "m", "prompt": [1, 2, 3]}, "", False, None, False),
         (
             COMPLETIONS,
             {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True}},
@@ -55,6 +55,15 @@ def test_valid_requests(path, payload, text, stream, max_tokens, include_usage):
     )
 
 
+def test_token_id_prompts_are_kept_as_ids():
+    # counted and hashed as sent, so the gateway's prefix hashes match the engine's tokens
+    parsed = parse_request(COMPLETIONS, body({"model": "m", "prompt": [7, 0, 4294967295]}))
+    assert parsed.prompt_token_ids == [7, 0, 4294967295]
+    assert parse_request(COMPLETIONS, body({"model": "m", "prompt": "7 0"})).prompt_token_ids is None
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "prompt": [1]}
+    assert parse_request(CHAT_COMPLETIONS, body(chat)).prompt_token_ids is None
+
+
 @pytest.mark.parametrize(
     ("path", "raw", "fragment"),
     [
@@ -66,6 +75,9 @@ def test_valid_requests(path, payload, text, stream, max_tokens, include_usage):
         (COMPLETIONS, body({"model": 3, "prompt": "x"}), "'model'"),
         (COMPLETIONS, body({"model": "m"}), "'prompt'"),
         (COMPLETIONS, body({"model": "m", "prompt": [1, "a"]}), "'prompt'"),
+        (COMPLETIONS, body({"model": "m", "prompt": [1, -2]}), "token ids"),
+        (COMPLETIONS, body({"model": "m", "prompt": [2**32]}), "token ids"),
+        (COMPLETIONS, body({"model": "m", "prompt": [1, True]}), "'prompt'"),
         (COMPLETIONS, body({"model": "m", "prompt": "x", "stream": "yes"}), "'stream'"),
         (COMPLETIONS, body({"model": "m", "prompt": "x", "max_tokens": 0}), "at least 1"),
         (COMPLETIONS, body({"model": "m", "prompt": "x", "max_tokens": "5"}), "integer"),

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pilotfish.bench.report import plot_latency_cdfs
 from pilotfish.simulator.cluster import ClusterResult
 
 
@@ -232,23 +233,7 @@ def write_plots(out_dir: Path, load: float, samples: dict[str, dict[str, list[fl
         return [], "matplotlib is not installed (`pip install 'pilotfish[bench]'`): no PNG plots"
     written: list[str] = []
     style = _styles(list(families), families, plt)
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for ax, (metric, label, scale) in zip(
-            axes, (("ttft", "TTFT (s)", 1.0), ("tpot", "TPOT (ms)", 1000.0), ("e2e", "end-to-end (s)", 1.0)),
-            strict=True):
-        for name, s in samples.items():
-            values = sorted(v * scale for v in s[metric])
-            if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name, **style[name])
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Latency CDFs per policy, load {load:g}")
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_cdf.png", dpi=110)
-    plt.close(fig)
+    plot_latency_cdfs(plt, samples, style, f"Latency CDFs per policy, load {load:g}", out_dir / "latency_cdf.png")
     written.append("latency_cdf.png")
     if len(loads) > 1:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))

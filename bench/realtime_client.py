@@ -21,7 +21,7 @@ import aiohttp
 import msgspec
 
 from pilotfish.simulator.cluster.metrics import RequestRecord
-from pilotfish.simulator.replay import ReplayConfig, request_body
+from pilotfish.simulator.replay import ReplayConfig, read_sse, request_body
 from pilotfish.simulator.traces.model import TraceRequest
 
 ENGINE_HEADER = "x-pilotfish-engine"  # set by every simulated engine on its response
@@ -49,7 +49,6 @@ async def _one(
         await asyncio.sleep(delay)
     sent = time.monotonic()
     record.arrival = sent - start  # the actual send time: the loop may be late, and TTFT counts from here
-    chunks = 0
     try:
         async with session.post(
             f"{url}/v1/completions", json=body, headers={"x-request-id": request.request_id}
@@ -58,25 +57,7 @@ async def _one(
             if resp.status != 200:
                 record.finish_reason = f"http {resp.status}: {(await resp.text())[:200]}"
                 return record
-            async for line in resp.content:
-                if not line.startswith(b"data: "):
-                    continue
-                now = time.monotonic() - start
-                if line.startswith(b"data: [DONE]"):
-                    record.finished = now
-                    break
-                event = msgspec.json.decode(line[6:])
-                if "error" in event:  # vLLM reports some request errors inside a 200 stream
-                    record.finish_reason = f"error: {event['error']}"
-                    break
-                # tokens so far from continuous usage; a router that drops usage still passes one chunk a token
-                chunks += 1 if event.get("choices") else 0
-                usage = event.get("usage") or {}
-                tokens = int(usage.get("completion_tokens") or chunks)
-                if tokens > record.num_output_tokens:
-                    record.num_output_tokens = tokens
-                    if record.first_token is None:
-                        record.first_token = now
+            await read_sse(resp, record, start)
         if record.finished is not None and record.num_output_tokens < request.output_length:
             record.finish_reason = f"short: {record.num_output_tokens} of {request.output_length} tokens"
             record.finished = None

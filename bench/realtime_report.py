@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pilotfish.bench.report import plot_latency_cdfs
+
 # figure -> (path in a run summary, scale, label, lower is better)
 FIGURES: dict[str, tuple[tuple[str, ...], float, str, bool]] = {
     "ttft_p50": (("ttft", "p50"), 1.0, "P50 TTFT s", True),
@@ -266,23 +268,8 @@ def write_plots(
         return [], "matplotlib is not installed (`pip install 'pilotfish[bench]'`): no PNG plots"
     style = _styles(families, plt)
     written: list[str] = []
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.8))
-    for ax, (metric, label, scale) in zip(
-        axes, (("ttft", "TTFT (s)", 1.0), ("tpot", "TPOT (ms)", 1000.0), ("e2e", "end-to-end (s)", 1.0)), strict=True
-    ):
-        for name, s in samples.items():
-            values = sorted(v * scale for v in s[metric])
-            if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=name, **style[name])
-        ax.set_xlabel(label)
-        ax.set_ylabel("fraction of requests")
-        ax.set_xscale("log")
-        ax.grid(True, alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"Latency CDFs per target, load {load:g}, all repetitions pooled")
-    fig.tight_layout()
-    fig.savefig(out_dir / "latency_cdf.png", dpi=110)
-    plt.close(fig)
+    title = f"Latency CDFs per target, load {load:g}, all repetitions pooled"
+    plot_latency_cdfs(plt, samples, style, title, out_dir / "latency_cdf.png")
     written.append("latency_cdf.png")
     if len(loads) > 1:
         fig, ax = plt.subplots(figsize=(8, 4.8))

@@ -46,6 +46,31 @@ def request_body(request: TraceRequest, config: ReplayConfig) -> dict:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 
 
+async def read_sse(resp: aiohttp.ClientResponse, record: RequestRecord, start: float) -> None:
+    """Read a streamed completion into `record`: tokens so far, first-token and finish times
+    (seconds since `start` on the monotonic clock), or the error a 200 stream reported."""
+    chunks = 0
+    async for line in resp.content:
+        if not line.startswith(b"data: "):
+            continue
+        now = time.monotonic() - start
+        if line.startswith(b"data: [DONE]"):
+            record.finished = now
+            return
+        event = msgspec.json.decode(line[6:])
+        if "error" in event:  # vLLM reports some request errors inside a 200 stream
+            record.finish_reason = f"error: {event['error']}"
+            return
+        # tokens so far from continuous usage; a router that drops usage still passes one chunk a token
+        chunks += 1 if event.get("choices") else 0
+        usage = event.get("usage") or {}
+        tokens = int(usage.get("completion_tokens") or chunks)
+        if tokens > record.num_output_tokens:
+            record.num_output_tokens = tokens
+            if record.first_token is None:
+                record.first_token = now
+
+
 async def _one(session: aiohttp.ClientSession, url: str, engine: int, request: TraceRequest, body: dict,
                start: float, config: ReplayConfig) -> RequestRecord:
     record = RequestRecord(request.request_id, engine, request.arrival, request.input_length, request.output_length)
@@ -59,23 +84,7 @@ async def _one(session: aiohttp.ClientSession, url: str, engine: int, request: T
         if resp.status != 200:
             record.finish_reason = f"http {resp.status}: {(await resp.text())[:200]}"
             return record
-        async for line in resp.content:
-            if not line.startswith(b"data: "):
-                continue
-            now = time.monotonic() - start
-            if line.startswith(b"data: [DONE]"):
-                record.finished = now
-                break
-            event = msgspec.json.decode(line[6:])
-            if "error" in event:  # vLLM reports some request errors inside a 200 stream
-                record.finish_reason = f"error: {event['error']}"
-                break
-            usage = event.get("usage") or {}
-            tokens = int(usage.get("completion_tokens") or 0)
-            if tokens > record.num_output_tokens:
-                record.num_output_tokens = tokens
-                if record.first_token is None:
-                    record.first_token = now
+        await read_sse(resp, record, start)
     return record
 
 

@@ -93,6 +93,7 @@ def start_vllm(
     log_stats: bool = False,
     timeout: float = 600.0,
     name: str = "vllm",
+    scheduler_cls: str = SCHEDULER_CLS,
 ) -> tuple[Child, str]:
     """vLLM's OpenAI server on 127.0.0.1; returns (child, base URL) once /health answers 200.
 
@@ -114,7 +115,7 @@ def start_vllm(
     if not log_stats:
         argv.append("--disable-log-stats")
     if with_plugin:
-        argv += ["--scheduler-cls", SCHEDULER_CLS]
+        argv += ["--scheduler-cls", scheduler_cls]
     argv += extra_args or []
     log_path = work_dir / f"{name}.log"
     child = Child(name, argv, env=vllm_env(llumlet_env), log_path=log_path, cwd=work_dir)
@@ -132,4 +133,3 @@ def start_vllm(
         child.stop()
         raise
     return child, url
-

@@ -13,6 +13,9 @@ Hooks (all on the engine-core thread, the only thread that touches the scheduler
                            also where Abort calls from the gRPC thread are applied
   _free_request            finished, stopped or aborted
   shutdown                 keys removed from the CMS
+Migration (adapters/vllm_migration.py) adds: has_requests (true while migration calls wait for
+the engine thread), finish_requests (a frontend abort of a request migrated away), and its calls
+run in update_from_output after the aborts.
 Only requests scheduled this step are visited, which vLLM's own loop visits anyway.
 """
 
@@ -33,6 +36,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.adapters.vllm_migration import VllmMigrationAdapter, find_engine_core
 from pilotfish.vllm_plugin.config import config_from_env
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 
@@ -78,10 +82,13 @@ class _LlumletHooks:
     """Mixed in before vLLM's scheduler class; `self` is that scheduler."""
 
     llumlet: Llumlet | None = None
+    migration: VllmMigrationAdapter | None = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[call-arg]
         self.llumlet = None
+        self.migration = None
+        engine_core = find_engine_core()  # only reachable while vLLM constructs us
         _log_through_vllm()
         config = config_from_env()
         if not config.enabled:
@@ -129,6 +136,8 @@ class _LlumletHooks:
             meta.kv_events_endpoint = endpoint.replace("*", host)
             meta.kv_events_topic = kv_events.topic
         llumlet = Llumlet(config, instance_id, meta, abort_handler=self._abort_from_grpc)
+        self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
+        llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]
         llumlet.watch_parent = True  # the API server is our parent: its death is ours
         llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
@@ -149,6 +158,15 @@ class _LlumletHooks:
             self._internal_ids[exported] = request.request_id
             with self.llumlet.events() as s:
                 s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens, exported)
+
+    def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
+        if self.migration is not None:
+            self.migration.before_finish(request_ids)
+        return super().finish_requests(request_ids, finished_status)  # type: ignore[misc]
+
+    def has_requests(self) -> bool:
+        # An idle engine core steps only while this is true: migration calls need a step.
+        return super().has_requests() or (self.migration is not None and self.migration.busy())  # type: ignore[misc]
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
@@ -224,6 +242,8 @@ class _LlumletHooks:
                 s.step_finished(duration, prefill_tokens, decodes, seq_len_sum)
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
         self._apply_aborts(outputs)
+        if self.migration is not None:
+            self.migration.apply(outputs)
         if cpu0:
             end = time.thread_time_ns()
             llumlet.hook_cpu_ns += end - cpu0
@@ -265,13 +285,14 @@ class _LlumletHooks:
                 continue
             internal = [self._internal_ids.get(rid, rid) for rid in ids]
             aborted = self.finish_requests(internal, RequestStatus.FINISHED_ABORTED)  # type: ignore[attr-defined]
+            away = self.migration.abort_away(ids, outputs) if self.migration is not None else []
             # The frontend did not ask for these aborts: tell it, or its streams never end.
             for request in aborted:
                 eco = outputs.get(request.client_index)
                 if eco is None:
                     eco = outputs[request.client_index] = EngineCoreOutputs()
                 eco.outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ABORT))
-            done.set_result([external_id(r, self._randomized_ids) for r in aborted])
+            done.set_result([external_id(r, self._randomized_ids) for r in aborted] + away)
 
 
 class LlumletSyncScheduler(_LlumletHooks, Scheduler):

@@ -30,11 +30,14 @@ at least r * (T - now), T = status time + U / r being when they will be (the dra
 A decision (1) walks the instances by F + U until enough pass the filters, which gives a
 bound b on the value to beat; (2) walks the instances whose value does not move by value;
 (3) visits those stamped in the future (skewed clocks, where the drain bound does not hold);
-(4) walks, taking turns until either ends, the instances by F (stopping at the first F that
-cannot rank) and those whose drain time could still give a value <= b (kept sorted by T in
-buckets of rates within a factor of 1.1, each walked up to now + b / its lowest rate). Every
-instance that could rank among the best is visited, and its value computed exactly as the scan
-computes it (tests/unit/test_scheduler_index.py).
+(4) walks whichever is shorter at bound b (a few bisects tell): the instances by F (stopping at
+the first F that cannot rank), or those whose drain time could still give a value <= b (kept
+sorted by T in buckets of rates within a factor of two, each walked up to now + b / its lowest
+rate). Every instance that could rank among the best is visited, and its value computed exactly
+as the scan computes it, from constants cached when the instance changed
+(tests/unit/test_scheduler_index.py). An instance whose value has stopped moving (its tokens
+done, or the staleness window over) is moved to the fixed ones at the next decision, so the
+walks by F and by drain time hold only the instances still draining.
 
 Anything else (SLO, cache-aware with prediction, round-robin) scans.
 """
@@ -267,16 +270,30 @@ class LoadIndex:
 # the drain-time bound is bisected with this much slack, so rounding never leaves a contender out
 _REL_SLACK = 1e-9
 _ABS_SLACK = 1e-6
-# draining instances are bucketed by rate, each bucket's rates within this factor: a finer bucket
-# visits fewer needless instances, at one bisect per bucket per decision
-_RATE_STEP = 1.1
-_LOG_RATE_STEP = math.log(_RATE_STEP)
+# draining instances are bucketed by rate, each bucket's rates within a factor of two (the float's
+# exponent): a finer bucket visits fewer needless instances, but the walk checks every bucket at every
+# decision, and a step of 1.1 (about 46 buckets) cost more than it saved at 256 and at 4,096 instances
 
 
 def _rate_bucket(rate: float) -> int:
-    """k such that _RATE_STEP ** k <= rate, the largest one but for rounding."""
-    k = math.floor(math.log(rate) / _LOG_RATE_STEP)
-    return k - 1 if _RATE_STEP**k > rate else k
+    """k such that 2 ** (k - 1) <= rate < 2 ** k."""
+    return math.frexp(rate)[1]
+
+
+# what an instance's value is made of between two of its changes: (value at the status's time, the
+# status's uncomputed tokens U, tokens per second, status time in s); a fixed value is (value, 1, 0, inf)
+Prediction = tuple[float, float, float, float]
+
+
+def _predicted(pred: Prediction, now: float, stale: float) -> float:
+    """AllPrefillsTokensNum.value at `now`, with the same float operations: the elapsed time clamped to
+    [0, stale] (PolicyContext.elapsed_since), times the rate (prefill_tokens_done), at most U."""
+    upper, uncomputed, rate, start = pred
+    elapsed = now - start
+    if elapsed <= 0:
+        return upper  # the scan's value less 0.0
+    done = (elapsed if elapsed < stale else stale) * rate
+    return upper - done if done < uncomputed else upper - uncomputed
 
 
 class PredictedLoadIndex(LoadIndex):
@@ -284,6 +301,7 @@ class PredictedLoadIndex(LoadIndex):
 
     Each member is either fixed (its value does not move with the clock: kept in `_fixed` by
     value) or draining (kept by F + U, by F, by status time, and by drain time in its rate's bucket).
+    Either way `_pred` holds what its value is computed from, so a visit costs a few float ops.
     """
 
     def _build(self, instances: Iterable[InstanceView]) -> None:
@@ -291,15 +309,23 @@ class PredictedLoadIndex(LoadIndex):
         assert metric is not None, "PredictedLoadIndex needs a forward-predicted selector metric"
         self._metric = metric
         self._entry: dict[str, tuple] = {}
+        self._pred: dict[str, Prediction] = {}
         self._fixed: list[tuple[float, str]] = []
         self._upper: list[tuple[float, str]] = []
         self._floor: list[tuple[float, str]] = []
         self._starts: list[tuple[float, str]] = []
-        # rate bucket k (rates from _RATE_STEP ** k) -> [(drain time, instance id)], sorted; the keys
+        # rate bucket k (rates from 2 ** (k - 1)) -> [(drain time, instance id)], sorted; the keys
         # sorted fastest first, and each bucket's 1 / lowest rate
         self._buckets: dict[int, list[tuple[float, str]]] = {}
         self._bucket_order: list[int] = []
         self._slowness: dict[int, float] = {}
+        # when each draining member's value stops moving (its tokens done, or the staleness window over):
+        # a heap of (time, id), stale pairs skipped by `_due_at`; then `_settle` makes it fixed
+        self._due: list[tuple[float, str]] = []
+        self._due_at: dict[str, float] = {}
+        # members made fixed by the clock, not by a change: a clock that steps back makes them drain again
+        self._settled: set[str] = set()
+        self._clock = -math.inf
         for inst in instances:
             self.members[inst.instance_id] = inst
             self._place(inst)
@@ -310,28 +336,66 @@ class PredictedLoadIndex(LoadIndex):
         instance_id = inst.instance_id
         drain = self._metric.drain(inst)  # type: ignore[attr-defined]
         if drain is None:
-            entry: tuple = (self._metric.value(inst, _KEY_REQUEST), instance_id)
-            bisect.insort(self._fixed, entry)
-        else:
-            upper, floor, rate, start = drain
-            exponent = _rate_bucket(rate)
-            entry = (upper, floor, start, start + (upper - floor) / rate, exponent, instance_id)
-            bisect.insort(self._upper, (upper, instance_id))
-            bisect.insort(self._floor, (floor, instance_id))
-            bisect.insort(self._starts, (start, instance_id))
-            bucket = self._buckets.get(exponent)
-            if bucket is None:
-                bucket = self._buckets[exponent] = []
-                bisect.insort(self._bucket_order, -exponent)
-                self._slowness[exponent] = 1.0 / _RATE_STEP**exponent
-            bisect.insort(bucket, (entry[3], instance_id))
+            self._fix(instance_id, self._metric.value(inst, _KEY_REQUEST))
+            return
+        upper, floor, rate, start = drain
+        exponent = _rate_bucket(rate)
+        entry = (upper, floor, start, start + (upper - floor) / rate, exponent, instance_id)
+        self._pred[instance_id] = (upper, upper - floor, rate, start)
+        bisect.insort(self._upper, (upper, instance_id))
+        bisect.insort(self._floor, (floor, instance_id))
+        bisect.insort(self._starts, (start, instance_id))
+        bucket = self._buckets.get(exponent)
+        if bucket is None:
+            bucket = self._buckets[exponent] = []
+            bisect.insort(self._bucket_order, -exponent)
+            self._slowness[exponent] = 2.0 ** (1 - exponent)
+        bisect.insort(bucket, (entry[3], instance_id))
+        due = min(entry[3], start + self._metric.ctx.instance_staleness_seconds)
+        self._due_at[instance_id] = due
+        heapq.heappush(self._due, (due, instance_id))
         self._entry[instance_id] = entry
+
+    def _fix(self, instance_id: str, value: float) -> None:
+        entry = (value, instance_id)
+        bisect.insort(self._fixed, entry)
+        self._pred[instance_id] = (value, 1.0, 0.0, math.inf)
+        self._entry[instance_id] = entry
+
+    def _settle(self, now: float, stale: float) -> None:
+        """Make fixed the draining members whose value has stopped moving by `now`: the walks then rank
+        them by value, and the walks by F and by drain time no longer visit them decision after decision."""
+        if now < self._clock:
+            for instance_id in self._settled:
+                self._unplace(instance_id)
+                self._place(self.members[instance_id])
+            self._settled.clear()
+        self._clock = now
+        due, due_at = self._due, self._due_at
+        while due and due[0][0] <= now:
+            when, instance_id = heapq.heappop(due)
+            if due_at.get(instance_id) != when:
+                continue  # re-placed since
+            pred = self._pred[instance_id]
+            _, uncomputed, rate, start = pred
+            elapsed = now - start
+            if elapsed < stale and elapsed * rate < uncomputed:
+                # rounding: the drain time came out a hair early; look again a little later
+                due_at[instance_id] = later = now + _ABS_SLACK
+                heapq.heappush(due, (later, instance_id))
+                continue
+            # from now on the scan's value is the same (the elapsed time clamped, or all U done)
+            value = _predicted(pred, now, stale)
+            self._unplace(instance_id)
+            self._fix(instance_id, value)
+            self._settled.add(instance_id)
 
     def _unplace(self, instance_id: str) -> None:
         entry = self._entry.pop(instance_id)
         if len(entry) == 2:
             _remove(self._fixed, entry)
             return
+        del self._due_at[instance_id]
         upper, floor, start, drained_at, exponent, _ = entry
         _remove(self._upper, (upper, instance_id))
         _remove(self._floor, (floor, instance_id))
@@ -347,6 +411,7 @@ class PredictedLoadIndex(LoadIndex):
         if instance_id not in self._entry or self.members.get(instance_id) is not inst:
             return
         self._unplace(instance_id)
+        self._settled.discard(instance_id)
         self._place(inst)
         self._track_health(inst)
 
@@ -355,48 +420,73 @@ class PredictedLoadIndex(LoadIndex):
         need = max(selector.top_k, count)  # type: ignore[attr-defined]
         metric = self._metric
         extra = [m for m in pipeline.metrics if m.name != metric.name]
-        now = metric.ctx.now or metric.ctx.wall_clock()
+        ctx = metric.ctx
+        now = ctx.now or ctx.wall_clock()
+        stale = ctx.instance_staleness_seconds
+        self._settle(now, stale)
         for fallback in (False, True):
-            filters, blockers = self._pass(pipeline, fallback)
-            best = _Best(self.members, metric, extra, filters, blockers, req, need)
-            # (1) a bound: the least loaded at their last status, until enough pass
-            for _, instance_id in self._upper:
-                if best.full:
-                    break
-                best.consider(instance_id)
-            # (2) the fixed ones, by their exact value, while they can still rank
-            for key in self._fixed:
-                if best.full and key >= best.worst:
-                    break
-                best.consider(key[1])
-            # (3) every draining instance that could still rank; none is left when fewer than `need` passed
-            if best.full and len(best.seen) < len(self.members):
-                self._contenders(best, now)
-            if best.kept:
+            filters, bad, blockers = self._health_pass(pipeline, fallback)
+            best = _Best(self.members, self._pred, now, stale, metric.name, extra, filters, bad, blockers, req, need)
+            self._walk(best, now)
+            if best.cands:
                 return [c.inst for c in selector.pick(best.candidates(), count)]  # type: ignore[attr-defined]
         return None
+
+    def _health_pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[Filter], set[str], list[DomainBlocker]]:
+        """As `_pass`, plus the members that fail a marking filter: offers skip them without a Candidate."""
+        from pilotfish.scheduler.policy.filters.failover import DomainBlocker
+
+        members = self.members
+        filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
+        marking = [f for f in filters if f.marks_failover]
+        bad = self._unhealthy(marking) if marking else set()
+        blockers = []
+        if bad:
+            for gflt in pipeline.global_filters:
+                if not fallback or gflt.not_skip_when_fallback:
+                    everyone = members.values() if gflt.domain == "node-unit" else ()  # type: ignore[attr-defined]
+                    blockers.append(DomainBlocker(gflt.domain, [members[i] for i in bad], everyone))  # type: ignore[attr-defined]
+        return filters, bad, blockers  # type: ignore[return-value]
+
+    def _walk(self, best: _Best, now: float) -> None:
+        # (1) a bound: the least loaded at their last status, until enough pass
+        for _, instance_id in self._upper:
+            if best.full:
+                break
+            best.consider(instance_id)
+        # (2) the fixed ones, by their exact value, while they can still rank
+        for key in self._fixed:
+            if best.full and key >= best.worst:
+                break
+            best.consider(key[1])
+        # (3) every draining instance that could still rank; none is left when fewer than `need` passed
+        if best.full and len(best.seen) < len(self.members):
+            self._contenders(best, now)
 
     def _contenders(self, best: _Best, now: float) -> None:
         """Visit every draining instance whose value could rank among `best` (full; it improves as we go).
 
-        Two walks, each enough alone, take turns until either ends: by drain time, and by F. The
-        first is short when the best values are well above F (busy instances, drain times apart);
-        the second when many are drained to F (it stops at the first F that cannot rank, and ties
-        go by instance id). Taking turns costs at most twice the shorter; consider() skips repeats.
+        Either of two walks is enough alone: by drain time, and by F. The first is short when the
+        best values are well above F (busy instances, drain times apart); the second when many are
+        drained to F (it stops at the first F that cannot rank, and ties go by instance id). How far
+        each would go at the bound we hold is a few bisects, so only the shorter one runs (taking
+        turns, as before, visited up to twice the shorter, and every visit costs more than a bisect).
         """
         # a status stamped after `now` (a skewed clock) is predicted no progress: the bound fails there
         for _, instance_id in self._starts[bisect.bisect_left(self._starts, (now - _ABS_SLACK, "")) :]:
             best.consider(instance_id)
-        walks = [self._by_floor(best)]
-        if not self._floor or best.worst[0] > self._floor[0][0]:
-            # else every contender is at the least F already, and the walk by F alone ranks them by id
-            walks.append(self._by_drain(best, now))
-        while True:
-            for walk in walks:
-                if next(walk, None) is None:
-                    return
+        worst = best.worst
+        by_floor = bisect.bisect_left(self._floor, worst)
+        reach = worst[0] * (1.0 + _REL_SLACK) + _ABS_SLACK
+        by_drain = 0
+        for exponent, bucket in self._buckets.items():
+            by_drain += bisect.bisect_right(bucket, (now + reach * self._slowness[exponent] + _ABS_SLACK, _LAST))
+            if by_drain >= by_floor:
+                self._by_floor(best)
+                return
+        self._by_drain(best, now)
 
-    def _by_drain(self, best: _Best, now: float) -> Iterator[bool]:
+    def _by_drain(self, best: _Best, now: float) -> None:
         buckets, slowness = self._buckets, self._slowness
         for negated in self._bucket_order:
             bucket, slow = buckets[-negated], slowness[-negated]
@@ -405,70 +495,112 @@ class PredictedLoadIndex(LoadIndex):
                 if drained_at > now + (best.worst[0] * (1.0 + _REL_SLACK) + _ABS_SLACK) * slow + _ABS_SLACK:
                     break
                 best.consider(instance_id)
-                yield True
 
-    def _by_floor(self, best: _Best) -> Iterator[bool]:
+    def _by_floor(self, best: _Best) -> None:
         # the value is never below F: stop at the first (F, id) that cannot rank
         for key in self._floor:
             if key >= best.worst:
                 return
             best.consider(key[1])
-            yield True
 
 
 class _Best:
-    """The best `need` candidates that pass one pass's filters, among the instances considered."""
+    """The best `need` candidates that pass one pass's filters, among the instances offered."""
 
-    __slots__ = ("_blockers", "_extra", "_filters", "_members", "_metric", "_need", "_req", "kept", "seen")
+    __slots__ = (
+        "_bad",
+        "_blockers",
+        "_extra",
+        "_filters",
+        "_members",
+        "_name",
+        "_need",
+        "_now",
+        "_pred",
+        "_req",
+        "_stale",
+        "cands",
+        "keys",
+        "seen",
+    )
 
     def __init__(
         self,
         members: dict[str, InstanceView],
-        metric: Metric,
+        pred: dict[str, Prediction],
+        now: float,
+        stale: float,
+        name: str,
         extra: list[Metric],
         filters: list[Filter],
+        bad: set[str],
         blockers: list[DomainBlocker],
         req: RequestInfo,
         need: int,
     ) -> None:
-        self._members, self._metric, self._extra = members, metric, extra
-        self._filters, self._blockers, self._req, self._need = filters, blockers, req, need
-        # ((value, instance id), candidate), best first: the scan's order (ties by instance id)
-        self.kept: list[tuple[tuple[float, str], Candidate]] = []
+        self._members, self._pred, self._now, self._stale = members, pred, now, stale
+        self._name, self._extra, self._req, self._need = name, extra, req, need
+        # the marking filters are answered by `bad` (the index's health sets): only the others run
+        self._filters = [f for f in filters if not f.marks_failover]  # type: ignore[attr-defined]
+        self._bad, self._blockers = bad, blockers
+        # (value, instance id) of the kept, best first: the scan's order (ties by id); their candidates
+        self.keys: list[tuple[float, str]] = []
+        self.cands: list[Candidate | None] = []
         self.seen: set[str] = set()
 
     @property
     def full(self) -> bool:
-        return len(self.kept) >= self._need
+        return len(self.keys) >= self._need
 
     @property
     def worst(self) -> tuple[float, str]:
-        return self.kept[-1][0]
+        return self.keys[-1]
 
     def candidates(self) -> list[Candidate]:
-        return [c for _, c in self.kept]
-
-    def consider(self, instance_id: str) -> None:
         from pilotfish.scheduler.policy.base import Candidate
 
+        members, name = self._members, self._name
+        return [
+            c if c is not None else Candidate(members[key[1]], {name: key[0]})
+            for key, c in zip(self.keys, self.cands, strict=True)
+        ]
+
+    def consider(self, instance_id: str) -> None:
+        """Offer an instance once, whichever walks reach it."""
         if instance_id in self.seen:
             return
         self.seen.add(instance_id)
-        inst, req, kept = self._members[instance_id], self._req, self.kept
-        key = (self._metric.value(inst, req), instance_id)
-        if len(kept) >= self._need and key >= kept[-1][0]:
+        self.offer((_predicted(self._pred[instance_id], self._now, self._stale), instance_id))
+
+    def offer(self, key: tuple[float, str]) -> None:
+        """Keep the instance with this (value, id) if it ranks and passes; a Candidate only then."""
+        from pilotfish.scheduler.policy.base import Candidate
+
+        keys, need = self.keys, self._need
+        if len(keys) >= need and key >= keys[-1]:
             return  # cannot rank among the best, whatever the filters say
-        values = {self._metric.name: key[0]}
-        for m in self._extra:
-            values[m.name] = m.value(inst, req)
-        cand = Candidate(inst, values)
-        if not all(f.passes(cand, req) for f in self._filters):  # type: ignore[attr-defined]
+        instance_id = key[1]
+        if instance_id in self._bad:
             return
-        if any(b.blocks(inst) for b in self._blockers):
-            return
-        bisect.insort(kept, (key, cand), key=lambda item: item[0])
-        if len(kept) > self._need:
-            kept.pop()
+        inst, req = self._members[instance_id], self._req
+        cand = None  # made at the end (`candidates`) when nothing here reads it: most offers are outranked later
+        if self._filters or self._extra:
+            values = {self._name: key[0]}
+            for m in self._extra:
+                values[m.name] = m.value(inst, req)
+            cand = Candidate(inst, values)
+            for flt in self._filters:
+                if not flt.passes(cand, req):  # type: ignore[attr-defined]
+                    return
+        for blocker in self._blockers:
+            if blocker.blocks(inst):
+                return
+        at = bisect.bisect(keys, key)
+        keys.insert(at, key)
+        self.cands.insert(at, cand)
+        if len(keys) > need:
+            keys.pop()
+            self.cands.pop()
 
 
 def _remove(lst: list, item: tuple) -> None:

@@ -122,7 +122,7 @@ def prefill_tokens_done(
     """
     if uncomputed <= 0 or elapsed_s <= 0:
         return 0.0
-    chunk = min(uncomputed, max(1, token_budget - decode_batch))
-    steps = elapsed_s * 1000.0 / model.step_ms(chunk, decode_batch, seq_len_sum)
-    done = steps * chunk
+    # elapsed times the rate, in this order: the load index caches the rate per status and must get
+    # the same float (policy/index.py `_predicted`)
+    done = elapsed_s * prefill_rate(model, uncomputed, decode_batch, seq_len_sum, token_budget)
     return done if done < uncomputed else float(uncomputed)

@@ -109,7 +109,8 @@ def _view(k: int, state: tuple) -> InstanceView:
     count=st.integers(1, 4),
     steps=st.lists(
         st.tuples(
-            st.sampled_from([0.0, 0.0005, 0.01, 0.2, 2.0]),  # clock advance, s
+            # clock advance, s (a step back now and then: what the clock settled must drain again)
+            st.sampled_from([0.0, 0.0005, 0.01, 0.2, 2.0, 12.0, -0.3]),
             st.integers(-1, 47),  # instance that changes (-1: none)
             st.sampled_from([0, 5, 900, 4000, 20_000]),  # its new uncomputed prefill tokens
             st.sampled_from([0.0, 0.02, -0.3]),  # its new status age
@@ -118,7 +119,12 @@ def _view(k: int, state: tuple) -> InstanceView:
     ),
 )
 def test_predicted_index_equals_scan(
-    states: list[tuple], filters: list[str], extra: bool, top_k: int, count: int, steps: list[tuple]
+    states: list[tuple],
+    filters: list[str],
+    extra: bool,
+    top_k: int,
+    count: int,
+    steps: list[tuple],
 ) -> None:
     clock = Clock()
     c = PolicyContext(wall_clock=clock, full_mode=True, predictor_enhanced=True, instance_staleness_seconds=10.0)

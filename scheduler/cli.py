@@ -15,12 +15,17 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="the scheduler service (gRPC): picks the engine for each request",
         description="Serve Schedule/Report/Release over gRPC. Flags override the YAML file given by --config.",
     )
+    add_config_arguments(parser)
+    parser.set_defaults(run=run)
+    return parser
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config and every SchedulerConfig flag: the scheduler and the rescheduler read one YAML file."""
     parser.add_argument(
         "--config", dest="config_path", metavar="policy.yaml", help="YAML file of settings (keys as flag names)"
     )
     add_struct_arguments(parser, SchedulerConfig)
-    parser.set_defaults(run=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pilotfish.config import add_struct_arguments, struct_from_args
+from pilotfish.config import struct_from_args
+from pilotfish.scheduler.cli import add_config_arguments
 from pilotfish.scheduler.config import SchedulerConfig
 
 
@@ -18,10 +19,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "--enable-rescheduling and --standalone-rescheduling-mode are implied); the scheduling flags are "
         "accepted so one YAML file serves both processes. Flags override the YAML file given by --config.",
     )
-    parser.add_argument(
-        "--config", dest="config_path", metavar="policy.yaml", help="YAML file of settings (keys as flag names)"
-    )
-    add_struct_arguments(parser, SchedulerConfig)
+    add_config_arguments(parser)
     parser.set_defaults(run=run)
     return parser
 

@@ -11,6 +11,14 @@ and waits on its Future (bounded). An idle engine core blocks on its input queue
 steps, so each call also drops a WAKEUP into that queue, and the scheduler reports
 `has_requests()` while closures are pending, which makes the engine core run one empty step.
 
+Relayed tokens are the exception: they go straight into the engine core's output queue, the one
+its own step outputs go through, without a step. An empty step still sends the worker an
+execute_model call, and a vLLM worker that was just called busy-waits (sched_yield) for a second
+for the next one: stepping once per relayed token kept the source's worker spinning, and where
+it shares a core with the destination's worker (two CPU engines on one machine) the destination
+ran one step a second. The first relay waits until the step that detached the request has put
+its outputs in that queue (`step_done`, from `has_requests`), so the client's tokens stay in order.
+
 Source. `detach` finishes the request in the scheduler the way an abort does (KV freed, the
 worker drops its state) but emits nothing, so the frontend keeps the client's stream open.
 `relay` turns the destination's tokens into EngineCoreOutputs under the request's own id: the
@@ -65,6 +73,8 @@ class _Away:
     request: Request  # the original: prompt, sampling params, client index
     sent: list[int]  # output tokens the frontend has been given, here and relayed
     gone: bool = False
+    # set once the step that detached it has put its outputs in the output queue
+    flushed: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass(slots=True)
@@ -138,6 +148,10 @@ class VllmMigrationAdapter:
         self._away: dict[str, _Away] = {}  # exported id ->
         self._incoming: dict[str, _Incoming] = {}  # internal id ->
         self._max_model_len = int(sched.max_model_len)
+        self._unflushed: list[_Away] = []  # detached in the current step (engine thread only)
+        self._engine_thread: int | None = None  # set by the first apply
+        # the engine core's (client index, EngineCoreOutputs) queue to the frontend; None in-process
+        self._output_queue: Any = getattr(engine_core, "output_queue", None)
         if engine_core is None or not hasattr(engine_core, "input_queue"):
             log.warning("pilotfish migration: no engine-core input queue; an idle engine applies calls late")
 
@@ -150,13 +164,35 @@ class VllmMigrationAdapter:
         return self._call(lambda outputs: self._detach(request_id))
 
     def relay(self, request_id: str, token_ids: list[int], finish_reason: str | None) -> None:
-        # Not waited on: the destination's pace must not be tied to this engine's steps. The
-        # queue keeps order; the engine thread emits each batch at its next step.
+        # Never waits for a step: the destination's pace must not be tied to this engine's.
         away = self._away.get(request_id)
         if away is None or away.gone:
             raise ClientGone(f"request {request_id} is not migrating out of this engine (client gone?)")
         tokens = list(token_ids)
-        self._submit(lambda outputs: self._emit(request_id, tokens, finish_reason, outputs), None)
+        if self._output_queue is None:  # in-process engine: the engine thread emits at its next step
+            self._submit(lambda outputs: self._emit(request_id, tokens, finish_reason, outputs), None)
+            return
+        if not away.flushed.wait(CALL_TIMEOUT_S):
+            raise TimeoutError(f"engine took no step in {CALL_TIMEOUT_S:.0f}s")
+        reason = None if not finish_reason else _FINISH.get(finish_reason, FinishReason.ERROR)
+        if not tokens and reason is None:
+            return
+        with self._lock:  # against the engine thread ending it (abort, client gone)
+            if away.gone or self._away.get(request_id) is not away:
+                raise ClientGone(f"request {request_id} ended here meanwhile (client gone?)")
+            away.sent.extend(tokens)
+            if reason is not None:
+                del self._away[request_id]
+            output = EngineCoreOutput(away.internal_id, tokens, finish_reason=reason)
+            self._output_queue.put_nowait((away.request.client_index, EngineCoreOutputs(outputs=[output])))
+
+    def step_done(self) -> None:
+        """The engine core asks has_requests() after putting a step's outputs in its output queue:
+        requests detached in that step may now relay straight into it."""
+        if self._unflushed and threading.get_ident() == self._engine_thread:
+            for away in self._unflushed:
+                away.flushed.set()
+            self._unflushed.clear()
 
     def reattach(self, request: MigratingRequest) -> None:
         self._call(lambda outputs: self._reattach(request.request_id, outputs))
@@ -198,6 +234,7 @@ class VllmMigrationAdapter:
 
     def apply(self, outputs: Outputs) -> None:
         """Run queued calls, then move migrated-in requests' outputs from the frontend to their relays."""
+        self._engine_thread = threading.get_ident()
         while True:
             try:
                 fn, done = self._ops.get_nowait()
@@ -229,18 +266,21 @@ class VllmMigrationAdapter:
                 self._send(incoming, [], "abort")
                 continue
             exported = self._exported(internal)
-            away = self._away.get(exported)
-            if away is not None and away.internal_id == internal:
-                away.gone = True  # the frontend aborted it: client gone or stop string matched
-                del self._away[exported]
+            with self._lock:
+                away = self._away.get(exported)
+                if away is not None and away.internal_id == internal:
+                    away.gone = True  # the frontend aborted it: client gone or stop string matched
+                    del self._away[exported]
 
     def abort_away(self, exported_ids: list[str], outputs: Outputs) -> list[str]:
         """Abort RPC for requests that are away: end their streams here; the relay then refuses."""
         aborted = []
         for rid in exported_ids:
-            away = self._away.pop(rid, None)
+            with self._lock:
+                away = self._away.pop(rid, None)
+                if away is not None:
+                    away.gone = True
             if away is not None:
-                away.gone = True
                 _push(outputs, away.request.client_index, EngineCoreOutput(away.internal_id, [], FinishReason.ABORT))
                 aborted.append(rid)
         return aborted
@@ -281,7 +321,10 @@ class VllmMigrationAdapter:
             return None
         # Our own copy: the coordinator extends the request's list with what it relays, and this
         # tally must count only what the frontend was actually given.
-        self._away[exported] = _Away(internal, request, list(sent))
+        away = _Away(internal, request, list(sent))
+        with self._lock:
+            self._away[exported] = away
+        self._unflushed.append(away)
         return MigratingRequest(
             request_id=exported,
             prompt_token_ids=list(request.prompt_token_ids),
@@ -302,10 +345,12 @@ class VllmMigrationAdapter:
         if tokens or reason is not None:
             _push(outputs, away.request.client_index, EngineCoreOutput(away.internal_id, tokens, finish_reason=reason))
         if reason is not None:
-            del self._away[exported]
+            with self._lock:
+                del self._away[exported]
 
     def _reattach(self, exported: str, outputs: Outputs) -> None:
-        away = self._away.pop(exported, None)
+        with self._lock:
+            away = self._away.pop(exported, None)
         if away is None:
             return  # its client is gone: nothing to continue
         original = away.request
@@ -324,7 +369,8 @@ class VllmMigrationAdapter:
         self.sched.add_request(request)
 
     def _fail(self, exported: str, error: str, outputs: Outputs) -> None:
-        away = self._away.pop(exported, None)
+        with self._lock:
+            away = self._away.pop(exported, None)
         if away is None:
             return
         log.warning("pilotfish migration: request %s failed: %s", exported, error)

@@ -14,8 +14,8 @@ Hooks (all on the engine-core thread, the only thread that touches the scheduler
   _free_request            finished, stopped or aborted
   shutdown                 keys removed from the CMS
 Migration (adapters/vllm_migration.py) adds: has_requests (true while migration calls wait for
-the engine thread), finish_requests (a frontend abort of a request migrated away), and its calls
-run in update_from_output after the aborts.
+the engine thread; also its sign that a step's outputs are out), finish_requests (a frontend
+abort of a request migrated away), and its calls run in update_from_output after the aborts.
 Only requests scheduled this step are visited, which vLLM's own loop visits anyway.
 """
 
@@ -166,7 +166,11 @@ class _LlumletHooks:
 
     def has_requests(self) -> bool:
         # An idle engine core steps only while this is true: migration calls need a step.
-        return super().has_requests() or (self.migration is not None and self.migration.busy())  # type: ignore[misc]
+        migration = self.migration
+        if migration is None:
+            return super().has_requests()  # type: ignore[misc]
+        migration.step_done()  # vLLM asks this after putting each step's outputs out
+        return super().has_requests() or migration.busy()  # type: ignore[misc]
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]

@@ -82,6 +82,17 @@ def vllm_env(llumlet_env: dict[str, str] | None) -> dict[str, str]:
     return env
 
 
+def engine_cpus(count: int) -> list[str]:
+    """A CPU id for each of `count` engines on this machine, distinct while there are enough.
+
+    vLLM on CPU binds every engine's worker to the same cores by default, and a worker that has
+    just been called busy-waits (sched_yield) for a second for the next call: two engines on one
+    core then starve each other to about a step a second.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return [str(cpus[i % len(cpus)]) for i in range(count)]
+
+
 def start_vllm(
     model_dir: Path,
     work_dir: Path,
@@ -94,10 +105,12 @@ def start_vllm(
     timeout: float = 600.0,
     name: str = "vllm",
     scheduler_cls: str = SCHEDULER_CLS,
+    worker_cpus: str | None = None,
 ) -> tuple[Child, str]:
     """vLLM's OpenAI server on 127.0.0.1; returns (child, base URL) once /health answers 200.
 
     `with_plugin` selects the llumlet scheduler class; without it vLLM runs its default.
+    `worker_cpus` pins the model worker to those CPU ids ("1", "2-3"); see `engine_cpus`.
     """
     python = vllm_python()
     if python is None or not python.exists():
@@ -118,7 +131,10 @@ def start_vllm(
         argv += ["--scheduler-cls", scheduler_cls]
     argv += extra_args or []
     log_path = work_dir / f"{name}.log"
-    child = Child(name, argv, env=vllm_env(llumlet_env), log_path=log_path, cwd=work_dir)
+    env = vllm_env(llumlet_env)
+    if worker_cpus is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = worker_cpus
+    child = Child(name, argv, env=env, log_path=log_path, cwd=work_dir)
     url = f"http://{LOOPBACK}:{port}"
 
     def healthy() -> bool:

@@ -11,6 +11,7 @@ while staying exact under recompute (vLLM penalizes prompt and output tokens ali
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
@@ -61,16 +62,18 @@ class Engine:
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1])
 
+    @functools.cached_property
+    def stub(self) -> llumlet_pb2_grpc.LlumletStub:
+        # one channel for the module: no connection set-up inside a migration's timing window
+        return llumlet_pb2_grpc.LlumletStub(grpc.insecure_channel(self.llumlet))
+
     def status(self) -> cms_pb2.InstanceStatus:
-        with grpc.insecure_channel(self.llumlet) as channel:
-            return llumlet_pb2_grpc.LlumletStub(channel).GetStatus(llumlet_pb2.GetStatusRequest(), timeout=30)
+        return self.stub.GetStatus(llumlet_pb2.GetStatusRequest(), timeout=30)
 
     def migrate(self, request_id: str, destination: Engine | str) -> llumlet_pb2.MigrateResponse:
         address = destination if isinstance(destination, str) else destination.llumlet
-        with grpc.insecure_channel(self.llumlet) as channel:
-            return llumlet_pb2_grpc.LlumletStub(channel).Migrate(
-                llumlet_pb2.MigrateRequest(request_ids=[request_id], destination_llumlet_address=address), timeout=120
-            )
+        request = llumlet_pb2.MigrateRequest(request_ids=[request_id], destination_llumlet_address=address)
+        return self.stub.Migrate(request, timeout=120)
 
 
 @dataclass
@@ -126,9 +129,13 @@ def finished(s: Stream) -> Stream:
     return s
 
 
-def decoding(engine: Engine, s: Stream) -> None:
-    """Until the engine decodes (or the stream already ended): the moment to migrate a running request."""
-    wait_for(lambda: engine.status().num_running_decode == 1 or s.done.is_set(), WAIT, "the request decoding")
+def decoding(s: Stream) -> None:
+    """Until the client has a token (or the stream already ended): the request runs, and decodes.
+
+    Read from the stream, not from GetStatus: on two cores the engines' busy-waiting can hold the
+    llumlet's gRPC answers back for a second or more, a large part of the request's run.
+    """
+    wait_for(lambda: s.tokens or s.done.is_set(), WAIT, "the request decoding")
 
 
 def migrate_while_running(a: Engine, b: Engine, rid: str, s: Stream) -> llumlet_pb2.MigrateResponse:
@@ -208,7 +215,7 @@ def test_running_request_moves_and_the_stream_stays_whole(cluster: dict[str, Eng
     for attempt in range(5):  # on a loaded machine the request may finish before the call lands
         rid = f"run-{os.getpid()}-{attempt}"
         s = stream(a, rid)
-        decoding(a, s)
+        decoding(s)
         b_steps = b.status().step_id
         reply = migrate_while_running(a, b, rid, s)
         if list(reply.migrated_request_ids) == [exported(rid)]:
@@ -249,7 +256,7 @@ def test_unreachable_destination_leaves_the_request_on_the_source(cluster: dict[
     a = cluster["a"]
     rid = f"nodst-{os.getpid()}"
     s = stream(a, rid)
-    decoding(a, s)
+    decoding(s)
     reply = a.migrate(exported(rid), f"127.0.0.1:{free_port()}")
     finished(s)
     assert list(reply.failed_request_ids) == [exported(rid)]
@@ -266,7 +273,7 @@ def test_destination_killed_mid_migration(cluster: dict[str, Engine], unmigrated
     for attempt in range(5):  # on a loaded machine the request may finish before the call lands
         rid = f"kill-{os.getpid()}-{attempt}"
         s = stream(a, rid)
-        decoding(a, s)
+        decoding(s)
         reply = migrate_while_running(a, b, rid, s)
         if list(reply.migrated_request_ids) == [exported(rid)]:
             break

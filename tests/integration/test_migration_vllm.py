@@ -42,6 +42,7 @@ PROMPT = "a llumlet exports load the instant it changes; prefill decode waiting 
 MAX_TOKENS = 1800
 MAX_MODEL_LEN = ["--max-model-len", "2048"]  # the tiny model's positions
 START_TIMEOUT = 600
+ATTEMPTS = 10  # a Migrate call can land after the request ended (seen up to 4 times in a row on 2 cores)
 WAIT = 300  # a loaded two-core machine
 
 
@@ -212,7 +213,7 @@ def unmigrated(cluster: dict[str, Engine]) -> list[int]:
 
 def test_running_request_moves_and_the_stream_stays_whole(cluster: dict[str, Engine], unmigrated: list[int]):
     a, b = cluster["a"], cluster["b"]
-    for attempt in range(5):  # on a loaded machine the request may finish before the call lands
+    for attempt in range(ATTEMPTS):  # on a loaded machine the request may finish before the call lands
         rid = f"run-{os.getpid()}-{attempt}"
         s = stream(a, rid)
         decoding(s)
@@ -232,7 +233,7 @@ def test_running_request_moves_and_the_stream_stays_whole(cluster: dict[str, Eng
 
 def test_waiting_request_moves_by_admission(cluster: dict[str, Engine], unmigrated: list[int]):
     a, b = cluster["a"], cluster["b"]
-    for attempt in range(5):  # on a loaded machine the first request may finish before the call lands
+    for attempt in range(ATTEMPTS):  # on a loaded machine the first request may finish before the call lands
         first = stream(a, f"w1-{os.getpid()}-{attempt}")
         wait_for(lambda f=first: f.tokens or f.done.is_set(), WAIT, "the first request running on A")
         rid = f"w2-{os.getpid()}-{attempt}"
@@ -270,7 +271,7 @@ def test_unreachable_destination_leaves_the_request_on_the_source(cluster: dict[
 def test_destination_killed_mid_migration(cluster: dict[str, Engine], unmigrated: list[int]):
     # Last in the module: B does not come back.
     a, b = cluster["a"], cluster["b"]
-    for attempt in range(5):  # on a loaded machine the request may finish before the call lands
+    for attempt in range(ATTEMPTS):  # on a loaded machine the request may finish before the call lands
         rid = f"kill-{os.getpid()}-{attempt}"
         s = stream(a, rid)
         decoding(s)

@@ -174,17 +174,14 @@ class VllmMigrationAdapter:
             return
         if not away.flushed.wait(CALL_TIMEOUT_S):
             raise TimeoutError(f"engine took no step in {CALL_TIMEOUT_S:.0f}s")
-        reason = None if not finish_reason else _FINISH.get(finish_reason, FinishReason.ERROR)
-        if not tokens and reason is None:
+        if not tokens and not finish_reason:
             return
-        with self._lock:  # against the engine thread ending it (abort, client gone)
-            if away.gone or self._away.get(request_id) is not away:
-                raise ClientGone(f"request {request_id} ended here meanwhile (client gone?)")
-            away.sent.extend(tokens)
-            if reason is not None:
-                del self._away[request_id]
-            output = EngineCoreOutput(away.internal_id, tokens, finish_reason=reason)
-            self._output_queue.put_nowait((away.request.client_index, EngineCoreOutputs(outputs=[output])))
+        relayed = self._relayed(request_id, tokens, finish_reason)
+        if relayed is None:
+            raise ClientGone(f"request {request_id} ended here meanwhile (client gone?)")
+        client_index, output = relayed
+        # an abort that overtakes this put ends the stream first; the frontend drops outputs for ended ids
+        self._output_queue.put_nowait((client_index, EngineCoreOutputs(outputs=[output])))
 
     def step_done(self) -> None:
         """The engine core asks has_requests() after putting a step's outputs in its output queue:
@@ -337,16 +334,22 @@ class VllmMigrationAdapter:
         )
 
     def _emit(self, exported: str, tokens: list[int], finish: str | None, outputs: Outputs) -> None:
-        away = self._away.get(exported)
-        if away is None:
-            return  # client gone meanwhile: the frontend no longer knows the id
-        away.sent.extend(tokens)
+        relayed = self._relayed(exported, tokens, finish)
+        if relayed is not None and (tokens or finish):  # None: client gone, the frontend forgot the id
+            _push(outputs, *relayed)
+
+    def _relayed(self, exported: str, tokens: list[int], finish: str | None) -> tuple[int, EngineCoreOutput] | None:
+        """Count relayed tokens as given to the client: its client index and the output that gives
+        them, or None if the request is no longer away (its client went, or it already finished)."""
         reason = None if not finish else _FINISH.get(finish, FinishReason.ERROR)
-        if tokens or reason is not None:
-            _push(outputs, away.request.client_index, EngineCoreOutput(away.internal_id, tokens, finish_reason=reason))
-        if reason is not None:
-            with self._lock:
+        with self._lock:  # any thread: the engine thread ends requests (abort, client gone)
+            away = self._away.get(exported)
+            if away is None:
+                return None
+            away.sent.extend(tokens)
+            if reason is not None:
                 del self._away[exported]
+        return away.request.client_index, EngineCoreOutput(away.internal_id, tokens, finish_reason=reason)
 
     def _reattach(self, exported: str, outputs: Outputs) -> None:
         with self._lock:

@@ -235,7 +235,7 @@ def test_waiting_request_moves_by_admission(cluster: dict[str, Engine], unmigrat
     a, b = cluster["a"], cluster["b"]
     for attempt in range(ATTEMPTS):  # on a loaded machine the first request may finish before the call lands
         first = stream(a, f"w1-{os.getpid()}-{attempt}")
-        wait_for(lambda f=first: f.tokens or f.done.is_set(), WAIT, "the first request running on A")
+        decoding(first)  # running on A
         rid = f"w2-{os.getpid()}-{attempt}"
         second = stream(a, rid)  # A runs one request at a time: this one waits
         wait_for(lambda f=first: a.status().num_waiting == 1 or f.done.is_set(), WAIT, "the second one waiting on A")
@@ -244,7 +244,8 @@ def test_waiting_request_moves_by_admission(cluster: dict[str, Engine], unmigrat
         # A ran the first request from before the call to after it: the second was still waiting
         if list(reply.migrated_request_ids) == [exported(rid)] and not first.done.is_set():
             break
-        finished(first), finished(second)
+        finished(first)
+        finished(second)
     else:
         pytest.fail("the first request finished before every migration attempt")
     for s in (finished(second), finished(first)):

@@ -33,11 +33,15 @@ bound b on the value to beat; (2) walks the instances whose value does not move 
 (4) walks whichever is shorter at bound b (a few bisects tell): the instances by F (stopping at
 the first F that cannot rank), or those whose drain time could still give a value <= b (kept
 sorted by T in buckets of rates within a factor of two, each walked up to now + b / its lowest
-rate). Every instance that could rank among the best is visited, and its value computed exactly
-as the scan computes it, from constants cached when the instance changed
-(tests/unit/test_scheduler_index.py). An instance whose value has stopped moving (its tokens
-done, or the staleness window over) is moved to the fixed ones at the next decision, so the
-walks by F and by drain time hold only the instances still draining.
+rate, and visiting only the instances whose own F + r * (T - now) is <= b: that check is a few
+float ops on the bucket's entry, a visit costs several times more, and the bucket's lowest rate
+alone lets in up to twice the values that can rank). Every instance that could rank among the
+best is visited, and its value computed exactly as the scan computes it, from constants cached
+when the instance changed (tests/unit/test_scheduler_index.py). An instance whose value has
+stopped moving (its tokens done, or the staleness window over) is moved to the fixed ones at the
+next decision, so the walks by F and by drain time hold only the instances still draining; one
+re-keyed with the same inputs (a Release or a Report: the LRS, which this value does not read)
+stays where it is.
 
 Anything else (SLO, cache-aware with prediction, round-robin) scans.
 """
@@ -50,11 +54,16 @@ import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+# imported at module level, not in the functions that use them: a decision calls those many times, and
+# an import statement costs a lookup each time (base.py imports this module only inside functions)
+from pilotfish.scheduler.policy.base import Candidate
+from pilotfish.scheduler.policy.filters.failover import DomainBlocker, FailoverFilter
+from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
+from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
 if TYPE_CHECKING:
-    from pilotfish.scheduler.policy.base import Candidate, Filter, Metric, Pipeline
-    from pilotfish.scheduler.policy.filters.failover import DomainBlocker
+    from pilotfish.scheduler.policy.base import Filter, Metric, Pipeline
 
 _KEY_REQUEST = RequestInfo(request_id="", model="")
 
@@ -91,10 +100,6 @@ def _predicted_metric(pipeline: Pipeline) -> Metric | None:
 
 
 def indexable_pipeline(pipeline: Pipeline) -> bool:
-    from pilotfish.scheduler.policy.filters.failover import FailoverFilter
-    from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
-    from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
-
     if not isinstance(pipeline.selector, MetricBasedSelector):
         return False
     if _key_metrics(pipeline) is None and _predicted_metric(pipeline) is None:
@@ -185,22 +190,20 @@ class LoadIndex:
                 self._unschedulable.add(instance_id)
 
     def _unhealthy(self, marking: list) -> set[str]:
-        from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter
-
-        bad: set[str] = set()
+        if not marking:
+            return set()
+        bad = set(self._no_status)  # every marking filter blocks an instance without a status
         for flt in marking:
-            bad |= self._no_status
             if isinstance(flt, SchedulabilityFilter):
                 bad |= self._unschedulable
             else:
                 end = bisect.bisect_left(self._by_ts, (flt.cutoff_ms(), ""))
-                bad.update(instance_id for _, instance_id in self._by_ts[:end])
+                if end:
+                    bad.update(instance_id for _, instance_id in self._by_ts[:end])
         return bad
 
     def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[Filter], list[DomainBlocker]]:
         """The single-instance filters of this pass and the failover filters' blockers."""
-        from pilotfish.scheduler.policy.filters.failover import DomainBlocker
-
         members = self.members
         filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
         blockers = []
@@ -238,8 +241,6 @@ class LoadIndex:
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         """The scan's answer by walking the index; None when nothing passes (the scan explains why)."""
-        from pilotfish.scheduler.policy.base import Candidate
-
         selector = pipeline.selector
         need = max(selector.top_k, count)  # type: ignore[attr-defined]
         names = [m.name for m in selector.metrics]
@@ -283,11 +284,17 @@ def _rate_bucket(rate: float) -> int:
 # what an instance's value is made of between two of its changes: (value at the status's time, the
 # status's uncomputed tokens U, tokens per second, status time in s); a fixed value is (value, 1, 0, inf)
 Prediction = tuple[float, float, float, float]
+# how it moves: AllPrefillsTokensNum.drain's (value at the status's time, floor F, tokens per second, status time)
+Drain = tuple[float, float, float, float]
+# no member fails a marking filter (a pass without one)
+_NONE: frozenset[str] = frozenset()
 
 
 def _predicted(pred: Prediction, now: float, stale: float) -> float:
     """AllPrefillsTokensNum.value at `now`, with the same float operations: the elapsed time clamped to
-    [0, stale] (PolicyContext.elapsed_since), times the rate (prefill_tokens_done), at most U."""
+    [0, stale] (PolicyContext.elapsed_since), times the rate (prefill_tokens_done), at most U.
+
+    `_Best.consider` inlines it: keep the two the same."""
     upper, uncomputed, rate, start = pred
     elapsed = now - start
     if elapsed <= 0:
@@ -300,7 +307,7 @@ class PredictedLoadIndex(LoadIndex):
     """The exact best-first answer for a forward-predicted metric (see the module's docstring).
 
     Each member is either fixed (its value does not move with the clock: kept in `_fixed` by
-    value) or draining (kept by F + U, by F, by status time, and by drain time in its rate's bucket).
+    value) or draining (kept by F + U, by F, and by drain time in its rate's bucket).
     Either way `_pred` holds what its value is computed from, so a visit costs a few float ops.
     """
 
@@ -310,13 +317,19 @@ class PredictedLoadIndex(LoadIndex):
         self._metric = metric
         self._entry: dict[str, tuple] = {}
         self._pred: dict[str, Prediction] = {}
+        # what each member was placed from (`drain`, or the value when it does not move): a re-key that
+        # finds the same leaves the member where it is (a Release or a Report changes the LRS, not this value)
+        self._inputs: dict[str, Drain | float] = {}
         self._fixed: list[tuple[float, str]] = []
         self._upper: list[tuple[float, str]] = []
         self._floor: list[tuple[float, str]] = []
-        self._starts: list[tuple[float, str]] = []
-        # rate bucket k (rates from 2 ** (k - 1)) -> [(drain time, instance id)], sorted; the keys
+        # draining members whose status time may be after a decision's `now` (skewed clocks): id -> status
+        # time. Every draining member stamped at or after `_clock - _ABS_SLACK` is in it; a decision drops
+        # those it finds in the past, and a clock that steps back rebuilds it
+        self._future: dict[str, float] = {}
+        # rate bucket k (rates from 2 ** (k - 1)) -> [(drain time, instance id, rate, F)], sorted; the keys
         # sorted fastest first, and each bucket's 1 / lowest rate
-        self._buckets: dict[int, list[tuple[float, str]]] = {}
+        self._buckets: dict[int, list[tuple[float, str, float, float]]] = {}
         self._bucket_order: list[int] = []
         self._slowness: dict[int, float] = {}
         # when each draining member's value stops moving (its tokens done, or the staleness window over):
@@ -326,32 +339,42 @@ class PredictedLoadIndex(LoadIndex):
         # members made fixed by the clock, not by a change: a clock that steps back makes them drain again
         self._settled: set[str] = set()
         self._clock = -math.inf
+        # the filter lists of each pass (normal, fallback) of `pipeline`: fixed once the pipeline is built
+        self._plans: dict[bool, _Plan] = {}
         for inst in instances:
             self.members[inst.instance_id] = inst
-            self._place(inst)
+            self._place(inst, self._inputs_of(inst))
             self._track_health(inst)
         self._by_ts.sort()
 
-    def _place(self, inst: InstanceView) -> None:
-        instance_id = inst.instance_id
+    def _inputs_of(self, inst: InstanceView) -> Drain | float:
+        """How the member's value moves (`drain`), or the value itself when it does not move."""
         drain = self._metric.drain(inst)  # type: ignore[attr-defined]
-        if drain is None:
-            self._fix(instance_id, self._metric.value(inst, _KEY_REQUEST))
+        return drain if drain is not None else self._metric.value(inst, _KEY_REQUEST)
+
+    def _place(self, inst: InstanceView, inputs: Drain | float) -> None:
+        instance_id = inst.instance_id
+        self._inputs[instance_id] = inputs
+        if not isinstance(inputs, tuple):
+            self._fix(instance_id, inputs)
             return
-        upper, floor, rate, start = drain
+        upper, floor, rate, start = inputs
         exponent = _rate_bucket(rate)
-        entry = (upper, floor, start, start + (upper - floor) / rate, exponent, instance_id)
+        drained_at = start + (upper - floor) / rate
+        drain_key = (drained_at, instance_id, rate, floor)
+        entry = (upper, floor, start, drain_key, exponent, instance_id)
         self._pred[instance_id] = (upper, upper - floor, rate, start)
         bisect.insort(self._upper, (upper, instance_id))
         bisect.insort(self._floor, (floor, instance_id))
-        bisect.insort(self._starts, (start, instance_id))
+        if start >= self._clock - _ABS_SLACK:
+            self._future[instance_id] = start
         bucket = self._buckets.get(exponent)
         if bucket is None:
             bucket = self._buckets[exponent] = []
             bisect.insort(self._bucket_order, -exponent)
             self._slowness[exponent] = 2.0 ** (1 - exponent)
-        bisect.insort(bucket, (entry[3], instance_id))
-        due = min(entry[3], start + self._metric.ctx.instance_staleness_seconds)
+        bisect.insort(bucket, drain_key)
+        due = min(drained_at, start + self._metric.ctx.instance_staleness_seconds)
         self._due_at[instance_id] = due
         heapq.heappush(self._due, (due, instance_id))
         self._entry[instance_id] = entry
@@ -368,8 +391,11 @@ class PredictedLoadIndex(LoadIndex):
         if now < self._clock:
             for instance_id in self._settled:
                 self._unplace(instance_id)
-                self._place(self.members[instance_id])
+                inst = self.members[instance_id]
+                self._place(inst, self._inputs_of(inst))
             self._settled.clear()
+            cutoff = now - _ABS_SLACK
+            self._future = {i: e[2] for i, e in self._entry.items() if len(e) > 2 and e[2] >= cutoff}
         self._clock = now
         due, due_at = self._due, self._due_at
         while due and due[0][0] <= now:
@@ -396,12 +422,12 @@ class PredictedLoadIndex(LoadIndex):
             _remove(self._fixed, entry)
             return
         del self._due_at[instance_id]
-        upper, floor, start, drained_at, exponent, _ = entry
+        self._future.pop(instance_id, None)
+        upper, floor, _, drain_key, exponent, _ = entry
         _remove(self._upper, (upper, instance_id))
         _remove(self._floor, (floor, instance_id))
-        _remove(self._starts, (start, instance_id))
         bucket = self._buckets[exponent]
-        _remove(bucket, (drained_at, instance_id))
+        _remove(bucket, drain_key)
         if not bucket:
             del self._buckets[exponent], self._slowness[exponent]
             _remove(self._bucket_order, -exponent)
@@ -410,57 +436,69 @@ class PredictedLoadIndex(LoadIndex):
         instance_id = inst.instance_id
         if instance_id not in self._entry or self.members.get(instance_id) is not inst:
             return
-        self._unplace(instance_id)
-        self._settled.discard(instance_id)
-        self._place(inst)
+        inputs = self._inputs_of(inst)
+        # the same inputs give the same value at every time, drained or not: the member stays (a member
+        # the clock settled stays fixed, at the value it would settle at again)
+        if inputs != self._inputs[instance_id]:
+            self._unplace(instance_id)
+            self._settled.discard(instance_id)
+            self._place(inst, inputs)
         self._track_health(inst)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = pipeline.selector
         need = max(selector.top_k, count)  # type: ignore[attr-defined]
         metric = self._metric
-        extra = [m for m in pipeline.metrics if m.name != metric.name]
         ctx = metric.ctx
         now = ctx.now or ctx.wall_clock()
         stale = ctx.instance_staleness_seconds
         self._settle(now, stale)
         for fallback in (False, True):
-            filters, bad, blockers = self._health_pass(pipeline, fallback)
-            best = _Best(self.members, self._pred, now, stale, metric.name, extra, filters, bad, blockers, req, need)
+            plan = self._plan(pipeline, fallback)
+            bad, blockers = self._health(plan)
+            best = _Best(self.members, self._pred, now, stale, metric.name, plan, bad, blockers, req, need)
             self._walk(best, now)
-            if best.cands:
+            if best.keys:
                 return [c.inst for c in selector.pick(best.candidates(), count)]  # type: ignore[attr-defined]
         return None
 
-    def _health_pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[Filter], set[str], list[DomainBlocker]]:
-        """As `_pass`, plus the members that fail a marking filter: offers skip them without a Candidate."""
-        from pilotfish.scheduler.policy.filters.failover import DomainBlocker
+    def _plan(self, pipeline: Pipeline, fallback: bool) -> _Plan:
+        """The filters of one pass, made once per pass for the index's own pipeline."""
+        plan = self._plans.get(fallback) if pipeline is self.pipeline else None
+        if plan is None:
+            plan = _Plan(pipeline, self._metric.name, fallback)
+            if pipeline is self.pipeline:
+                self._plans[fallback] = plan
+        return plan
 
-        members = self.members
-        filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
-        marking = [f for f in filters if f.marks_failover]
-        bad = self._unhealthy(marking) if marking else set()
+    def _health(self, plan: _Plan) -> tuple[set[str] | frozenset[str], list[DomainBlocker]]:
+        """The members that fail a marking filter (offers skip them without a Candidate), and the failover
+        filters' blockers, as `_pass` makes them."""
+        if not plan.marking:
+            return _NONE, []
+        bad = self._unhealthy(plan.marking)
         blockers = []
         if bad:
-            for gflt in pipeline.global_filters:
-                if not fallback or gflt.not_skip_when_fallback:
-                    everyone = members.values() if gflt.domain == "node-unit" else ()  # type: ignore[attr-defined]
-                    blockers.append(DomainBlocker(gflt.domain, [members[i] for i in bad], everyone))  # type: ignore[attr-defined]
-        return filters, bad, blockers  # type: ignore[return-value]
+            members = self.members
+            for gflt in plan.global_filters:
+                everyone = members.values() if gflt.domain == "node-unit" else ()  # type: ignore[attr-defined]
+                blockers.append(DomainBlocker(gflt.domain, [members[i] for i in bad], everyone))  # type: ignore[attr-defined]
+        return bad, blockers
 
     def _walk(self, best: _Best, now: float) -> None:
+        keys, need = best.keys, best.need
         # (1) a bound: the least loaded at their last status, until enough pass
         for _, instance_id in self._upper:
-            if best.full:
+            if len(keys) >= need:
                 break
             best.consider(instance_id)
         # (2) the fixed ones, by their exact value, while they can still rank
         for key in self._fixed:
-            if best.full and key >= best.worst:
+            if len(keys) >= need and key >= keys[-1]:
                 break
             best.consider(key[1])
         # (3) every draining instance that could still rank; none is left when fewer than `need` passed
-        if best.full and len(best.seen) < len(self.members):
+        if len(keys) >= need and len(best.seen) < len(self.members):
             self._contenders(best, now)
 
     def _contenders(self, best: _Best, now: float) -> None:
@@ -473,9 +511,15 @@ class PredictedLoadIndex(LoadIndex):
         turns, as before, visited up to twice the shorter, and every visit costs more than a bisect).
         """
         # a status stamped after `now` (a skewed clock) is predicted no progress: the bound fails there
-        for _, instance_id in self._starts[bisect.bisect_left(self._starts, (now - _ABS_SLACK, "")) :]:
-            best.consider(instance_id)
-        worst = best.worst
+        future = self._future
+        if future:
+            cutoff = now - _ABS_SLACK
+            for instance_id, start in list(future.items()):
+                if start >= cutoff:
+                    best.consider(instance_id)
+                else:
+                    del future[instance_id]  # in the past for good (until the clock steps back)
+        worst = best.keys[-1]
         by_floor = bisect.bisect_left(self._floor, worst)
         reach = worst[0] * (1.0 + _REL_SLACK) + _ABS_SLACK
         by_drain = 0
@@ -487,21 +531,47 @@ class PredictedLoadIndex(LoadIndex):
         self._by_drain(best, now)
 
     def _by_drain(self, best: _Best, now: float) -> None:
-        buckets, slowness = self._buckets, self._slowness
+        buckets, slowness, keys = self._buckets, self._slowness, best.keys
         for negated in self._bucket_order:
             bucket, slow = buckets[-negated], slowness[-negated]
-            for drained_at, instance_id in bucket:
-                # r * (T - now) <= value <= worst: drain times up to now + worst / (the bucket's lowest r)
-                if drained_at > now + (best.worst[0] * (1.0 + _REL_SLACK) + _ABS_SLACK) * slow + _ABS_SLACK:
+            # r * (T - now) <= value <= worst: drain times up to now + worst / (the bucket's lowest r);
+            # the limit moves only when a visit improves the worst
+            reach = keys[-1][0] * (1.0 + _REL_SLACK) + _ABS_SLACK
+            limit = now + reach * slow + _ABS_SLACK
+            for drained_at, instance_id, rate, floor in bucket:
+                if drained_at > limit:
                     break
-                best.consider(instance_id)
+                # the same bound with the instance's own rate, and its F, without computing the value: most
+                # of the bucket's rates are well above its lowest, and this skips the visit for them
+                if floor + (drained_at - now - _ABS_SLACK) * rate > reach:
+                    continue
+                if best.consider(instance_id):
+                    reach = keys[-1][0] * (1.0 + _REL_SLACK) + _ABS_SLACK
+                    limit = now + reach * slow + _ABS_SLACK
 
     def _by_floor(self, best: _Best) -> None:
         # the value is never below F: stop at the first (F, id) that cannot rank
+        keys = best.keys
         for key in self._floor:
-            if key >= best.worst:
+            if key >= keys[-1]:
                 return
             best.consider(key[1])
+
+
+class _Plan:
+    """What one pass of a pipeline runs besides the walk: made once, read by every decision."""
+
+    __slots__ = ("check", "extra", "global_filters", "marking", "plain")
+
+    def __init__(self, pipeline: Pipeline, name: str, fallback: bool) -> None:
+        filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
+        # answered by the index's health sets
+        self.marking: list[Filter] = [f for f in filters if f.marks_failover]  # type: ignore[attr-defined]
+        # run on each candidate that could rank, with the metrics they read besides the ranked one
+        self.plain: list[Filter] = [f for f in filters if not f.marks_failover]  # type: ignore[attr-defined]
+        self.extra: list[Metric] = [m for m in pipeline.metrics if m.name != name]
+        self.check = bool(self.plain or self.extra)
+        self.global_filters = [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback]
 
 
 class _Best:
@@ -510,17 +580,18 @@ class _Best:
     __slots__ = (
         "_bad",
         "_blockers",
+        "_check",
         "_extra",
         "_filters",
         "_members",
         "_name",
-        "_need",
         "_now",
         "_pred",
         "_req",
         "_stale",
         "cands",
         "keys",
+        "need",
         "seen",
     )
 
@@ -531,76 +602,74 @@ class _Best:
         now: float,
         stale: float,
         name: str,
-        extra: list[Metric],
-        filters: list[Filter],
-        bad: set[str],
+        plan: _Plan,
+        bad: set[str] | frozenset[str],
         blockers: list[DomainBlocker],
         req: RequestInfo,
         need: int,
     ) -> None:
         self._members, self._pred, self._now, self._stale = members, pred, now, stale
-        self._name, self._extra, self._req, self._need = name, extra, req, need
+        self._name, self._req, self.need = name, req, need
         # the marking filters are answered by `bad` (the index's health sets): only the others run
-        self._filters = [f for f in filters if not f.marks_failover]  # type: ignore[attr-defined]
+        self._filters, self._extra, self._check = plan.plain, plan.extra, plan.check
         self._bad, self._blockers = bad, blockers
-        # (value, instance id) of the kept, best first: the scan's order (ties by id); their candidates
+        # (value, instance id) of the kept, best first: the scan's order (ties by id); their candidates.
+        # The walks read `keys` directly: full is len(keys) >= need, and the worst kept is keys[-1]
         self.keys: list[tuple[float, str]] = []
         self.cands: list[Candidate | None] = []
         self.seen: set[str] = set()
 
-    @property
-    def full(self) -> bool:
-        return len(self.keys) >= self._need
-
-    @property
-    def worst(self) -> tuple[float, str]:
-        return self.keys[-1]
-
     def candidates(self) -> list[Candidate]:
-        from pilotfish.scheduler.policy.base import Candidate
-
         members, name = self._members, self._name
         return [
             c if c is not None else Candidate(members[key[1]], {name: key[0]})
             for key, c in zip(self.keys, self.cands, strict=True)
         ]
 
-    def consider(self, instance_id: str) -> None:
-        """Offer an instance once, whichever walks reach it."""
-        if instance_id in self.seen:
-            return
-        self.seen.add(instance_id)
-        self.offer((_predicted(self._pred[instance_id], self._now, self._stale), instance_id))
+    def consider(self, instance_id: str) -> bool:
+        """Offer an instance once, whichever walks reach it; True when it is kept (the worst kept may improve).
 
-    def offer(self, key: tuple[float, str]) -> None:
-        """Keep the instance with this (value, id) if it ranks and passes; a Candidate only then."""
-        from pilotfish.scheduler.policy.base import Candidate
-
-        keys, need = self.keys, self._need
+        Kept if its (value, id) ranks and it passes; a Candidate is made only then."""
+        seen = self.seen
+        if instance_id in seen:
+            return False
+        seen.add(instance_id)
+        # `_predicted`, inlined (the same float operations): this runs for every instance a walk reaches
+        upper, uncomputed, rate, start = self._pred[instance_id]
+        elapsed = self._now - start
+        if elapsed <= 0:
+            value = upper
+        else:
+            stale = self._stale
+            done = (elapsed if elapsed < stale else stale) * rate
+            value = upper - done if done < uncomputed else upper - uncomputed
+        key = (value, instance_id)
+        keys, need = self.keys, self.need
         if len(keys) >= need and key >= keys[-1]:
-            return  # cannot rank among the best, whatever the filters say
-        instance_id = key[1]
+            return False  # cannot rank among the best, whatever the filters say
         if instance_id in self._bad:
-            return
-        inst, req = self._members[instance_id], self._req
+            return False
+        inst = self._members[instance_id]
         cand = None  # made at the end (`candidates`) when nothing here reads it: most offers are outranked later
-        if self._filters or self._extra:
+        if self._check:
+            req = self._req
             values = {self._name: key[0]}
             for m in self._extra:
                 values[m.name] = m.value(inst, req)
             cand = Candidate(inst, values)
             for flt in self._filters:
                 if not flt.passes(cand, req):  # type: ignore[attr-defined]
-                    return
+                    return False
         for blocker in self._blockers:
             if blocker.blocks(inst):
-                return
+                return False
         at = bisect.bisect(keys, key)
         keys.insert(at, key)
         self.cands.insert(at, cand)
         if len(keys) > need:
             keys.pop()
             self.cands.pop()
+        return True
 
 
 def _remove(lst: list, item: tuple) -> None:

@@ -114,6 +114,8 @@ def _view(k: int, state: tuple) -> InstanceView:
             st.integers(-1, 47),  # instance that changes (-1: none)
             st.sampled_from([0, 5, 900, 4000, 20_000]),  # its new uncomputed prefill tokens
             st.sampled_from([0.0, 0.02, -0.3]),  # its new status age
+            st.sampled_from([None, 0, 2]),  # its new in-flight requests (None: as they were)
+            st.integers(-1, 47),  # an instance re-keyed with nothing changed (a Release of a confirmed request)
         ),
         max_size=12,
     ),
@@ -134,7 +136,7 @@ def test_predicted_index_equals_scan(
     assert indexable_pipeline(walk)
     index = load_index(walk, views)
     assert isinstance(index, PredictedLoadIndex)
-    for advance, k, prefill, age in [(0.0, -1, 0, 0.0), *steps]:
+    for advance, k, prefill, age, inflight, touched in [(0.0, -1, 0, 0.0, None, -1), *steps]:
         clock.now += advance
         if 0 <= k < len(views):
             v = views[k]
@@ -144,7 +146,11 @@ def test_predicted_index_equals_scan(
                 uncomputed_prefill_tokens=prefill,
                 num_running_decode=k,
             )
+            if inflight is not None:
+                v.inflight = InflightLoad(requests=inflight, prefill_tokens=inflight * 100)
             index.rekey(v)
+        if 0 <= touched < len(views):
+            index.rekey(views[touched])
         c.begin(REQ)
         try:
             expected = [i.instance_id for i in scan.run(views, REQ, count)]

@@ -54,6 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 FULL_DUPLEX_ARM = "envoy+ext_proc, colocated, FULL_DUPLEX_STREAMED"
 COLOCATED_ARM = "envoy+ext_proc, colocated scheduler"
+UNARY_ARM = "envoy+ext_proc, remote scheduler, unary calls (no Session)"
 
 
 @dataclass
@@ -62,6 +63,7 @@ class Arm:
     port: int
     ext_proc_pids: list[int] = field(default_factory=list)
     admin_url: str = ""  # Envoy's admin, for its ext_proc message counters
+    scheduler_pid: int = 0  # the remote scheduler these ext_procs call, for its CPU per request
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -181,6 +183,7 @@ def _start(
     scale = [ext_proc(f"ext_proc-{i + 1}", f"fast=127.0.0.1:{fast}", True) for i in range(max(ext_procs, 1))]
     xp1 = scale[0]
     xp_rr = ext_proc("ext_proc-rr", f"fast=127.0.0.1:{fast}", False)
+    xp_unary = ext_proc("ext_proc-unary", f"fast=127.0.0.1:{fast}", True, "--no-scheduler-session")
     xp_colo = ext_proc("ext_proc-colocated", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
     xp_fd = ext_proc("ext_proc-full-duplex", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
     xp_paced = ext_proc("ext_proc-paced", f"paced=127.0.0.1:{paced}", False)
@@ -203,19 +206,22 @@ def _start(
         service.child.wait_port(listen)
         return listen, service.url
 
-    def arm(name: str, envoy_name: str, xps: list[tuple[int, int]], body_mode: str = "BUFFERED") -> Arm:
+    def arm(
+        name: str, envoy_name: str, xps: list[tuple[int, int]], body_mode: str = "BUFFERED", remote: bool = False
+    ) -> Arm:
         port, admin = envoy(envoy_name, [p for p, _ in xps], fast, body_mode)
-        return Arm(name, port, [pid for _, pid in xps], admin)
+        return Arm(name, port, [pid for _, pid in xps], admin, scheduler.pid if remote else 0)
 
     arms = {
         "envoy": arm("envoy", "envoy-plain", []),
-        "envoy+ext_proc": arm("envoy+ext_proc", "envoy-xp1", [xp1]),
+        "envoy+ext_proc": arm("envoy+ext_proc", "envoy-xp1", [xp1], remote=True),
+        UNARY_ARM: arm(UNARY_ARM, "envoy-unary", [xp_unary], remote=True),
         "envoy+ext_proc, no scheduler": arm("envoy+ext_proc, no scheduler", "envoy-rr", [xp_rr]),
         COLOCATED_ARM: arm(COLOCATED_ARM, "envoy-colo", [xp_colo]),
         FULL_DUPLEX_ARM: arm(FULL_DUPLEX_ARM, "envoy-fd", [xp_fd], "FULL_DUPLEX_STREAMED"),
     }
     for n in range(2, len(scale) + 1):
-        arms[_scale_arm(n)] = arm(_scale_arm(n), f"envoy-xp{n}", scale[:n])
+        arms[_scale_arm(n)] = arm(_scale_arm(n), f"envoy-xp{n}", scale[:n], remote=True)
     # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
     dead = free_port()
     down = {mode: Arm(mode, envoy(f"envoy-down-{mode}", [dead], fast, mode)[0]) for mode in REQUEST_BODY_MODES}
@@ -257,7 +263,8 @@ async def _measure(
     from pilotfish.stats import percentile
 
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    latency_arms = ["envoy", "envoy+ext_proc", COLOCATED_ARM, FULL_DUPLEX_ARM, "envoy+ext_proc, no scheduler"]
+    latency_arms = ["envoy", "envoy+ext_proc", UNARY_ARM, COLOCATED_ARM, FULL_DUPLEX_ARM]
+    latency_arms.append("envoy+ext_proc, no scheduler")
     latency_arms += [name for name in arms if name.startswith("vllm-router")]
     latencies: dict[str, list[float]] = {a: [] for a in latency_arms}
     round_p50: dict[str, list[float]] = {a: [] for a in latency_arms}
@@ -275,10 +282,11 @@ async def _measure(
 
         throughput: dict[str, dict[str, float]] = {}
         scale_arms = ["envoy+ext_proc"] + [_scale_arm(n) for n in range(2, args.ext_procs + 1)]
-        for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms]:
+        for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms, UNARY_ARM]:
             arm = arms[name]
             msgs_before = await _ext_proc_messages(session, arm.admin_url)
             cpu_before = sum(_cpu_seconds(p) for p in arm.ext_proc_pids)
+            sched_before = _cpu_seconds(arm.scheduler_pid) if arm.scheduler_pid else 0.0
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             done, elapsed = await _saturate(session, arm.port, body, args.concurrency, args.seconds)
             client_after = resource.getrusage(resource.RUSAGE_SELF)
@@ -294,6 +302,9 @@ async def _measure(
                 entry["ext_proc_processes"] = len(arm.ext_proc_pids)
                 entry["ext_proc_cpu_us_per_request"] = cpu / done * 1e6
                 entry["ext_proc_capacity_req_per_s_per_core"] = done / cpu if cpu else float("inf")
+                if arm.scheduler_pid:
+                    sched_cpu = _cpu_seconds(arm.scheduler_pid) - sched_before
+                    entry["scheduler_cpu_us_per_request"] = sched_cpu / done * 1e6
                 msgs_after = await _ext_proc_messages(session, arm.admin_url)
                 # Envoy's counters: ext_proc messages it sent and took back, per HTTP request
                 entry["messages_to_ext_proc_per_request"] = (msgs_after[0] - msgs_before[0]) / done
@@ -433,21 +444,24 @@ def _markdown(r: dict[str, Any]) -> str:
         "",
         "## Throughput",
         "",
-        "| arm | req/s | ext_proc CPU µs/request | capacity req/s per core | messages to / from ext_proc |",
-        "|---|---:|---:|---:|---|",
+        "| arm | req/s | ext_proc CPU µs/request | capacity req/s per core | scheduler CPU µs/request "
+        "| messages to / from ext_proc |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for name, t in r["throughput"].items():
         cpu = t.get("ext_proc_cpu_us_per_request")
         cap = t.get("ext_proc_capacity_req_per_s_per_core")
+        sched = t.get("scheduler_cpu_us_per_request")
+        sched_text = f"{sched:.0f}" if sched is not None else "-"
         msgs = (
             f"{t['messages_to_ext_proc_per_request']:.2f} / {t['messages_from_ext_proc_per_request']:.2f}"
             if cpu
             else "-"
         )
         lines.append(
-            f"| {name} | {t['req_per_s']:.0f} | {cpu:.0f} | {cap:.0f} | {msgs} |"
+            f"| {name} | {t['req_per_s']:.0f} | {cpu:.0f} | {cap:.0f} | {sched_text} | {msgs} |"
             if cpu
-            else f"| {name} | {t['req_per_s']:.0f} | - | - | - |"
+            else f"| {name} | {t['req_per_s']:.0f} | - | - | - | - |"
         )
     base_rps = r["throughput"][r["scale_out"][0]]["req_per_s"]
     lines += [

@@ -33,6 +33,13 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
         Meta(description="engines the gateway knows itself, for fallback routing: id=host:port or host:port"),
     ] = []
     model: Annotated[list[str], Meta(description="served model names; other models get 404 (empty: any model)")] = []
+    scheduler_session: Annotated[
+        bool,
+        Meta(
+            description="send Schedule, Report and Release to the remote scheduler as messages on one Session "
+            "stream (false: a unary gRPC call each, as to a scheduler without Session)"
+        ),
+    ] = True
     schedule_timeout_ms: Annotated[
         float, Meta(gt=0, description="deadline of one Schedule call; past it the request is routed round-robin")
     ] = 200.0

@@ -111,7 +111,10 @@ def _scheduler_backend(config: ExtProcConfig, metrics: ExtProcMetrics) -> Schedu
         return LocalScheduler(core, frozenset(config.model))
     if config.scheduler_address:
         return GrpcScheduler(
-            config.scheduler_address, config.schedule_timeout_ms / 1000, config.report_interval_ms / 1000
+            config.scheduler_address,
+            config.schedule_timeout_ms / 1000,
+            config.report_interval_ms / 1000,
+            session=config.scheduler_session,
         )
     return None
 

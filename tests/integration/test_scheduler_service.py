@@ -16,7 +16,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pilotfish.procs import Child, free_port, wait_until
+from pilotfish.ext_proc.openai import RequestError
+from pilotfish.ext_proc.routing import SCHEDULER, SchedulerUnavailable
+from pilotfish.ext_proc.scheduler_client import GrpcScheduler
+from pilotfish.procs import Child, free_port, wait_until, wait_until_async
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.service import SERVICE_NAME, SchedulerServer
@@ -101,6 +104,60 @@ async def test_error_codes(channel: grpc.aio.Channel, call: str, code: grpc.Stat
             await stub.Release(scheduler_pb2.ReleaseRequest(request_id=""))
     assert info.value.code() == code
     assert detail in (info.value.details() or "")
+
+
+async def test_session_carries_schedule_report_and_release(server: SchedulerServer, channel: grpc.aio.Channel) -> None:
+    call = scheduler_pb2_grpc.SchedulerStub(channel).Session()
+    await call.initial_metadata()  # sent before any message: a gateway knows the stream is up
+    await call.write(scheduler_pb2.SessionRequest(seq=1, schedule=schedule_request("r1", prompt_tokens=100)))
+    await call.write(scheduler_pb2.SessionRequest(seq=2, schedule=schedule_request("r2")))
+    await call.write(scheduler_pb2.SessionRequest(seq=3, schedule=schedule_request("r3", model="x")))
+    replies = {}
+    for _ in range(3):
+        reply = await call.read()
+        replies[reply.seq] = reply
+    assert replies[1].schedule.target.instance_id == "127.0.0.1:8002"
+    assert replies[2].schedule.target.instance_id == "e0"  # r1's load was counted
+    # an error answers its request only, as the unary call's status would; the stream goes on
+    assert replies[3].WhichOneof("kind") == "error"
+    assert replies[3].error.code == grpc.StatusCode.NOT_FOUND.value[0]
+    assert "model 'x' is not served here" in replies[3].error.message
+
+    report = scheduler_pb2.ReportRequest(reports=[scheduler_pb2.TokenReport(request_id="r1", generated_tokens=7)])
+    await call.write(scheduler_pb2.SessionRequest(report=report))
+    await wait_until_async(lambda: server.core.load("127.0.0.1:8002").num_tokens == 107, 30, "the report applied")
+    await call.write(scheduler_pb2.SessionRequest(release=scheduler_pb2.ReleaseRequest(request_id="r1")))
+    await call.write(scheduler_pb2.SessionRequest(release=scheduler_pb2.ReleaseRequest(request_id="")))  # dropped
+    await call.write(scheduler_pb2.SessionRequest(seq=4, schedule=schedule_request("r4")))
+    fourth = await call.read()
+    # messages are served in order: r1's release came first, so its instance is the least loaded again
+    assert (fourth.seq, fourth.schedule.target.instance_id) == (4, "127.0.0.1:8002")
+    assert server.core.load("127.0.0.1:8002").num_tokens == 10  # r4's prompt only
+    assert server.core.account_size == 2  # r2 and r4
+    await call.done_writing()
+    assert await call.read() is grpc.aio.EOF
+
+
+async def test_gateway_client_uses_the_session_and_a_stop_ends_it() -> None:
+    config = SchedulerConfig(instances=INSTANCES, model=["m"], port=free_port(), fallback_count=1)
+    srv = SchedulerServer(config)
+    await srv.start()
+    client = GrpcScheduler(f"127.0.0.1:{srv.port}", 10.0, 0.01)
+    try:
+        first = await client.schedule(schedule_request("r1"))
+        assert first.source == SCHEDULER and first.address in ("127.0.0.1:8001", "127.0.0.1:8002")
+        with pytest.raises(RequestError) as info:
+            await client.schedule(schedule_request("r2", model="x"))
+        assert info.value.status == 404
+        client.release("r1", scheduler_pb2.RELEASE_REASON_FINISHED)
+        await wait_until_async(lambda: srv.core.account_size == 0, 30, "r1 released over the session")
+        # a stop ends open sessions rather than wait out its grace for them
+        await asyncio.wait_for(srv.stop(grace=300), timeout=120)
+        with pytest.raises(SchedulerUnavailable):
+            await client.schedule(schedule_request("r3"))
+    finally:
+        await client.close()
+        await srv.stop(grace=1)
 
 
 async def test_no_instances_is_unavailable_with_reason() -> None:

@@ -1,4 +1,5 @@
-"""Router against a fake scheduler: error mapping, deadline fallback, breaker, batched reports."""
+"""Router against a fake scheduler, with and without the Session stream: error mapping, deadline
+fallback, breaker, batched reports."""
 
 from __future__ import annotations
 
@@ -41,10 +42,49 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ReleaseResponse(found=True)
 
 
-@pytest.fixture
-async def fake():
+class SessionFake(FakeScheduler):
+    """Serves Session too, answering each schedule in its own task (so a delay holds only that one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session_messages = 0
+
+    async def Session(self, request_iterator, context):
+        lock = asyncio.Lock()  # one write at a time on a call
+        tasks = set()
+
+        async def answer(seq: int) -> None:
+            if self.delay:
+                await asyncio.sleep(self.delay)
+            if self.answer is not None:
+                error = scheduler_pb2.SessionError(code=self.answer.value[0], message=f"fake {self.answer.name}")
+                reply = scheduler_pb2.SessionResponse(seq=seq, error=error)
+            else:
+                target = scheduler_pb2.Endpoint(instance_id="b", address="127.0.0.1:2")
+                fallbacks = [scheduler_pb2.Endpoint(address="127.0.0.1:1")]
+                schedule = scheduler_pb2.ScheduleResponse(target=target, fallbacks=fallbacks)
+                reply = scheduler_pb2.SessionResponse(seq=seq, schedule=schedule)
+            async with lock:
+                await context.write(reply)
+
+        await context.send_initial_metadata(())  # as the real one: the gateway writes after this
+        async for message in request_iterator:
+            self.session_messages += 1
+            kind = message.WhichOneof("kind")
+            if kind == "schedule":
+                task = asyncio.get_running_loop().create_task(answer(message.seq))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            elif kind == "report":
+                self.reports.append(message.report)
+            elif kind == "release":
+                self.releases.append(message.release.request_id)
+
+
+@pytest.fixture(params=["unary", "session"])
+async def fake(request):
     server = grpc.aio.server()
-    servicer = FakeScheduler()
+    servicer = FakeScheduler() if request.param == "unary" else SessionFake()
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     await server.start()
@@ -113,3 +153,24 @@ async def test_no_scheduler_configured_routes_round_robin():
     picks = [(await router.choose(request())).instance_id for _ in range(3)]
     assert picks == ["a", "b", "a"]
     await router.close()
+
+
+async def test_reports_and_releases_ride_the_session_once_it_answers(fake):
+    servicer, router = fake
+    for rid in ("r1", "r2"):
+        assert (await router.choose(request(rid))).source == SCHEDULER
+    router.report("r1", 4, prefill_done=True)
+    router.release("r2", scheduler_pb2.RELEASE_REASON_FINISHED)
+    await router.close()
+    assert [(r.request_id, r.generated_tokens) for batch in servicer.reports for r in batch.reports] == [("r1", 4)]
+    assert servicer.releases == ["r2"]
+    if isinstance(servicer, SessionFake):  # two schedules, the report and the release: no unary call
+        assert servicer.session_messages == 4
+
+
+async def test_concurrent_schedules_on_one_session_each_get_their_own_answer(fake):
+    servicer, router = fake
+    servicer.delay = 0.05
+    decisions = await asyncio.gather(*(router.choose(request(f"r{i}")) for i in range(20)))
+    assert [d.source for d in decisions] == [SCHEDULER] * 20
+    assert not router.breaker.is_open

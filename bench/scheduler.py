@@ -200,13 +200,44 @@ def _grpc(n: int, rpcs: int) -> dict[str, Any]:
                 if i >= 200:
                     schedule.append(t1 - t0)
                     release.append(t2 - t1)
-        return {"schedule": _summary(schedule), "release": _summary(release), "instances": n}
+            client = {"session": _client_schedules(port, rpcs, True), "unary": _client_schedules(port, rpcs, False)}
+        return {"schedule": _summary(schedule), "release": _summary(release), "instances": n, "client": client}
     finally:
         proc.terminate()
         try:
             proc.wait(10)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def _client_schedules(port: int, rpcs: int, session: bool) -> dict[str, float]:
+    """Schedule round trips as the ext_proc makes them (its client, grpc.aio on uvloop), each request
+    released after, over the Session stream or as unary calls."""
+    import asyncio
+
+    import uvloop
+
+    from pilotfish.ext_proc.scheduler_client import GrpcScheduler
+    from pilotfish.protos import scheduler_pb2
+
+    async def run() -> list[float]:
+        client = GrpcScheduler(f"127.0.0.1:{port}", 5.0, 0.05, session=session)
+        kind = "s" if session else "u"
+        times = []
+        try:
+            for i in range(rpcs + 200):
+                req = scheduler_pb2.ScheduleRequest(request_id=f"{kind}{i}", model="m", prompt_tokens=100)
+                t0 = time.perf_counter()
+                await client.schedule(req)
+                if i >= 200:
+                    times.append(time.perf_counter() - t0)
+                client.release(f"{kind}{i}", scheduler_pb2.RELEASE_REASON_FINISHED)
+                await asyncio.sleep(0)  # the release goes out before the next schedule, as between requests
+        finally:
+            await client.close()
+        return times
+
+    return _summary(uvloop.run(run()))
 
 
 def _decision_rows(decisions: dict[str, dict[str, Any]]) -> list[str]:
@@ -287,8 +318,17 @@ def run(args: argparse.Namespace) -> int:
             "",
             f"## gRPC round trip ({rpc['instances']} instances, lite, another process)",
             "",
+            "grpc's blocking client, unary calls:",
+            "",
             f"- Schedule: p50 {rpc['schedule']['p50_us']} µs, p99 {rpc['schedule']['p99_us']} µs",
             f"- Release: p50 {rpc['release']['p50_us']} µs, p99 {rpc['release']['p99_us']} µs",
+            "",
+            "The ext_proc's client (grpc.aio on uvloop), each request released after:",
+            "",
+            f"- Schedule on the Session stream: p50 {rpc['client']['session']['p50_us']} µs, "
+            f"p99 {rpc['client']['session']['p99_us']} µs",
+            f"- Schedule as unary calls: p50 {rpc['client']['unary']['p50_us']} µs, "
+            f"p99 {rpc['client']['unary']['p99_us']} µs",
             "",
             f"Command: `pilotfish bench scheduler --out {args.out}`",
         ]

@@ -161,14 +161,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     yield _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
                     continue
                 yield scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
-            elif kind == "report":
-                reports = message.report.reports
-                core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
-            elif kind == "release":
-                if message.release.request_id:  # nobody waits for an answer: an empty id is dropped
-                    core.release(message.release.request_id)
+            elif kind in ("report", "release"):
+                try:
+                    self._apply(message)
+                except Exception:  # a bug loses this message only; the gateway's schedules go on
+                    log.exception("Session: a %s failed", kind)
             else:  # a newer gateway's message kind: skipped, the stream goes on
                 log.debug("Session: skipped a message of unknown kind")
+
+    def _apply(self, message: scheduler_pb2.SessionRequest) -> None:
+        """A report or a release: nobody waits for an answer."""
+        if message.HasField("report"):
+            reports = message.report.reports
+            self.core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
+        elif message.release.request_id:  # an empty id is dropped
+            self.core.release(message.release.request_id)
 
 
 def _session_error(seq: int, code: grpc.StatusCode, message: str) -> scheduler_pb2.SessionResponse:

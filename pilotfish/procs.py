@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -21,11 +22,30 @@ class StartError(RuntimeError):
     """A child could not be started or never became ready; the message says which and why."""
 
 
+_PORT_BLOCK_RANGE = (20000, 32000)  # below Linux's default ephemeral range, 32768-60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now (the kernel's pick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
+    """The first of `count` consecutive ports that are all free right now.
+
+    For servers that derive ports from a base (vLLM's KV-events endpoint adds the data-parallel
+    rank). Drawn below the kernel's ephemeral range, so a later bind to port 0 by this or any
+    process cannot take one of them between this check and their own bind.
+    """
+    low, high = _PORT_BLOCK_RANGE
+    rng = random.Random()
+    for _ in range(attempts):
+        base = rng.randrange(low, high - count)
+        if all(port_is_free(base + k, host) for k in range(count)):
+            return base
+    raise StartError(f"no {count} consecutive free ports in {low}..{high} after {attempts} tries")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

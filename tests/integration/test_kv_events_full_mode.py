@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from pilotfish.cms.prefix_hash import prefix_block_hashes
-from pilotfish.procs import free_port
+from pilotfish.procs import free_port, free_port_block
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.service import SchedulerServer
@@ -44,7 +44,7 @@ ENDPOINT: list[str] = []
 
 
 async def test_kv_events_route_a_shared_prefix_to_the_engine_that_cached_it(redis_service: RunningService) -> None:
-    port = free_port()
+    port = free_port_block(2)  # engine i publishes on port + i
     ENDPOINT[:] = [f"tcp://127.0.0.1:{port}"]
     serve = ServeConfig(
         engines=2, base_port=0, cms_url=redis_service.url, cms_cluster=CLUSTER, kv_events_endpoint=ENDPOINT[0]

@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from pilotfish.procs import Child, ChildGroup, StartError, free_port, port_answers, port_is_free, wait_until
+from pilotfish.procs import (
+    Child,
+    ChildGroup,
+    StartError,
+    free_port,
+    free_port_block,
+    port_answers,
+    port_is_free,
+    wait_until,
+)
 
 # Generous: these only bound a failure; a passing run returns as soon as the condition holds.
 READY_TIMEOUT = 60.0
@@ -108,3 +117,16 @@ def test_child_group_stops_in_reverse_order(tmp_path: Path) -> None:
     assert (tmp_path / "terms").read_text().split() == ["third", "second", "first"]
     assert all(c.proc.returncode == 0 for c in children)
     assert group.children == []
+
+
+def test_free_port_block_returns_consecutive_ports_that_bind() -> None:
+    base = free_port_block(3)
+    held = []
+    try:
+        for port in range(base, base + 3):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            held.append(s)
+            s.bind(("127.0.0.1", port))
+    finally:
+        for s in held:
+            s.close()

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pilotfish.procs import free_port
+from pilotfish.procs import free_port_block
 from pilotfish.simulator.config import EngineConfig, ServeConfig
 from pilotfish.simulator.engine.block_hash import block_hashes
 from pilotfish.simulator.engine.request import SimRequest
@@ -85,7 +85,7 @@ def test_endpoints_offset_by_engine_index() -> None:
 async def test_a_subscriber_receives_vllm_multipart_messages() -> None:
     import aiohttp
 
-    port = free_port()
+    port = free_port_block(2)  # engine i publishes on port + i
     serve = ServeConfig(engines=2, base_port=0, kv_events_endpoint=f"tcp://127.0.0.1:{port}",
                         kv_events_topic="kv", kv_events_engines=[1])
     engine = EngineConfig(step_ms=0.5, prefill_ms_per_token=0, decode_ms_per_token=0)

@@ -153,9 +153,17 @@ def test_status_follows_waiting_and_running(engine: Engine):
     watcher = threading.Thread(target=watch)
     watcher.start()
     results: dict[str, str] = {}
-    # 24 requests for 16 seats (--max-num-seqs 16): some must wait
+    # 24 requests for 16 seats (--max-num-seqs 16): some must wait. They set off together, and each
+    # is long enough (320 tokens, over 2 s of decode) that all 24 arrive while the first 16 run,
+    # even when a loaded machine starts the client threads a second apart.
     ids = [f"pf-{os.getpid()}-{i}" for i in range(24)]
-    clients = [threading.Thread(target=complete, args=(engine, rid, 48, results)) for rid in ids]
+    start_line = threading.Barrier(len(ids))
+
+    def client(rid: str) -> None:
+        start_line.wait(timeout=WAIT)
+        complete(engine, rid, 320, results)
+
+    clients = [threading.Thread(target=client, args=(rid,)) for rid in ids]
     try:
         for c in clients:
             c.start()

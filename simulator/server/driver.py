@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pilotfish.simulator.engine.base import EngineCore, TokenOutput
+from pilotfish.simulator.engine.base import EngineCore, StepPlan, TokenOutput
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,6 @@ class EngineDriver:
 
     async def _run(self) -> None:
         core = self.core
-        sinks = self._sinks
         loop = asyncio.get_running_loop()
         last_end: float | None = None
         while True:
@@ -158,14 +157,26 @@ class EngineDriver:
             # more than that before it arrived.
             start = last_end if last_end is not None and now - last_end <= CATCH_UP else now
             plan = core.begin_step(start)
-            # sleep to the step's end rather than for its duration, so delivery overhead does not
-            # stretch every step
-            await asyncio.sleep(max(0.0, plan.end - time.monotonic()))
-            # First tokens leave now; later tokens wait for the next loop iteration, after every
-            # engine whose step ended at the same time has sent its first tokens and started its
-            # next step, as vLLM overlaps output processing with the next step. A request has one
-            # token per step, and the deferred batch runs before any later step ends, so each
-            # stream's order holds.
+            # The step ends in a timer callback, not after `await asyncio.sleep`: a callback runs in
+            # the loop's timer phase, ahead of the ready queue, so this step's first tokens are not
+            # written behind other engines' deferred token batches and new requests' handlers. An
+            # awaited sleep would resume the task from the ready queue, behind all of them.
+            ended = loop.create_future()
+            timer = loop.call_later(max(0.0, plan.end - time.monotonic()), self._end_step, plan, ended)
+            try:
+                await ended
+            finally:
+                timer.cancel()  # stopped mid-step: the step never ends
+            last_end = plan.end
+
+    def _end_step(self, plan: StepPlan, ended: asyncio.Future[None]) -> None:
+        core = self.core
+        sinks = self._sinks
+        try:
+            # First tokens leave now; later tokens wait for the ready queue, after every engine whose
+            # step ended at the same time has sent its first tokens, as vLLM overlaps output
+            # processing with the next step. A request has one token per step, and the deferred
+            # batch runs before any later step ends, so each stream's order holds.
             later: list[tuple[TokenSink, TokenOutput]] = []
             for out in core.end_step(plan):
                 sink = sinks.get(out.request_id)
@@ -181,10 +192,13 @@ class EngineDriver:
                 except Exception:
                     _delivery_failed(out)
             if later:
-                loop.call_soon(_deliver_all, later)
+                asyncio.get_running_loop().call_soon(_deliver_all, later)
             if self.kv_events is not None:
                 self.kv_events.publish_raw(core.take_kv_events())  # type: ignore[attr-defined]
-            last_end = plan.end
+        except BaseException as exc:
+            ended.set_exception(exc)  # the step loop dies with it, and says so
+            return
+        ended.set_result(None)
 
 
 def _deliver(sink: TokenSink, out: TokenOutput) -> None:

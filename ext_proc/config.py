@@ -40,6 +40,13 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             "stream (false: a unary gRPC call each, as to a scheduler without Session)"
         ),
     ] = True
+    scheduler_session_address: Annotated[
+        str,
+        Meta(
+            description="host:port of the scheduler's plain Session socket (its --session-port): the same "
+            "messages as the gRPC Session stream without HTTP/2, a shorter round trip (empty: the gRPC stream)"
+        ),
+    ] = ""
     schedule_timeout_ms: Annotated[
         float, Meta(gt=0, description="deadline of one Schedule call; past it the request is routed round-robin")
     ] = 200.0

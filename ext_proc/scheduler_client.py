@@ -4,6 +4,11 @@ All three ride one Session stream (scheduler.proto): a message on an open stream
 a unary call's latency and CPU on loopback. A scheduler without Session (UNIMPLEMENTED) gets
 unary calls from then on. A broken stream fails the schedules waiting on it (the router falls
 back) and the next call opens a new one.
+
+With --scheduler-session-address the same messages go over the scheduler's plain Session socket
+(scheduler --session-port) instead of the gRPC stream: no HTTP/2 and no grpc poller thread, about
+a third of the gRPC Session's round trip. Reports and releases fall back to unary gRPC while it is
+down, as they do from the gRPC stream.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from typing import cast
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pilotfish.ext_proc.openai import RequestError
 from pilotfish.ext_proc.routing import SCHEDULER, Decision, SchedulerUnavailable
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.scheduler.session_frames import HELLO, FrameError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 
@@ -47,28 +55,20 @@ def _decision(reply: scheduler_pb2.ScheduleResponse) -> Decision:
     return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks))
 
 
-class _Session:
-    """One Session stream: messages written in order (one write at a time, as grpc requires), each
-    schedule's reply matched to its waiter by seq.
+class _SessionBase:
+    """What every Session transport shares: seq numbers, each schedule's waiter, and the end that
+    fails them all. A subclass sends; its reader hands replies to `_deliver` and calls `_end`."""
 
-    The scheduler's Session sends its headers first, and nothing is written before they come: a
-    scheduler without Session then ends the call with UNIMPLEMENTED, which a failed write would
-    have hidden behind a generic error.
-    """
-
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+    def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self._call = stub.Session()
-        self._lock = asyncio.Lock()
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[scheduler_pb2.SessionResponse]] = {}
-        self.ended: Exception | None = None  # why the stream is over; then the owner opens another
-        self._up: asyncio.Future[None] = loop.create_future()  # the scheduler's headers came
-        self._reader = loop.create_task(self._run())
+        self.ended: Exception | None = None  # why the session is over; then the owner opens another
+        self._up: asyncio.Future[None] = loop.create_future()  # the scheduler answered
 
     @property
     def up(self) -> bool:
-        """The scheduler answered the stream, and it has not ended."""
+        """The scheduler answered the session, and it has not ended."""
         return self._up.done() and self.ended is None
 
     async def schedule(self, request: scheduler_pb2.ScheduleRequest, timeout: float) -> Decision:
@@ -86,16 +86,56 @@ class _Session:
             if not waiter.done():
                 waiter.cancel()
             elif not waiter.cancelled():
-                waiter.exception()  # the stream's end may have failed it after `send` raised: seen
+                waiter.exception()  # the session's end may have failed it after `send` raised: seen
         if reply.WhichOneof("kind") == "error":
             raise _failure(_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message)
         return _decision(reply.schedule)
 
     async def send(self, message: scheduler_pb2.SessionRequest) -> None:
+        raise NotImplementedError
+
+    async def _wait_up(self) -> None:
         if not self._up.done():
             await asyncio.shield(self._up)  # shared by every caller: one caller's deadline must not cancel it
         if self.ended is not None:
             raise self.ended
+
+    def _deliver(self, reply: scheduler_pb2.SessionResponse) -> None:
+        waiter = self._waiting.pop(reply.seq, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(reply)
+
+    def _end(self, reason: Exception) -> Exception:
+        """Mark the session over and fail what waits on it; returns what a caller should raise."""
+        if self.ended is None:
+            self.ended = reason
+            if not self._up.done():
+                self._up.set_exception(type(reason)(*reason.args))
+                self._up.exception()  # nobody may be waiting: no "never retrieved" warning
+            waiting, self._waiting = self._waiting, {}
+            for waiter in waiting.values():
+                if not waiter.done():
+                    waiter.set_exception(type(reason)(*reason.args))
+        return self.ended
+
+
+class _Session(_SessionBase):
+    """One gRPC Session stream: messages written in order (one write at a time, as grpc requires),
+    each schedule's reply matched to its waiter by seq.
+
+    The scheduler's Session sends its headers first, and nothing is written before they come: a
+    scheduler without Session then ends the call with UNIMPLEMENTED, which a failed write would
+    have hidden behind a generic error.
+    """
+
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        super().__init__()
+        self._call = stub.Session()
+        self._lock = asyncio.Lock()
+        self._reader = asyncio.get_running_loop().create_task(self._run())
+
+    async def send(self, message: scheduler_pb2.SessionRequest) -> None:
+        await self._wait_up()
         async with self._lock:
             try:
                 await self._call.write(message)
@@ -118,9 +158,7 @@ class _Session:
                 return
             self._up.set_result(None)
             while (reply := await call.read()) is not grpc.aio.EOF:
-                waiter = self._waiting.pop(reply.seq, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(reply)
+                self._deliver(reply)
         except asyncio.CancelledError:
             reason = SchedulerUnavailable("session closed")
             raise
@@ -129,40 +167,109 @@ class _Session:
         finally:
             self._end(reason)
 
-    def _end(self, reason: Exception) -> Exception:
-        """Mark the stream over and fail what waits on it; returns what a caller should raise."""
-        if self.ended is None:
-            self.ended = reason
-            if not self._up.done():
-                self._up.set_exception(type(reason)(*reason.args))
-                self._up.exception()  # nobody may be waiting: no "never retrieved" warning
-            waiting, self._waiting = self._waiting, {}
-            for waiter in waiting.values():
-                if not waiter.done():
-                    waiter.set_exception(type(reason)(*reason.args))
-        return self.ended
-
     async def close(self) -> None:
         self._call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
 
 
-class GrpcScheduler:
-    def __init__(self, address: str, schedule_timeout_s: float, report_interval_s: float, session: bool = True) -> None:
+class _SocketSession(_SessionBase, asyncio.Protocol):
+    """The Session on the scheduler's plain TCP socket (scheduler --session-port; framing in
+    scheduler/session_frames.py). A write is a plain transport write: no lock, no await. The
+    session is up once the scheduler's HELLO has come."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__()
         self._address = address
+        self._frames = FrameReader()
+        self._hello = b""
+        self._transport: asyncio.Transport | None = None
+        host, _, port = address.rpartition(":")
+        self._connecting = asyncio.get_running_loop().create_task(self._connect(host.strip("[]"), int(port)))
+
+    async def _connect(self, host: str, port: int) -> None:
+        try:
+            await asyncio.get_running_loop().create_connection(lambda: self, host, port)
+        except OSError as exc:
+            self._fail(f"cannot connect: {exc.strerror or exc}")
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio.Transport subclass
+        if self.ended is not None:  # closed while connecting
+            transport.abort()
+
+    def data_received(self, data: bytes) -> None:
+        if not self._up.done():
+            hello = self._hello + data
+            if len(hello) < len(HELLO):
+                if not HELLO.startswith(hello):
+                    self._fail("the peer is not a Pilotfish scheduler's Session socket")
+                self._hello = hello
+                return
+            if not hello.startswith(HELLO):
+                self._fail("the peer is not a Pilotfish scheduler's Session socket")
+                return
+            self._hello = b""
+            self._up.set_result(None)
+            data = hello[len(HELLO) :]
+        try:
+            payloads = self._frames.feed(data)
+            for payload in payloads:
+                self._deliver(scheduler_pb2.SessionResponse.FromString(payload))
+        except (FrameError, DecodeError) as exc:
+            self._fail(f"bad reply from the scheduler: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._transport = None
+        self._fail("the scheduler closed the session")
+
+    async def send(self, message: scheduler_pb2.SessionRequest) -> None:
+        await self._wait_up()
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            raise self._end(SchedulerUnavailable("the session socket is closed"))
+        transport.write(frame(message.SerializeToString()))
+
+    def _fail(self, why: str) -> None:
+        if self.ended is None:
+            level = logging.WARNING if not self._up.done() else logging.INFO
+            log.log(level, "scheduler Session socket %s: %s", self._address, why)
+        self._end(SchedulerUnavailable(f"Session socket {self._address}: {why}"))
+        if self._transport is not None:
+            self._transport.abort()
+
+    async def close(self) -> None:
+        self._end(SchedulerUnavailable("session closed"))
+        if self._transport is not None:
+            self._transport.abort()
+        self._connecting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._connecting
+
+
+class GrpcScheduler:
+    def __init__(
+        self,
+        address: str,
+        schedule_timeout_s: float,
+        report_interval_s: float,
+        session: bool = True,
+        session_address: str = "",
+    ) -> None:
+        self._address = address
+        self._session_address = session_address  # the scheduler's Session socket; empty: the gRPC stream
         self._timeout = schedule_timeout_s
         self._report_interval = report_interval_s
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        self._session: _Session | None = None
+        self._session: _Session | _SocketSession | None = None
         self._sessions = session  # False also once the scheduler answers Session with UNIMPLEMENTED
         self._pending_reports: dict[str, scheduler_pb2.TokenReport] = {}
         self._flusher: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[object]] = set()
 
-    def _open_session(self) -> _Session | None:
-        """The open Session stream, a new one if the last has ended; None when the scheduler has none."""
+    def _open_session(self) -> _Session | _SocketSession | None:
+        """The open Session, a new one if the last has ended; None when the scheduler has none."""
         if not self._sessions:
             return None
         session = self._session
@@ -171,7 +278,10 @@ class GrpcScheduler:
                 self._sessions = False
                 log.warning("the scheduler at %s has no Session stream: unary calls from now on", self._address)
                 return None
-            session = self._session = _Session(self._stub)
+            if self._session_address:
+                session = self._session = _SocketSession(self._session_address)
+            else:
+                session = self._session = _Session(self._stub)
         return session
 
     async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:

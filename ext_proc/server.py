@@ -12,6 +12,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from pilotfish.config import ConfigError
 from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import parse_instances
 from pilotfish.ext_proc.config import ExtProcConfig
@@ -110,11 +111,16 @@ def _scheduler_backend(config: ExtProcConfig, metrics: ExtProcMetrics) -> Schedu
         core = SchedulerCore(struct_from_mapping(SchedulerConfig, values), registry=metrics.registry)
         return LocalScheduler(core, frozenset(config.model))
     if config.scheduler_address:
+        session_address = config.scheduler_session_address
+        host, colon, port = session_address.rpartition(":")
+        if session_address and not (colon and host and port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"--scheduler-session-address: {session_address!r} is not host:port")
         return GrpcScheduler(
             config.scheduler_address,
             config.schedule_timeout_ms / 1000,
             config.report_interval_ms / 1000,
             session=config.scheduler_session,
+            session_address=session_address,
         )
     return None
 

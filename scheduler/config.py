@@ -177,6 +177,15 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     host: Annotated[str, Meta(description="address the gRPC and metrics servers listen on")] = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535, description="gRPC port (0 = any free port)")] = 50051
     metrics_port: Annotated[int, Meta(ge=0, le=65535, description="Prometheus /metrics port (0 = off)")] = 0
+    session_port: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=65535,
+            description="port of the Session on a plain TCP socket, the gateways' fast path "
+            "(ext_proc --scheduler-session-address; 0 = off)",
+        ),
+    ] = 0
     request_local_account_staleness_seconds: Annotated[
         float,
         Meta(
@@ -329,6 +338,8 @@ def validate(config: SchedulerConfig) -> list[tuple[str, str]]:
             raise ConfigError(f"--cms-cluster: {exc}") from None
     if config.metrics_port and config.metrics_port == config.port:
         raise ConfigError(f"--metrics-port: {config.metrics_port} is also the gRPC --port")
+    if config.session_port and config.session_port in (config.port, config.metrics_port):
+        raise ConfigError(f"--session-port: {config.session_port} is also the gRPC or metrics port")
     return parsed
 
 

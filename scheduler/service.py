@@ -31,6 +31,7 @@ from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.rescheduler.service import colocated_loop
+from pilotfish.scheduler.session_server import SessionSocketServer
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 
@@ -147,27 +148,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def _session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest]
     ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
-        core = self.core
+        answer = self.answer
         async for message in request_iterator:
-            kind = message.WhichOneof("kind")
-            if kind == "schedule":
-                try:
-                    decision = core.schedule(request_from_proto(message.schedule))
-                except SchedulerError as exc:
-                    yield _session_error(message.seq, getattr(grpc.StatusCode, exc.code), str(exc))
-                    continue
-                except Exception:  # a bug answers this request, as a unary call would; the stream goes on
-                    log.exception("Schedule %s failed", message.schedule.request_id)
-                    yield _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
-                    continue
-                yield scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
-            elif kind in ("report", "release"):
-                try:
-                    self._apply(message)
-                except Exception:  # a bug loses this message only; the gateway's schedules go on
-                    log.exception("Session: a %s failed", kind)
-            else:  # a newer gateway's message kind: skipped, the stream goes on
-                log.debug("Session: skipped a message of unknown kind")
+            reply = answer(message)
+            if reply is not None:
+                yield reply
+
+    def answer(self, message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
+        """One Session message (gRPC stream or framed socket): a schedule's reply, or None for the rest."""
+        kind = message.WhichOneof("kind")
+        if kind == "schedule":
+            try:
+                decision = self.core.schedule(request_from_proto(message.schedule))
+            except SchedulerError as exc:
+                return _session_error(message.seq, getattr(grpc.StatusCode, exc.code), str(exc))
+            except Exception:  # a bug answers this request, as a unary call would; the stream goes on
+                log.exception("Schedule %s failed", message.schedule.request_id)
+                return _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
+            return scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
+        if kind in ("report", "release"):
+            try:
+                self._apply(message)
+            except Exception:  # a bug loses this message only; the gateway's schedules go on
+                log.exception("Session: a %s failed", kind)
+        else:  # a newer gateway's message kind: skipped, the stream goes on
+            log.debug("Session: skipped a message of unknown kind")
+        return None
 
     def _apply(self, message: scheduler_pb2.SessionRequest) -> None:
         """A report or a release: nobody waits for an answer."""
@@ -192,6 +198,8 @@ class SchedulerServer:
         self.core = core if core is not None else SchedulerCore(config)
         self.port = 0
         self.metrics_port = 0
+        self.session_port = 0
+        self._session_socket: SessionSocketServer | None = None
         self._server: grpc.aio.Server | None = None
         self._servicer = SchedulerServicer(self.core)
         self._health = health_aio.HealthServicer()
@@ -210,6 +218,8 @@ class SchedulerServer:
         _probe_port(host, port, "--port")
         if metrics_port:
             _probe_port(host, metrics_port, "--metrics-port")
+        if self.config.session_port:
+            _probe_port(host, self.config.session_port, "--session-port")
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
         server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self._servicer, server)
@@ -229,6 +239,13 @@ class SchedulerServer:
             except StartError:
                 await self.stop(0)
                 raise
+        if self.config.session_port:
+            self._session_socket = SessionSocketServer(self._servicer.answer)
+            try:
+                self.session_port = await self._session_socket.start(host, self.config.session_port)
+            except OSError as exc:
+                await self.stop(0)
+                raise _bind_error(host, self.config.session_port, "--session-port", exc) from None
         self._expiry = asyncio.create_task(self._expire_periodically(), name="scheduler-expiry")
         if self.core.cms is not None:
             from pilotfish.cms.reader import CmsReader
@@ -279,6 +296,9 @@ class SchedulerServer:
         kv_events, self.kv_events = self.kv_events, None
         if kv_events is not None:
             await kv_events.close()
+        session_socket, self._session_socket = self._session_socket, None
+        if session_socket is not None:
+            await session_socket.close()  # its gateways fall back at once, as on the gRPC Session
         if server is not None:
             await self._servicer.end_sessions()
             await server.stop(grace)
@@ -297,7 +317,8 @@ async def serve(config: SchedulerConfig, core: SchedulerCore | None = None) -> N
     try:
         await server.start()
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
-        print(f"scheduler listening on {config.host}:{server.port}{metrics}", flush=True)
+        session = f", Session socket on :{server.session_port}" if server.session_port else ""
+        print(f"scheduler listening on {config.host}:{server.port}{metrics}{session}", flush=True)
         await stop.wait()
     finally:
         await server.stop()

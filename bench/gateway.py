@@ -55,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 FULL_DUPLEX_ARM = "envoy+ext_proc, colocated, FULL_DUPLEX_STREAMED"
 COLOCATED_ARM = "envoy+ext_proc, colocated scheduler"
 UNARY_ARM = "envoy+ext_proc, remote scheduler, unary calls (no Session)"
+GRPC_SESSION_ARM = "envoy+ext_proc, remote scheduler, gRPC Session stream"
 
 
 @dataclass
@@ -150,13 +151,16 @@ def _start(
     fast_engine.wait_port(fast)
     paced_engine.wait_port(paced)
 
-    sched_port = free_port()
+    sched_port, session_port = free_port(), free_port()
     scheduler = group.start(
         "scheduler",
-        [*py, "scheduler", "--port", str(sched_port), "--instances", f"fast=127.0.0.1:{fast}", "--model", MODEL],
+        [*py, "scheduler", "--port", str(sched_port), "--session-port", str(session_port),
+         "--instances", f"fast=127.0.0.1:{fast}", "--model", MODEL],
         log_path=tmp / "scheduler.log",
     )
     scheduler.wait_port(sched_port)
+    scheduler.wait_port(session_port)
+    on_socket = ("--scheduler-session-address", f"127.0.0.1:{session_port}")  # what `pilotfish up` runs
 
     def ext_proc(name: str, instances: str, with_scheduler: bool, *extra: str) -> tuple[int, int]:
         port = free_port()
@@ -180,9 +184,12 @@ def _start(
         child.wait_port(port)
         return port, child.pid
 
-    scale = [ext_proc(f"ext_proc-{i + 1}", f"fast=127.0.0.1:{fast}", True) for i in range(max(ext_procs, 1))]
+    scale = [
+        ext_proc(f"ext_proc-{i + 1}", f"fast=127.0.0.1:{fast}", True, *on_socket) for i in range(max(ext_procs, 1))
+    ]
     xp1 = scale[0]
     xp_rr = ext_proc("ext_proc-rr", f"fast=127.0.0.1:{fast}", False)
+    xp_grpc = ext_proc("ext_proc-grpc-session", f"fast=127.0.0.1:{fast}", True)
     xp_unary = ext_proc("ext_proc-unary", f"fast=127.0.0.1:{fast}", True, "--no-scheduler-session")
     xp_colo = ext_proc("ext_proc-colocated", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
     xp_fd = ext_proc("ext_proc-full-duplex", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
@@ -215,6 +222,7 @@ def _start(
     arms = {
         "envoy": arm("envoy", "envoy-plain", []),
         "envoy+ext_proc": arm("envoy+ext_proc", "envoy-xp1", [xp1], remote=True),
+        GRPC_SESSION_ARM: arm(GRPC_SESSION_ARM, "envoy-grpc-session", [xp_grpc], remote=True),
         UNARY_ARM: arm(UNARY_ARM, "envoy-unary", [xp_unary], remote=True),
         "envoy+ext_proc, no scheduler": arm("envoy+ext_proc, no scheduler", "envoy-rr", [xp_rr]),
         COLOCATED_ARM: arm(COLOCATED_ARM, "envoy-colo", [xp_colo]),
@@ -263,7 +271,7 @@ async def _measure(
     from pilotfish.stats import percentile
 
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    latency_arms = ["envoy", "envoy+ext_proc", UNARY_ARM, COLOCATED_ARM, FULL_DUPLEX_ARM]
+    latency_arms = ["envoy", "envoy+ext_proc", GRPC_SESSION_ARM, UNARY_ARM, COLOCATED_ARM, FULL_DUPLEX_ARM]
     latency_arms.append("envoy+ext_proc, no scheduler")
     latency_arms += [name for name in arms if name.startswith("vllm-router")]
     latencies: dict[str, list[float]] = {a: [] for a in latency_arms}
@@ -282,7 +290,7 @@ async def _measure(
 
         throughput: dict[str, dict[str, float]] = {}
         scale_arms = ["envoy+ext_proc"] + [_scale_arm(n) for n in range(2, args.ext_procs + 1)]
-        for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms, UNARY_ARM]:
+        for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM]:
             arm = arms[name]
             msgs_before = await _ext_proc_messages(session, arm.admin_url)
             cpu_before = sum(_cpu_seconds(p) for p in arm.ext_proc_pids)
@@ -428,6 +436,10 @@ def _markdown(r: dict[str, Any]) -> str:
         f"Machine: {r['machine']['cpus']} CPUs, 1-min load {r['machine']['load_avg_1m']:.2f} at the end. "
         "Every process (client, Envoys, ext_procs, scheduler, engines) shares these cores; each Envoy runs one "
         "worker thread.",
+        "",
+        "`envoy+ext_proc` is what `pilotfish up` runs: a remote scheduler process, reached on its plain Session "
+        "socket (`--session-port` / `--scheduler-session-address`). The gRPC Session stream and unary calls are "
+        "measured beside it.",
         "",
         "## Latency (sequential small completions)",
         "",

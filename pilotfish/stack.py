@@ -59,6 +59,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     py = [sys.executable, "-m", "pilotfish"]
     engines = [(f"sim-{i}", free_port()) for i in range(spec.engines)]
     scheduler_port = free_port() if spec.with_scheduler else 0
+    session_port = free_port() if spec.with_scheduler else 0  # the ext_proc's fast path to the scheduler
     metrics_port = free_port() if spec.scheduler_metrics else 0
     ext_proc_port, admin_port = free_port(), free_port()
     ext_proc_metrics_port = free_port() if spec.ext_proc_metrics else 0
@@ -86,8 +87,8 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
             view_args = ["--instances", instances]
         scheduler = group.start(
             "scheduler",
-            [*py, "scheduler", "--port", str(scheduler_port), *view_args, "--model", spec.model,
-             "--metrics-port", str(metrics_port), *spec.scheduler_args],
+            [*py, "scheduler", "--port", str(scheduler_port), "--session-port", str(session_port), *view_args,
+             "--model", spec.model, "--metrics-port", str(metrics_port), *spec.scheduler_args],
             log_path=log_dir / "scheduler.log",
         )
         scheduler.wait_port(scheduler_port, spec.start_timeout)
@@ -96,6 +97,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         "ext_proc",
         [*py, "ext-proc", "--port", str(ext_proc_port),
          "--scheduler-address", f"127.0.0.1:{scheduler_port}" if spec.with_scheduler else "",
+         "--scheduler-session-address", f"127.0.0.1:{session_port}" if spec.with_scheduler else "",
          *(["--discovery", spec.discovery_url, "--discovery-interval-seconds", "0.2"] if spec.discovery_url
            else ["--instances", instances]),
          "--model", spec.model,

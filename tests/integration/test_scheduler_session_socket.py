@@ -110,18 +110,20 @@ async def test_broken_framing_drops_that_peer_only(server: SchedulerServer, capl
         await client.close()
 
 
-async def test_a_port_that_is_not_the_session_socket_fails_fast(server: SchedulerServer) -> None:
-    # the gRPC port speaks HTTP/2, not HELLO: the session ends at once, well inside the long deadline
-    client = GrpcScheduler(f"127.0.0.1:{server.port}", 120.0, 0.01, session_address=f"127.0.0.1:{server.port}")
+@pytest.mark.parametrize(
+    ("target", "why"),
+    [
+        # the gRPC port speaks HTTP/2, not HELLO
+        ("grpc", "not a Pilotfish scheduler's Session socket"),
+        ("closed", "cannot connect"),
+    ],
+)
+async def test_a_port_that_is_not_the_session_socket_fails_fast(server: SchedulerServer, target: str, why: str) -> None:
+    port = server.port if target == "grpc" else free_port()
+    # a deadline far longer than the wait below: only failing at once passes
+    client = GrpcScheduler(f"127.0.0.1:{server.port}", 120.0, 0.01, session_address=f"127.0.0.1:{port}")
     try:
-        with pytest.raises(SchedulerUnavailable, match="not a Pilotfish scheduler's Session socket"):
-            await asyncio.wait_for(client.schedule(schedule_request("r")), TIMEOUT)
-    finally:
-        await client.close()
-    nobody = free_port()
-    client = GrpcScheduler(f"127.0.0.1:{server.port}", 120.0, 0.01, session_address=f"127.0.0.1:{nobody}")
-    try:
-        with pytest.raises(SchedulerUnavailable, match="cannot connect"):
+        with pytest.raises(SchedulerUnavailable, match=why):
             await asyncio.wait_for(client.schedule(schedule_request("r")), TIMEOUT)
     finally:
         await client.close()

@@ -8,6 +8,7 @@ from scripts/install-vllm.sh; without it the module skips, except under CI=true,
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import os
@@ -25,9 +26,12 @@ import redis
 
 from pilotfish import services
 from pilotfish.cms import keys
+from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.cms.records import decode_metadata, decode_status
-from pilotfish.procs import Child
-from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc
+from pilotfish.procs import Child, free_port, wait_until_async
+from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.service import SchedulerServer
 from pilotfish.vllm_plugin import testing
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1200)]
@@ -92,7 +96,13 @@ def engine(redis_server, tmp_path_factory) -> Iterator[Engine]:
         "PILOTFISH_TTL_MS": str(TTL_MS),
         "PILOTFISH_REFRESH_MS": "1000",
     }
-    child, url = testing.start_vllm(model, work, llumlet_env=env, timeout=START_TIMEOUT)
+    # vLLM's KV-event publisher: the llumlet advertises it, the scheduler's subscriber reads it
+    # (ipc: vLLM binds it, and nothing listens beyond this machine)
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+                 "endpoint": f"ipc://{work / 'kv-events.sock'}"}  # fmt: skip
+    child, url = testing.start_vllm(
+        model, work, llumlet_env=env, timeout=START_TIMEOUT, extra_args=["--kv-events-config", json.dumps(kv_events)]
+    )
     port = int(url.rsplit(":", 1)[1])
     client = redis.Redis.from_url(redis_server.url)
     eng = Engine(child, url, port, client, work / "vllm.log")
@@ -187,6 +197,61 @@ def test_status_follows_waiting_and_running(engine: Engine):
     assert any(s.last_step_duration_us > 0 and s.last_step_decode_batch > 0 for s in seen)
     updates = [s.update_id for s in seen]
     assert updates == sorted(set(updates))
+
+
+def post_token_prompt(engine: Engine, tokens: list[int]) -> None:
+    """A completion whose prompt is token ids: the engine caches exactly these (no BOS, no tokenizer)."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=WAIT)
+    body = {"model": testing.MODEL_NAME, "prompt": tokens, "max_tokens": 2, "ignore_eos": True}
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:300]
+        response.read()
+    finally:
+        conn.close()
+
+
+async def test_the_scheduler_indexes_vllm_kv_events(engine: Engine, redis_server: services.RunningService):
+    """Real vLLM's ZMQ KV events, found through the llumlet's metadata, fill the scheduler's prefix
+    index with the gateway's hashes of the same token ids, and a Schedule for that prefix goes there."""
+    assert engine.meta.kv_events_endpoint.startswith("ipc://") and engine.meta.kv_events_topic == "kv"
+    gateway_block = engine.meta.block_size  # vLLM on CPU: 128 tokens, against a 1024-token context
+    config = SchedulerConfig(
+        enable_full_mode_scheduling=True, enable_cache_aware_scheduling=True, redis_url=redis_server.url,
+        cms_cluster=CLUSTER, port=free_port(), cms_poll_interval_seconds=0.2,
+        kv_events_prefix_block_size=gateway_block,
+    )  # fmt: skip
+    server = SchedulerServer(config)
+    await server.start()
+    try:
+        core, subscriber = server.core, server.kv_events
+        assert subscriber is not None and core.prefix_index is not None
+        await wait_until_async(lambda: len(subscriber) == 1, WAIT, "a KV-event subscription to vLLM")
+        prefix = [16 + (k * 37) % 240 for k in range(gateway_block * 3)]  # inside the tiny vocabulary
+        hashes = prefix_block_hashes(prefix, gateway_block)
+        assert core.prefix_index.match(hashes) == {}
+        deadline = time.monotonic() + WAIT
+        attempt = 0
+        # the SUB socket may still be joining when the first events go out: a new suffix each try
+        while core.prefix_index.match(hashes).get(engine.instance_id, 0) < len(hashes):
+            assert time.monotonic() < deadline, f"vLLM's KV events never filled the index: {subscriber.stats}"
+            attempt += 1
+            await asyncio.to_thread(post_token_prompt, engine, [*prefix, 16 + attempt % 240, 17])
+            await wait_until_async(lambda: subscriber.stats.applied["stored"] > 0, WAIT, "a stored event")
+        assert not subscriber.stats.dropped
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            decision = await scheduler_pb2_grpc.SchedulerStub(channel).Schedule(
+                scheduler_pb2.ScheduleRequest(
+                    request_id="follow-up", model=testing.MODEL_NAME, prompt_tokens=len(prefix) + 8,
+                    prefix_block_hashes=prefix_block_hashes([*prefix, *range(20, 28)], gateway_block),
+                    prefix_block_size=gateway_block,
+                ),
+                timeout=WAIT,
+            )  # fmt: skip
+        assert decision.target.instance_id == engine.instance_id
+    finally:
+        await server.stop(grace=1)
 
 
 def test_abort_over_grpc_ends_the_stream(engine: Engine):

@@ -38,6 +38,7 @@ from vllm.v1.request import Request, RequestStatus
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.adapters.vllm_migration import VllmMigrationAdapter, find_engine_core
 from pilotfish.vllm_plugin.config import config_from_env
+from pilotfish.vllm_plugin.core.kv_endpoint import subscribable_endpoint
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 
 log = logging.getLogger("pilotfish.llumlet")
@@ -133,8 +134,14 @@ class _LlumletHooks:
             from vllm.distributed.kv_events import ZmqEventPublisher
 
             endpoint = ZmqEventPublisher.offset_endpoint_port(kv_events.endpoint, dp_rank) or ""
-            meta.kv_events_endpoint = endpoint.replace("*", host)
+            meta.kv_events_endpoint = subscribable_endpoint(endpoint, host)
             meta.kv_events_topic = kv_events.topic
+            if not meta.kv_events_endpoint:
+                log.warning(
+                    "pilotfish llumlet: vLLM's KV events go to %s, which vLLM connects to; the scheduler "
+                    "subscribes only to a publisher vLLM binds (tcp://*:PORT or ipc://PATH): not advertised",
+                    endpoint,
+                )
         llumlet = Llumlet(config, instance_id, meta, abort_handler=self._abort_from_grpc)
         self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
         llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]

@@ -1,13 +1,22 @@
 """The llumlet's side of the CMS: write status and metadata with a TTL, announce each write.
 
-Synchronous redis-py on purpose: it runs on the llumlet's own export thread, never on an engine
-loop, and a blocking client there is simpler and cheaper than an event loop per engine. Each
-status write is one round trip: SET with PX and PUBLISH, pipelined without MULTI (readers never
-need the two atomically; the notice only tells them to look).
+Synchronous redis-py for connecting (auth, db, TLS) and for metadata; the status hot path packs
+its two commands by hand (SET with PX and PUBLISH, pipelined without MULTI: readers never need
+the two atomically; the notice only tells them to look) and reads the replies itself.
+
+Two ways to write a status, on the one held connection:
+  write_status       blocking, until Redis has answered both commands (the export thread);
+  try_write_status   never blocks: hands the command to the kernel if it takes it whole at once
+                     and leaves the replies to be read by the next write (the engine's thread).
+Status writes must not overlap: the caller serializes them (the llumlet's export lock), which also
+keeps records reaching Redis in update_id order.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import ssl
 from typing import Any
 
 import redis
@@ -18,6 +27,7 @@ from pilotfish.protos import cms_pb2
 # A llumlet that cannot reach Redis must not stall its export thread for long: it retries with
 # the latest state anyway, so an old write finishing late is worth nothing.
 SOCKET_TIMEOUT_S = 2.0
+_REPLIES_PER_WRITE = 2  # SET, PUBLISH
 
 
 class CmsWriter:
@@ -33,37 +43,67 @@ class CmsWriter:
         self._status_key_b = self.status_key.encode()
         self._ttl_b = str(ttl_ms).encode()
         self._status_publish = _pack(b"PUBLISH", self.channel.encode(), self._status_notice.encode())
-        self._conn: Any = None
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=SOCKET_TIMEOUT_S,
             health_check_interval=30,
         )
+        # the held status connection; _fd is its descriptor for non-blocking writes, -1 when
+        # there is none or it cannot take them (TLS)
+        self._conn: Any = None
+        self._fd = -1
+        self._unsent = b""  # the tail of a command the kernel took only part of
+        self._unread = 0  # replies owed to writes made so far
+        self._replies = b""  # bytes of those replies read, not yet a whole line
 
     def write_status(self, status: cms_pb2.InstanceStatus) -> None:
         self.write_status_bytes(status.SerializeToString())
 
     def write_status_bytes(self, raw: bytes) -> None:
-        # The hot path, once per load change: the two commands packed by hand and sent on one
-        # held connection. redis-py's pipeline object costs ~150 µs of Python per call here,
-        # ten times the round trip itself, and this time is the staleness the scheduler sees.
-        packed = _pack(b"SET", self._status_key_b, raw, b"PX", self._ttl_b) + self._status_publish
-        conn = self._conn
-        if conn is None:
-            conn = self._conn = self.client.connection_pool.get_connection()
+        """Write and wait for Redis's answers; raises on a Redis or connection error."""
+        packed = self._packed(raw)
+        sock = self._socket()
         try:
-            conn.send_packed_command([packed], check_health=False)
-            for _ in range(2):
-                reply = conn.read_response()
-                if isinstance(reply, Exception):
-                    raise reply
+            if self._unsent:
+                sock.sendall(self._unsent)
+                self._unsent = b""
+            sock.sendall(packed)
+            self._unread += _REPLIES_PER_WRITE
+            while self._unread:
+                self._take_replies(sock.recv(4096))
         except BaseException:
             # a half-read reply would poison the next call: start over on a fresh connection
-            self._conn = None
-            conn.disconnect()
-            self.client.connection_pool.release(conn)
+            self._drop()
             raise
+
+    def try_write_status(self, status: cms_pb2.InstanceStatus) -> bool:
+        """Write without waiting: True if the kernel took the whole command now.
+
+        False (nothing lost, the caller writes the latest state the blocking way instead) when no
+        connection is up, the socket buffer is full, or an earlier write failed; a failure drops
+        the connection, and the blocking write reconnects and reports the cause. Replies to
+        earlier writes are read if they are there, and never waited for.
+        """
+        fd = self._fd
+        if fd < 0 or self._unsent:
+            return False
+        try:
+            if self._unread:
+                with contextlib.suppress(BlockingIOError):  # not there yet: the next write reads them
+                    self._take_replies(os.read(fd, 65536))
+            packed = self._packed(status.SerializeToString())
+            sent = os.write(fd, packed)
+        except BlockingIOError:
+            return False
+        except Exception:  # the caller's blocking write meets it again and says why
+            self._drop()
+            return False
+        self._unread += _REPLIES_PER_WRITE
+        if sent < len(packed):
+            self._unsent = packed[sent:]  # the next blocking write sends it first
+            return False
+        return True
 
     def write_metadata(self, meta: cms_pb2.InstanceMetadata) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -79,10 +119,43 @@ class CmsWriter:
         pipe.execute()
 
     def close(self) -> None:
-        if self._conn is not None:
-            self.client.connection_pool.release(self._conn)
-            self._conn = None
+        self._drop()
         self.client.close()
+
+    # ---- the status connection ----------------------------------------------------------------
+
+    def _packed(self, raw: bytes) -> bytes:
+        return _pack(b"SET", self._status_key_b, raw, b"PX", self._ttl_b) + self._status_publish
+
+    def _socket(self) -> Any:
+        if self._conn is None:
+            conn = self.client.connection_pool.get_connection()
+            sock = conn._sock  # redis-py connected it (auth, db, TLS); from here on it is ours
+            self._conn = conn
+            # Python keeps a socket with a timeout non-blocking underneath, so a plain write to
+            # its descriptor returns at once; not so under TLS, where only the socket object may write.
+            if not isinstance(sock, ssl.SSLSocket) and not os.get_blocking(sock.fileno()):
+                self._fd = sock.fileno()
+        return self._conn._sock
+
+    def _take_replies(self, data: bytes) -> None:
+        """Count whole reply lines (+OK, :N, or -ERROR); raise on an error reply or a closed peer."""
+        if not data:
+            raise ConnectionError("Redis closed the connection")
+        buffered = self._replies + data
+        lines = buffered.split(b"\r\n")
+        self._replies = lines.pop()
+        for line in lines:
+            if line.startswith(b"-"):
+                raise redis.ResponseError(line[1:].decode(errors="replace"))
+        self._unread -= len(lines)
+
+    def _drop(self) -> None:
+        conn, self._conn, self._fd = self._conn, None, -1
+        self._unsent, self._unread, self._replies = b"", 0, b""
+        if conn is not None:
+            conn.disconnect()
+            self.client.connection_pool.release(conn)
 
 
 def _pack(*parts: bytes) -> bytes:

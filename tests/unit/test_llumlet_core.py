@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -50,6 +51,13 @@ class FakeWriter:
 
     def close(self) -> None:
         pass
+
+
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
 
 
 def load_fields(status: cms_pb2.InstanceStatus) -> cms_pb2.InstanceStatus:
@@ -115,6 +123,15 @@ def test_each_event_moves_the_status(name, apply, expected):
     for field, value in expected.items():
         assert getattr(status, field) == value, field
     assert list(status.admitted_request_ids) == ["r0"]
+
+
+def test_kv_usage_rides_with_the_next_change():
+    s = _base()
+    s.changed = False
+    s.kv_usage(3, 10, 16)
+    assert not s.changed  # a block allocated is no write of its own
+    s.step_finished(0.01, 0, 1, 100)
+    assert s.changed and s.snapshot().used_kv_tokens == 48
 
 
 def test_admitted_ids_use_the_exported_name_and_age_out():
@@ -287,6 +304,46 @@ def test_export_wakes_on_event_not_on_refresh():
             time.sleep(0.0005)
         assert time.monotonic() - t0 < 1.0
         assert writer.statuses[-1].num_waiting == 1
+    finally:
+        llumlet.stop()
+
+
+class InlineWriter(FakeWriter):
+    """Takes writes from the engine's thread too, or refuses them (a full socket, Redis away)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accept = True
+        self.inline: list[cms_pb2.InstanceStatus] = []
+
+    def try_write_status(self, status: cms_pb2.InstanceStatus) -> bool:
+        if self.accept:
+            self.inline.append(status)
+        return self.accept
+
+
+def test_deferred_events_ride_with_the_next_write():
+    writer = InlineWriter()
+    llumlet = Llumlet(config(refresh_ms=5000, ttl_ms=20000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    llumlet.write_from_engine_thread = True
+    llumlet.start(serve_grpc=False)
+    try:
+        wait_until(lambda: writer.statuses, "the first write")
+        with llumlet.events(write=False) as s:
+            s.added("a", 3)
+        with llumlet.events(write=False) as s:
+            s.added("b", 4)
+        assert writer.inline == []
+        with llumlet.events() as s:
+            s.scheduled("a", 0)
+        assert len(writer.inline) == 1  # one write for three events, made by the hook itself
+        assert (writer.inline[0].num_waiting, writer.inline[0].num_running) == (1, 1)
+        assert list(writer.inline[0].admitted_request_ids) == ["a", "b"]
+        writer.accept = False  # refused: the export thread writes it instead
+        with llumlet.events() as s:
+            s.finished("a")
+        wait_until(lambda: writer.statuses[-1].num_running == 0, "the export thread's write")
+        assert llumlet.inline_exports == 1
     finally:
         llumlet.stop()
 

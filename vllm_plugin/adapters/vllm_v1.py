@@ -101,6 +101,7 @@ class _LlumletHooks:
         self._randomized_ids = not os.environ.get("VLLM_DISABLE_REQUEST_ID_RANDOMIZATION")
         self._internal_ids: dict[str, str] = {}  # exported id -> vLLM's id, for Abort
         self._last_update_end = 0.0
+        self._in_update = False  # inside vLLM's update_from_output, whose end writes for its frees
         self._pool = sched.kv_cache_manager.block_pool
         self._block_size = int(sched.cache_config.block_size)
         self._total_blocks = max(int(self._pool.num_gpu_blocks) - 1, 1)  # block 0 is vLLM's null block
@@ -146,6 +147,7 @@ class _LlumletHooks:
         self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
         llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]
         llumlet.watch_parent = True  # the API server is our parent: its death is ours
+        llumlet.write_from_engine_thread = True  # hooks run once or twice a step, around the model
         llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
             s.kv_usage(0, self._total_blocks, self._block_size)
@@ -163,7 +165,8 @@ class _LlumletHooks:
         if self.llumlet is not None and is_new and request.request_id in sched.requests:
             exported = external_id(request, self._randomized_ids)
             self._internal_ids[exported] = request.request_id
-            with self.llumlet.events() as s:
+            # vLLM schedules right after admitting (it has a request now): that hook writes both
+            with self.llumlet.events(write=False) as s:
                 s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens, exported)
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
@@ -183,7 +186,8 @@ class _LlumletHooks:
         result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
         if self.llumlet is not None:
             self._internal_ids.pop(external_id(request, self._randomized_ids), None)
-            with self.llumlet.events() as s:
+            # inside a step's output handling, our update_from_output block follows and writes it
+            with self.llumlet.events(write=not self._in_update) as s:
                 s.finished(request.request_id)
                 s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
         return result
@@ -193,6 +197,7 @@ class _LlumletHooks:
         if self.llumlet is not None:
             with self.llumlet.events() as s:
                 s.preempted(request.request_id)
+                s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
 
     # ---- one step -------------------------------------------------------------------------
 
@@ -224,7 +229,11 @@ class _LlumletHooks:
             llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, EngineCoreOutputs]:
-        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self._in_update = True
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        finally:
+            self._in_update = False
         llumlet = self.llumlet
         if llumlet is None:
             return outputs

@@ -183,10 +183,11 @@ class LoadState:
         self.changed = True
 
     def kv_usage(self, used_blocks: int, total_blocks: int, block_size: int) -> None:
-        used, total = min(used_blocks, total_blocks) * block_size, total_blocks * block_size
-        if used != self.used_kv_tokens or total != self.total_kv_tokens:
-            self.used_kv_tokens, self.total_kv_tokens = used, total
-            self.changed = True
+        """Carried, not a reason to write: KV moves with the events that move it (admission,
+        tokens, a finish, a preemption), and each of those writes the figure with it. A decode
+        step allocating a block would otherwise cost a write of its own, a step ahead of its token."""
+        self.used_kv_tokens = min(used_blocks, total_blocks) * block_size
+        self.total_kv_tokens = total_blocks * block_size
 
     def step_finished(self, duration_s: float, prefill_tokens: int, decode_batch: int, seq_len_sum: int) -> None:
         self.step_id += 1

@@ -8,6 +8,11 @@ like it (block size and block count read from vLLM's `vllm:cache_config_info`) w
 fitted profile. Reported: sim/real ratios of P50 and P99 TTFT and end-to-end latency, and of
 preemptions and prefix-cache hit tokens (from each engine's /metrics). Goal: latencies within
 +-15%, counts within +-10%.
+
+vLLM runs the workload `--real-repeats` times (interleaved by rate, each repeat on fresh token
+ids so no repeat hits another's prefix cache), and the ratios are against the mean of those
+runs. The spread between them is reported beside the ratios: it is how far real vLLM on this
+machine disagrees with itself, the floor under any simulator's error.
 """
 
 from __future__ import annotations
@@ -44,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=32, help="vLLM CPU attention needs a multiple of 32")
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are folded below this")
     add_cpus_argument(parser)
+    parser.add_argument("--real-repeats", type=int, default=2,
+                        help="times vLLM runs each rate, interleaved; the ratios are against their mean and "
+                        "their spread is reported (default 2)")
     parser.add_argument("--reuse-real", type=Path, default=None, metavar="DIR",
                         help="take vLLM's side from an earlier run's DIR/result.json (same workload flags) and "
                         "only simulate: to try profiles against one set of real measurements")
@@ -97,11 +105,15 @@ async def _engine_shape(url: str) -> dict[str, Any]:
             "block_size": int(info.get("block_size", 16)), "num_gpu_blocks": int(float(info.get("num_gpu_blocks", 0)))}
 
 
-async def _run_target(url: str, model: str, traces: list[list[Any]], vocab: int) -> list[dict[str, Any]]:
+async def _run_target(
+    url: str, model: str, traces: list[list[Any]], vocab: int, salt: int = 0
+) -> list[dict[str, Any]]:
+    """Replay each trace; `salt` shifts every token id, so the same trace shares no prefix with
+    a run under another salt, and keeps its own sharing exactly."""
     from pilotfish.simulator.cluster.metrics import summarize
     from pilotfish.simulator.replay import ReplayConfig, replay
 
-    config = ReplayConfig(model=model, token_map=lambda ids: [16 + t % (vocab - 16) for t in ids])
+    config = ReplayConfig(model=model, token_map=lambda ids: [16 + (t + salt) % (vocab - 16) for t in ids])
     out = []
     for trace in traces:
         before = await _counters(url)
@@ -116,11 +128,13 @@ async def _run_target(url: str, model: str, traces: list[list[Any]], vocab: int)
     return out
 
 
-def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace) -> Path:
+def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace, shared_cpu: bool) -> Path:
     from pilotfish.simulator.calibrate.command import calibrate, profile_yaml
 
     cal = argparse.Namespace(engine_url=url, model=shape["model"], name="fidelity-fit", max_prompt_tokens=512,
-                             max_batch=args.max_num_seqs, repeats=7, vocab_size=args.vocab_size)
+                             max_batch=args.max_num_seqs, repeats=7, vocab_size=args.vocab_size,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             shared_cpu=shared_cpu)
     fit = asyncio.run(calibrate(cal))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -153,7 +167,8 @@ def run(args: argparse.Namespace) -> int:
         earlier = json.loads((args.reuse_real / "result.json").read_text())
         if earlier["rates"] != rates or earlier["requests_per_rate"] != len(traces[0]):
             raise SystemExit("--reuse-real: that run used other rates or another workload size")
-        shape, real = earlier["engine"], earlier["real"]
+        shape = earlier["engine"]
+        real_runs = earlier.get("real_runs") or [earlier["real"]]
         profile_path = args.profile or str(args.reuse_real / "profile.yaml")
     else:
         with tempfile.TemporaryDirectory() as tmp:
@@ -167,8 +182,11 @@ def run(args: argparse.Namespace) -> int:
                 shape = asyncio.run(_engine_shape(url))
                 profile_path = args.profile
                 if profile_path is None:
-                    profile_path = str(_calibrate(url, shape, args))
-                real = asyncio.run(_run_target(url, shape["model"], traces, args.vocab_size))
+                    # pinned to one CPU, vLLM's API server takes its CPU time from the engine's steps
+                    shared_cpu = vllm_cpus is not None and len(vllm_cpus) == 1
+                    profile_path = str(_calibrate(url, shape, args, shared_cpu))
+                real_runs = [asyncio.run(_run_target(url, shape["model"], traces, args.vocab_size, salt=k * 7919))
+                             for k in range(max(1, args.real_repeats))]
             finally:
                 if child is not None:
                     child.stop()
@@ -188,22 +206,30 @@ def run(args: argparse.Namespace) -> int:
 
     sim = asyncio.run(simulate())
     rows = []
-    for rate, r, s in zip(rates, real, sim, strict=True):
+    for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
+        runs = [run[i] for run in real_runs]
         row: dict[str, Any] = {"rate": rate}
         for metric in ("ttft", "e2e"):
             for q in ("p50", "p99"):
-                row[f"{metric}_{q}"] = {"real": r[metric][q], "sim": s[metric][q],
-                                        "ratio": _ratio(s[metric][q], r[metric][q])}
+                values = [r[metric][q] for r in runs]
+                real = sum(values) / len(values)
+                row[f"{metric}_{q}"] = {"real": real, "sim": s[metric][q], "ratio": _ratio(s[metric][q], real),
+                                        "real_runs": values, "real_spread": _ratio(max(values), min(values))}
         for count in ("num_preemptions_total", "prefix_cache_hits_total"):
-            row[count] = {"real": r[count], "sim": s[count], "ratio": _ratio(s[count], r[count])}
+            values = [r[count] for r in runs]
+            real = sum(values) / len(values)
+            row[count] = {"real": real, "sim": s[count], "ratio": _ratio(s[count], real), "real_runs": values,
+                          "real_spread": _ratio(max(values), min(values))}
         rows.append(row)
-    latency_ok = all(abs(row[k]["ratio"] - 1) <= LATENCY_GOAL for row in rows
-                     for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99"))
+    latencies = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
+    latency_ok = all(abs(row[k]["ratio"] - 1) <= LATENCY_GOAL for row in rows for k in latencies)
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
+    real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
     result = {"engine": shape, "profile": msgspec.to_builtins(profile), "rates": rates,
-              "requests_per_rate": len(traces[0]), "rows": rows, "real": real, "sim": sim,
-              "latency_goal_met": latency_ok, "count_goal_met": count_ok}
+              "requests_per_rate": len(traces[0]), "rows": rows, "real": real_runs[0], "real_runs": real_runs,
+              "sim": sim, "latency_goal_met": latency_ok, "count_goal_met": count_ok,
+              "real_latency_spread_max": real_spread}
     md = [
         "# Simulator fidelity against real vLLM (CPU)",
         "",
@@ -218,11 +244,13 @@ def run(args: argparse.Namespace) -> int:
     ]
     for row in rows:
         cells = [f"{row[k]['sim']:.3f} / {row[k]['real']:.3f} s = **{row[k]['ratio']:.2f}**"
-                 for k in ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")]
+                 f" ({row[k]['real_spread']:.2f})" for k in latencies]
         cells += [f"{row[k]['sim']:.0f} / {row[k]['real']:.0f} = **{row[k]['ratio']:.2f}**"
                   for k in ("num_preemptions_total", "prefix_cache_hits_total")]
         md.append(f"| {row['rate']:g}/s | " + " | ".join(cells) + " |")
-    md += ["", "Cells: simulated / real = ratio.",
+    md += ["", f"Cells: simulated / real = ratio; real is the mean of {len(real_runs)} runs of vLLM, and the "
+           "figure in brackets is their spread (slowest / fastest): how far real vLLM disagrees with itself.",
+           f"Largest spread between real runs: {real_spread:.2f}.",
            f"Latency goal (+-{LATENCY_GOAL:.0%}): **{'met' if latency_ok else 'missed'}**; "
            f"count goal (+-{COUNT_GOAL:.0%}): **{'met' if count_ok else 'missed'}**."]
     write_report(args.out, "fidelity", result, "\n".join(md))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pilotfish.simulator.calibrate.fit import Fit
     from pilotfish.simulator.calibrate.measure import CalibrationPlan
+    from pilotfish.simulator.calibrate.probes import HttpProber
 
 
 # first-token overhead `sim calibrate` measures against the simulator itself over HTTP (loopback)
@@ -31,6 +32,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="times each prefill length is timed (median kept)")
     parser.add_argument("--vocab-size", type=int, default=256, help="prompt token ids are drawn below this")
     parser.add_argument("--note", default="", help="where it was measured (machine, engine flags), for the comment")
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's --max-num-seqs; with --max-num-batched-tokens, calibration ends with a "
+                        "saturated phase that sets the level of the decode terms (calibrate/saturation.py)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="the engine's --max-num-batched-tokens (see --max-num-seqs)")
+    parser.add_argument("--shared-cpu", action="store_true",
+                        help="the engine's API server runs on the engine's own CPU (vLLM on CPU pinned to one "
+                        "core): the profile then charges each request's serving overhead to the engine's steps")
 
 
 def plan_for(args: argparse.Namespace) -> CalibrationPlan:
@@ -59,8 +68,54 @@ async def calibrate(args: argparse.Namespace) -> Fit:
         if model is None:
             async with session.get(f"{args.engine_url.rstrip('/')}/v1/models") as resp:
                 model = (await resp.json())["data"][0]["id"]
-        observations = await measure(HttpProber(args.engine_url, model, session), plan_for(args))
-    return fit_profile(observations, args.name)
+        prober = HttpProber(args.engine_url, model, session)
+        plan = plan_for(args)
+        fit = with_serving(fit_profile(await measure(prober, plan), args.name), getattr(args, "shared_cpu", False))
+        if getattr(args, "max_num_seqs", None) and getattr(args, "max_num_batched_tokens", None):
+            fit = await _at_saturation(fit, prober, plan, args)
+    return fit
+
+
+def with_serving(fit: Fit, shared_cpu: bool) -> Fit:
+    """The profile with its serving overhead: the first-token overhead less what the simulator's
+    own HTTP path already costs (about 1 ms), so a simulated first token takes what vLLM's did."""
+    import dataclasses
+
+    import msgspec
+
+    overhead = round(max(0.0, fit.overhead_ms - SIM_HTTP_OVERHEAD_MS), 3)
+    profile = msgspec.structs.replace(fit.profile, api_overhead_ms=overhead, shared_cpu=shared_cpu)
+    return dataclasses.replace(fit, profile=profile)
+
+
+async def _at_saturation(fit: Fit, prober: HttpProber, plan: CalibrationPlan, args: argparse.Namespace) -> Fit:
+    import dataclasses
+
+    from pilotfish.simulator.calibrate.probes import metric_labels
+    from pilotfish.simulator.calibrate.saturation import (
+        SaturationPlan,
+        measure_saturation,
+        saturation_factor,
+        scaled,
+    )
+    from pilotfish.simulator.config import EngineConfig
+
+    info = metric_labels(await prober.metrics_text(), "vllm:cache_config_info")
+    async with prober.session.get(f"{prober.url}/v1/models") as resp:
+        max_model_len = int((await resp.json())["data"][0].get("max_model_len") or 2048)
+    engine = EngineConfig(
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=max_model_len, block_size=int(info.get("block_size", 16)),
+        # vLLM V1 keeps one block aside as its null block: it reports N and uses N - 1
+        num_gpu_blocks=max(1, int(float(info.get("num_gpu_blocks", 0))) - 1),
+    )  # fmt: skip
+    top = args.max_prompt_tokens
+    phase_plan = SaturationPlan(prompt_lengths=(max(8, top // 16), max(8, top // 4), max(8, top // 2)),
+                                requests=4 * args.max_num_seqs, max_tokens=64)  # fmt: skip
+    phase = await measure_saturation(prober, phase_plan, plan.vocab, plan.seed + 1)
+    factor = await saturation_factor(fit.profile, phase, engine)
+    return dataclasses.replace(fit, profile=scaled(fit.profile, factor), saturation_factor=factor,
+                               saturation_makespan_s=phase.makespan_s)  # fmt: skip
 
 
 def profile_yaml(fit: Fit, url: str, note: str) -> str:
@@ -72,15 +127,16 @@ def profile_yaml(fit: Fit, url: str, note: str) -> str:
         f"# Fitted by `pilotfish sim calibrate --engine-url {url}` on {when}",
         f"# ({platform.node()}, {platform.machine()}, Python {platform.python_version()}). {note}".rstrip(),
         "# Least squares over timed requests: single-request TTFTs (prefill, with and without a cached",
-        "# prefix) and inter-token gaps of decode batches; see simulator/calibrate/measure.py.",
+        "# prefix) and inter-token gaps of decode batches; see simulator/calibrate/measure.py. With the",
+        "# engine's batch limits given, the decode terms are then scaled to match a saturated phase",
+        "# (simulator/calibrate/saturation.py).",
         f"# Fit: {fit.describe()}.",
         "# t_ms = base_ms + prefill_ms_per_token * P + decode_ms_per_token * D + context_ms_per_token * C",
     ]
     body = {"name": p.name, "base_ms": round(p.base_ms, 6), "prefill_ms_per_token": round(p.prefill_ms_per_token, 8),
             "decode_ms_per_token": round(p.decode_ms_per_token, 8),
             "context_ms_per_token": round(p.context_ms_per_token, 10),
-            # the simulator's own HTTP path costs about 1 ms of this already; the rest is vLLM's
-            "api_overhead_ms": round(max(0.0, fit.overhead_ms - SIM_HTTP_OVERHEAD_MS), 3)}
+            "api_overhead_ms": p.api_overhead_ms, "shared_cpu": p.shared_cpu}
     return "\n".join(head) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 

@@ -46,13 +46,21 @@ class Fit:
     rms_ms: float  # root-mean-square residual
     r2: float
     observations: int
+    # the decode terms' factor from a saturated phase (calibrate/saturation.py), and that
+    # phase's measured makespan; None where no phase was run
+    saturation_factor: float | None = None
+    saturation_makespan_s: float | None = None
 
     def describe(self) -> str:
         p = self.profile
-        return (f"base {p.base_ms:.4g} ms + {p.prefill_ms_per_token:.4g} ms/prefill token + "
+        text = (f"base {p.base_ms:.4g} ms + {p.prefill_ms_per_token:.4g} ms/prefill token + "
                 f"{p.decode_ms_per_token:.4g} ms/decoding request + {p.context_ms_per_token:.4g} ms/context token; "
                 f"first-token overhead {self.overhead_ms:.3g} ms; residual RMS {self.rms_ms:.3g} ms, "
                 f"R^2 {self.r2:.4f}, {self.observations} observations")
+        if self.saturation_factor is not None:
+            text += (f"; decode terms x{self.saturation_factor:.3g} to match a saturated phase "
+                     f"({self.saturation_makespan_s:.3g} s)")
+        return text
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:

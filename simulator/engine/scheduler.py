@@ -50,6 +50,9 @@ class V1Engine:
         self._cache_queries = 0
         self._cache_hits = 0
         self._finished: dict[str, int] = {}
+        # serving work on the engine's CPU since the last step began (profile.shared_cpu)
+        self._stolen_s = 0.0
+        self._frontend_s = self.profile.api_overhead_ms / 1000.0 if self.profile.shared_cpu else 0.0
 
     def add_observer(self, observer: EngineObserver) -> None:
         self.observers.append(observer)
@@ -73,6 +76,8 @@ class V1Engine:
             raise ValueError(f"request {request.request_id!r} is already in the engine")
         if not 0 < request.num_prompt_tokens < self.config.max_model_len:
             raise ValueError(f"prompt of {request.num_prompt_tokens} tokens does not fit max_model_len")
+        if self._frontend_s and self.requests:  # busy: the frontend's work on this one took its CPU
+            self._stolen_s += self._frontend_s
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.append(request)
@@ -202,7 +207,8 @@ class V1Engine:
             else:
                 prefill_tokens += num_new
             context += request.num_computed_tokens + num_new
-        duration = self.profile.step_seconds(prefill_tokens, decodes, context)
+        duration = self.profile.step_seconds(prefill_tokens, decodes, context) + self._stolen_s
+        self._stolen_s = 0.0
         return StepPlan(now, duration, scheduled, prefill_tokens, decodes, decode_flags, context)
 
     def end_step(self, plan: StepPlan) -> list[TokenOutput]:

@@ -12,6 +12,13 @@ from pilotfish.simulator.calibrate.command import plan_for, profile_yaml
 from pilotfish.simulator.calibrate.fit import Observation, fit_profile
 from pilotfish.simulator.calibrate.measure import CalibrationPlan, measure
 from pilotfish.simulator.calibrate.probes import VirtualProber, metric_labels, metric_value
+from pilotfish.simulator.calibrate.saturation import (
+    SaturationPhase,
+    SaturationPlan,
+    measure_saturation,
+    saturation_factor,
+    scaled,
+)
 from pilotfish.simulator.config import EngineConfig
 from pilotfish.simulator.engine.scheduler import V1Engine
 from pilotfish.simulator.engine.step_time import StepTimeProfile, load_profile
@@ -85,3 +92,29 @@ def test_prometheus_text_helpers() -> None:
             'vllm:cache_config_info{block_size="32",engine="0",num_gpu_blocks="256"} 1.0\n')
     assert metric_value(text, "vllm:prefix_cache_hits_total") == 96.0
     assert metric_labels(text, "vllm:cache_config_info")["num_gpu_blocks"] == "256"
+
+
+# ---- the saturated phase
+
+
+SATURATION_ENGINE = EngineConfig(max_model_len=1024, num_gpu_blocks=96, block_size=32, max_num_seqs=16,
+                                 max_num_batched_tokens=1024)  # fmt: skip
+SATURATION_PLAN = SaturationPlan(prompt_lengths=(32, 128, 256), requests=64, max_tokens=64, repeats=2)
+
+
+@pytest.mark.parametrize("factor", [0.6, 1.0, 1.7])
+async def test_the_saturated_phase_recovers_the_decode_level(factor: float) -> None:
+    fitted = KNOWN[0]
+    engine = V1Engine(SATURATION_ENGINE, scaled(fitted, factor))  # the "real" engine: decode terms x factor
+    phase = await measure_saturation(VirtualProber(engine), SATURATION_PLAN, (16, 256), seed=3)
+    assert engine.stats().num_preemptions_total > 0  # saturated indeed: the KV cache ran out
+    found = await saturation_factor(fitted, phase, SATURATION_ENGINE)
+    assert found == pytest.approx(factor, rel=1e-3)
+
+
+async def test_a_makespan_beyond_the_model_is_clamped() -> None:
+    phase = await measure_saturation(
+        VirtualProber(V1Engine(SATURATION_ENGINE, KNOWN[0])), SATURATION_PLAN, (16, 256), seed=3
+    )
+    slow = SaturationPhase(phase.prompt_lengths, phase.max_tokens, phase.makespan_s * 100)
+    assert await saturation_factor(KNOWN[0], slow, SATURATION_ENGINE) == 8.0

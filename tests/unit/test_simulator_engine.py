@@ -7,6 +7,7 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -96,6 +97,23 @@ def test_chunked_prefill_spends_the_token_budget_then_decodes() -> None:
     assert [len(r.outputs) for r in results] == [0, 0, 0, 1, 1, 1]  # the first token ends the prefill
     assert results[-1].outputs[0].finish_reason is FinishReason.LENGTH
     assert rec.prefill["a"] == 100
+
+
+def test_a_shared_cpu_frontend_lengthens_the_busy_engines_next_step() -> None:
+    shared = StepTimeProfile(name="shared", base_ms=2.0, prefill_ms_per_token=0.0, decode_ms_per_token=0.0,
+                             api_overhead_ms=5.0, shared_cpu=True)  # fmt: skip
+    core = V1Engine(EngineConfig(block_size=4, num_gpu_blocks=64, max_model_len=256), shared)
+    core.add_request(req("a", 8, max_tokens=4), 0.0)  # to an idle engine: the frontend used idle CPU
+    assert core.step(0.0).duration == pytest.approx(0.002)
+    core.add_request(req("b", 8, max_tokens=4), 0.002)  # to a busy one: its step pays the 5 ms
+    core.add_request(req("c", 8, max_tokens=4), 0.002)
+    assert core.step(0.002).duration == pytest.approx(0.002 + 2 * 0.005)
+    assert core.step(0.014).duration == pytest.approx(0.002)  # charged once
+    alone = V1Engine(EngineConfig(block_size=4, num_gpu_blocks=64, max_model_len=256),
+                     msgspec.structs.replace(shared, shared_cpu=False))  # fmt: skip
+    alone.add_request(req("a", 8), 0.0)
+    alone.add_request(req("b", 8), 0.0)
+    assert alone.step(0.0).duration == pytest.approx(0.002)
 
 
 def test_running_decodes_come_before_waiting_prefills() -> None:

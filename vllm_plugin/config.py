@@ -9,6 +9,7 @@ llumlet is off and the engine runs exactly as without the plugin.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
@@ -57,6 +58,14 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     min_export_interval_us: Annotated[
         int, _doc("least time between two status writes; 0: export on every change, coalesced", ge=0)
     ] = 0
+    engine_thread_writes: Annotated[
+        bool,
+        _doc(
+            "write a change from vLLM's engine thread when the socket takes it at once (fresher: event -> view "
+            "p99 ~1 ms against ~3.5 ms); false: every write from the export thread (the write's CPU then leaves "
+            "the step's critical path)"
+        ),
+    ] = True
     gil_switch_interval_us: Annotated[
         int,
         _doc(
@@ -108,13 +117,14 @@ def config_from_env(environ: Mapping[str, str] | None = None) -> LlumletConfig:
         return struct_from_mapping(LlumletConfig, values)
     except ConfigError as exc:
         # struct_from_mapping names flags; inside vLLM the operator sets variables
-        raise ConfigError(f"llumlet: {exc} (settings come from {ENV_PREFIX}* variables)") from None
+        message = re.sub(r"--([a-z0-9-]+)", lambda m: env_name(m.group(1).replace("-", "_")), str(exc))
+        raise ConfigError(f"llumlet: {message}") from None
 
 
 def env_table() -> str:
     """Markdown table of the variables, for vllm_plugin/README.md (generated, never hand-written)."""
     rows = ["| variable | default | meaning |", "|---|---|---|"]
     for name, _tp, default, description in _field_info(LlumletConfig):
-        shown = f"`{default}`" if default != "" else "unset"
+        shown = "unset" if default == "" else f"`{str(default).lower() if isinstance(default, bool) else default}`"
         rows.append(f"| `{env_name(name)}` | {shown} | {description} |")
     return "\n".join(rows)

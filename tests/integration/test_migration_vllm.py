@@ -7,6 +7,9 @@ Migrations go through the llumlets' own Migrate/MigrateIn (core/migration.py). O
 with an unmigrated run: temperature 0 on dummy weights is deterministic, and repetition_penalty
 2.0 makes every generated token distinct (so a lost or repeated token cannot hide in a cycle)
 while staying exact under recompute (vLLM penalizes prompt and output tokens alike).
+
+A writes load changes from vLLM's engine thread (the default), B only from the export thread
+(PILOTFISH_ENGINE_THREAD_WRITES=false), so both write paths run inside real vLLM.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import functools
 import http.client
 import json
 import os
+import re
 import signal
 import threading
 import time
@@ -172,6 +176,8 @@ def cluster(tmp_path_factory) -> Iterator[dict[str, Engine]]:
                     "PILOTFISH_CMS_URL": redis_server.url,
                     "PILOTFISH_CLUSTER": CLUSTER,
                     "PILOTFISH_REFRESH_MS": "1000",
+                    "PILOTFISH_STATS_LOG_S": "1",  # the write counts, for the write-path test
+                    "PILOTFISH_ENGINE_THREAD_WRITES": "true" if name == "a" else "false",
                 }
                 work = tmp_path_factory.mktemp(f"vllm-{name}")
                 child, url = testing.start_vllm(
@@ -267,6 +273,21 @@ def test_unreachable_destination_leaves_the_request_on_the_source(cluster: dict[
     log = a.log_path.read_text(errors="replace")
     if f"{exported(rid)} cannot move" not in log:  # else it had finished before the call
         assert f"migration of {exported(rid)} failed" in log  # detached, refused, computed again on A
+
+
+WRITE_COUNTS = re.compile(r"(\d+) status writes \((\d+) from the engine's thread\)")
+
+
+def test_each_engine_writes_from_the_thread_it_was_told(cluster: dict[str, Engine], unmigrated: list[int]):
+    def last_counts(engine: Engine) -> tuple[int, int] | None:
+        found = WRITE_COUNTS.findall(engine.log_path.read_text(errors="replace"))
+        return (int(found[-1][0]), int(found[-1][1])) if found else None
+
+    # Both engines have served a request (`unmigrated`), so both have exported load changes.
+    wait_for(lambda: (c := last_counts(cluster["a"])) and c[1] > 0 and c, WAIT, "A's inline writes")
+    writes_b, _ = wait_for(lambda: last_counts(cluster["b"]), WAIT, "B's write counts")
+    assert writes_b > 0 and all(int(inline) == 0 for _, inline in WRITE_COUNTS.findall(
+        cluster["b"].log_path.read_text(errors="replace")))  # fmt: skip
 
 
 def test_destination_killed_mid_migration(cluster: dict[str, Engine], unmigrated: list[int]):

@@ -393,15 +393,18 @@ def test_export_survives_writer_failures():
 
 def test_config_from_environment():
     cfg = config_from_env({"PILOTFISH_CMS_URL": "redis://h:1/0", "PILOTFISH_TTL_MS": "4000",
-                           "PILOTFISH_REFRESH_MS": "1000", "PILOTFISH_INFER_TYPE": "decode"})  # fmt: skip
+                           "PILOTFISH_REFRESH_MS": "1000", "PILOTFISH_INFER_TYPE": "decode",
+                           "PILOTFISH_ENGINE_THREAD_WRITES": "false"})  # fmt: skip
     assert cfg.enabled and cfg.ttl_ms == 4000 and cfg.infer_type == "decode"
-    assert not config_from_env({}).enabled
+    assert not cfg.engine_thread_writes
+    assert not config_from_env({}).enabled and config_from_env({}).engine_thread_writes
 
 
 @pytest.mark.parametrize(
     ("env", "fragment"),
     [
-        ({"PILOTFISH_TTL_MS": "abc"}, "ttl"),
+        ({"PILOTFISH_TTL_MS": "abc"}, "at `PILOTFISH_TTL_MS`"),  # the variable, not a flag
+        ({"PILOTFISH_ENGINE_THREAD_WRITES": "sometimes"}, "bool.*PILOTFISH_ENGINE_THREAD_WRITES"),
         ({"PILOTFISH_INFER_TYPE": "both"}, "infer_type"),
         ({"PILOTFISH_TTL_MS": "1000", "PILOTFISH_REFRESH_MS": "900"}, "half"),
         ({"PILOTFISH_INSTANCE_ID": "a:b"}, "instance_id"),

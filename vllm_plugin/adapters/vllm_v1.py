@@ -147,7 +147,8 @@ class _LlumletHooks:
         self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
         llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]
         llumlet.watch_parent = True  # the API server is our parent: its death is ours
-        llumlet.write_from_engine_thread = True  # hooks run once or twice a step, around the model
+        # hooks run once or twice a step, around the model: one write per step from the hook
+        llumlet.write_from_engine_thread = config.engine_thread_writes
         llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
             s.kv_usage(0, self._total_blocks, self._block_size)

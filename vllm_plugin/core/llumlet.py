@@ -184,8 +184,9 @@ class Llumlet:
             self.metadata.llumlet_port = port
         # A write from the hook skips the export thread's wake-up and GIL hand-off: event -> view
         # p50 0.29 ms and p99 0.87 ms, against 1.34 and 2.34 ms through the woken thread (bench
-        # llumlet-staleness --engine busy), for about the same CPU (bench llumlet). A minimum
-        # interval between writes needs the export thread's timing; test writers may lack the method.
+        # llumlet-staleness --engine busy), for about the same CPU, but on the step's critical path
+        # (bench llumlet; adapters choose, vLLM's by engine_thread_writes). A minimum interval
+        # between writes needs the export thread's timing; test writers may lack the method.
         if self.config.min_export_interval_us == 0:
             self._try_write = getattr(self.writer, "try_write_status", None)
         self._thread = threading.Thread(target=self._run, name="pilotfish-llumlet-export", daemon=True)

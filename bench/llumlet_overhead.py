@@ -1,9 +1,11 @@
 """Overhead of the llumlet on real vLLM (CPU): throughput and step time with and without it.
 
-Both engines run in the same run, on the same tiny local Llama (dummy weights), with the same
-flags, one with `--scheduler-cls pilotfish.vllm_plugin.LlumletScheduler` exporting to a
-loopback redis-server, one with vLLM's default scheduler. Only one engine serves at a time:
-rounds alternate A B B A ... so drift of the machine (a loaded two-core box) falls on both.
+All engines run in the same run, on the same tiny local Llama (dummy weights), with the same
+flags: one with vLLM's default scheduler (baseline), one with the llumlet's scheduler exporting
+to a loopback redis-server (plugin), and by default a second plugin engine whose writes all go
+through the export thread (`--variant`, which names any other settings to compare). Only one
+engine serves at a time: rounds go A B C C B A ... so drift of the machine (a loaded two-core
+box) falls on all of them.
 
 Per round: --requests streamed completions (fixed prompt, --max-tokens each, ignore_eos) at
 --concurrency. Throughput = output tokens / wall time of the round. Step time = the median gap
@@ -29,6 +31,7 @@ from pilotfish.bench.cpus import add_argument as add_cpus_argument
 from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
 
 NAME = "llumlet_overhead"
+DEFAULT_VARIANT = "export-thread:PILOTFISH_ENGINE_THREAD_WRITES=false"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
@@ -39,9 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
     parser.add_argument("--model-dir", type=Path, default=None, help="tiny model folder (default: built in a temp dir)")
     add_cpus_argument(parser)
-    parser.add_argument("--llumlet-env", action="append", default=[], metavar="NAME=VALUE",
-                        help="a llumlet setting for the plugin engine (PILOTFISH_MIN_EXPORT_INTERVAL_US=5000, ...); "
-                        "repeatable")
+    parser.add_argument(
+        "--llumlet-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a llumlet setting for every plugin engine (PILOTFISH_MIN_EXPORT_INTERVAL_US=5000, ...); repeatable",
+    )
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
+        help="one more plugin engine, with these settings on top of --llumlet-env; repeatable "
+        f"(default: {DEFAULT_VARIANT}; 'none' for plugin and baseline only)",
+    )
 
 
 def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
@@ -166,11 +181,110 @@ def _logged_staleness(log_path: Path) -> str:
     return ""
 
 
-def _hook_us_per_step(line: str) -> float | None:
-    marker = "hooks "
-    if marker not in line:
-        return None
-    return float(line.split(marker, 1)[1].split(" ", 1)[0])
+def _us_per_step(line: str, marker: str) -> float | None:
+    """A figure of the self-report's CPU part: 'hooks 43.3 us (...)', 'export thread 153.0 us'."""
+    found = re.search(rf"{marker} ([0-9.]+) us", line)
+    return float(found.group(1)) if found else None
+
+
+def _costs(
+    rounds: list[dict[str, float]],
+    base_rounds: list[dict[str, float]],
+    plug: dict[str, Any],
+    base: dict[str, Any],
+    report: str,
+) -> dict[str, Any]:
+    """One plugin engine's cost against the baseline, in percent (positive: slower)."""
+    # paired: the i-th rounds of the two engines ran in the same cycle, so drift cancels in their ratio
+    paired = [p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds, base_rounds, strict=True)]
+    hook_us = _us_per_step(report, "hooks")
+    hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
+    return {
+        "llumlet_self_report": report,
+        "hook_cpu_us_per_step": hook_us,
+        "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
+        "export_cpu_us_per_step": _us_per_step(report, "export thread"),
+        "throughput_overhead_pct": round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2),
+        "paired_throughput_overhead_pct": round(100 * (1 - statistics.fmean(paired)), 2),
+        "paired_throughput_overhead_ci95_pct": round(100 * _ci95(paired), 2),
+        "step_time_overhead_pct": round(100 * (plug["step_ms"] / base["step_ms"] - 1), 2),
+        "engine_core_cpu_overhead_pct": round(
+            100 * (plug["engine_core_cpu_ms_per_token"] / base["engine_core_cpu_ms_per_token"] - 1), 2
+        ),
+        "vllm_cpu_overhead_pct": round(100 * (plug["vllm_cpu_ms_per_token"] / base["vllm_cpu_ms_per_token"] - 1), 2),
+    }
+
+
+def _shown(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _plot(
+    out: Path, rounds: dict[str, list[dict[str, float]]], names: dict[str, str], costs: dict[str, Any]
+) -> list[str]:
+    """overhead.png: throughput per round, by engine, and each plugin engine's paired cost; [] without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    Path(out).mkdir(parents=True, exist_ok=True)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    for label, rs in rounds.items():
+        left.plot(range(1, len(rs) + 1), [r["tokens_per_s"] for r in rs], marker="o", label=names[label])
+    left.set_xlabel("round (per engine, in run order)")
+    left.set_ylabel("output tokens/s")
+    left.grid(True, alpha=0.3)
+    left.legend(fontsize=8)
+    labels = list(costs)
+    right.bar(
+        range(len(labels)),
+        [costs[label]["paired_throughput_overhead_pct"] for label in labels],
+        yerr=[costs[label]["paired_throughput_overhead_ci95_pct"] for label in labels],
+        capsize=6,
+        color="#1f77b4",
+    )
+    right.axhline(1.0, color="red", linestyle=":", linewidth=1, label="goal (1%)")
+    right.axhline(0.0, color="black", linewidth=0.5)
+    right.set_xticks(range(len(labels)), [names[label].replace("vLLM + ", "") for label in labels], fontsize=8)
+    right.set_ylabel("paired throughput cost (%), 95% interval")
+    right.grid(True, axis="y", alpha=0.3)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(Path(out) / "overhead.png", dpi=110)
+    plt.close(fig)
+    return ["overhead.png"]
+
+
+def _settings(item: str, flag: str) -> dict[str, str]:
+    """NAME=VALUE[,NAME=VALUE] -> {NAME: VALUE}; every name a PILOTFISH_ setting."""
+    out: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in item.split(","))):
+        name, eq, value = part.partition("=")
+        if not eq or not name.startswith("PILOTFISH_"):
+            raise SystemExit(f"{flag}: {part!r} is not PILOTFISH_NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def _variants(given: list[str] | None) -> dict[str, dict[str, str]]:
+    """--variant values as {label: settings}, in order."""
+    out: dict[str, dict[str, str]] = {}
+    for item in [DEFAULT_VARIANT] if given is None else given:
+        if item == "none":
+            continue
+        label, colon, rest = item.partition(":")
+        if not colon or not re.fullmatch(r"[a-z0-9][a-z0-9-]*", label) or label in ("plugin", "baseline", *out):
+            raise SystemExit(f"--variant: {item!r} is not LABEL:NAME=VALUE with a new lower-case LABEL")
+        out[label] = _settings(rest, "--variant")
+    return out
+
+
+def _order(labels: list[str]) -> list[str]:
+    """One cycle of rounds, each label twice, mirrored (A B C C B A): linear drift falls on all alike."""
+    return labels + labels[::-1]
 
 
 def _ci95(values: list[float]) -> float:
@@ -185,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     if testing.vllm_python() is None:
         print("llumlet-overhead: vLLM is not installed; run scripts/install-vllm.sh")
         return 2
+    variants = _variants(args.variant)  # a typo fails before minutes of vLLM start-up
     vllm_cpus, client_cpus = split_cpus(args.vllm_cpus)
     with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp, pinned(client_cpus):
         # this process (the client) and Redis (the CMS, elsewhere in production) off vLLM's CPUs
@@ -192,20 +307,20 @@ def run(args: argparse.Namespace) -> int:
         model = testing.build_tiny_llama(args.model_dir or work / "model")
         redis = services.start_redis(work / "redis")
         engines: dict[str, Any] = {}
+        # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
+        # which a loaded machine inflates far less than wall time)
+        common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
+        common.update(_settings(",".join(args.llumlet_env), "--llumlet-env"))
+        settings: dict[str, dict[str, str] | None] = {"plugin": common}
+        settings.update({label: {**common, **extra} for label, extra in variants.items()})
+        settings["baseline"] = None
+        labels = list(settings)
         try:
-            # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
-            # which a loaded machine inflates far less than wall time)
-            env = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
-            for item in args.llumlet_env:
-                name, eq, value = item.partition("=")
-                if not eq or not name.startswith("PILOTFISH_"):
-                    raise SystemExit(f"--llumlet-env: {item!r} is not PILOTFISH_NAME=VALUE")
-                env[name] = value
-            for label, plugin in (("plugin", True), ("baseline", False)):
+            for label, env in settings.items():
                 print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
                 with pinned(vllm_cpus):
                     child, url = testing.start_vllm(
-                        model, work / label, llumlet_env=env if plugin else None, with_plugin=plugin,
+                        model, work / label, llumlet_env=env, with_plugin=env is not None,
                         extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
                         worker_cpus=worker_cpus(vllm_cpus),
                     )  # fmt: skip
@@ -213,20 +328,20 @@ def run(args: argparse.Namespace) -> int:
             for child, port in engines.values():
                 _round(port, argparse.Namespace(**{**vars(args), "requests": args.concurrency}), child.pid)  # warm-up
                 _wait_quiet(child.pid)
-            rounds: dict[str, list[dict[str, float]]] = {"plugin": [], "baseline": []}
-            order = ["plugin", "baseline", "baseline", "plugin"]
-            for i in range(args.rounds * 2):
-                label = order[i % 4]
+            rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+            order = _order(labels)
+            for i in range(args.rounds * len(labels)):
+                label = order[i % len(order)]
                 child, port = engines[label]
                 rounds[label].append(r := _round(port, args, child.pid))
                 _wait_quiet(child.pid)
-                print(f"  {label:8s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
+                print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
                       f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token", flush=True)  # fmt: skip
-            staleness = _logged_staleness(work / "plugin" / "plugin.log")
         finally:
             for child, _ in engines.values():
                 child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
             redis.stop()
+        reports = {label: _logged_staleness(work / label / f"{label}.log") for label in labels if settings[label]}
     summary: dict[str, Any] = {}
     for label, rs in rounds.items():
         summary[label] = {"rounds": rs}
@@ -234,27 +349,13 @@ def run(args: argparse.Namespace) -> int:
             values = [r[key] for r in rs]
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
-    base, plug = summary["baseline"], summary["plugin"]
-    # paired: the i-th rounds of the two engines ran back to back (A B B A), so drift cancels in their ratio
-    paired = [p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds["plugin"], rounds["baseline"], strict=True)]
-    paired_cost = 100 * (1 - statistics.fmean(paired))
-    paired_ci = 100 * _ci95(paired)
-    throughput_cost = 100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"])
-    step_cost = 100 * (plug["step_ms"] / base["step_ms"] - 1)
-    cpu_cost = 100 * (plug["engine_core_cpu_ms_per_token"] / base["engine_core_cpu_ms_per_token"] - 1)
-    all_cpu_cost = 100 * (plug["vllm_cpu_ms_per_token"] / base["vllm_cpu_ms_per_token"] - 1)
-    hook_us = _hook_us_per_step(staleness)
-    hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
+    base = summary["baseline"]
+    costs = {
+        label: _costs(rounds[label], rounds["baseline"], summary[label], base, reports[label]) for label in reports
+    }
     result = {
-        "llumlet_self_report": staleness,
-        "hook_cpu_us_per_step": hook_us,
-        "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
-        "throughput_overhead_pct": round(throughput_cost, 2),
-        "paired_throughput_overhead_pct": round(paired_cost, 2),
-        "paired_throughput_overhead_ci95_pct": round(paired_ci, 2),
-        "step_time_overhead_pct": round(step_cost, 2),
-        "engine_core_cpu_overhead_pct": round(cpu_cost, 2),
-        "vllm_cpu_overhead_pct": round(all_cpu_cost, 2),
+        **costs["plugin"],
+        "variants": {label: {"settings": variants[label], **costs[label]} for label in variants},
         "goal_pct": 1.0,
         "cpus": os.cpu_count(),
         "vllm_cpus": sorted(vllm_cpus) if vllm_cpus else None,
@@ -262,32 +363,45 @@ def run(args: argparse.Namespace) -> int:
         "workload": {k: getattr(args, k) for k in ("rounds", "requests", "concurrency", "max_tokens")},
         **summary,
     }
+    names = {"baseline": "vLLM", "plugin": "vLLM + llumlet", **{v: f"vLLM + llumlet, {v}" for v in variants}}
+    plots = _plot(args.out, rounds, names, costs)
     markdown = "\n".join([
         "# llumlet overhead on vLLM (CPU)", "",
-        f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine (A B B A), {args.requests} requests x "
-        f"{args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs"
+        f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine ({' '.join(order)}), {args.requests} "
+        f"requests x {args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs"
         + (f", vLLM on CPUs {sorted(vllm_cpus)} and the client and Redis on {sorted(client_cpus or ())}" if vllm_cpus
            else ", nothing pinned")
-        + ". ± is a 95% interval.", "",
+        + ". ± is a 95% interval."
+        + "".join(f" `{v}`: {', '.join(f'{k}={x}' for k, x in variants[v].items())}." for v in variants)
+        + (f" Every plugin engine: {', '.join(args.llumlet_env)}." if args.llumlet_env else ""), "",
         "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine-core CPU ms/token "
         "| all vLLM CPU ms/token |",
         "|---|---|---|---|---|",
         *(
-            f"| {name} | {e['tokens_per_s']:.1f} ± {e['tokens_per_s_ci95']:.1f} | {e['step_ms']:.3f} ± "
+            f"| {names[label]} | {e['tokens_per_s']:.1f} ± {e['tokens_per_s_ci95']:.1f} | {e['step_ms']:.3f} ± "
             f"{e['step_ms_ci95']:.3f} | {e['engine_core_cpu_ms_per_token']:.4f} ± "
             f"{e['engine_core_cpu_ms_per_token_ci95']:.4f} | {e['vllm_cpu_ms_per_token']:.4f} ± "
             f"{e['vllm_cpu_ms_per_token_ci95']:.4f} |"
-            for name, e in (("vLLM", base), ("vLLM + llumlet", plug))
+            for label, e in summary.items()
         ),
         "",
-        f"Cost of the llumlet: throughput {throughput_cost:+.2f}%, step time {step_cost:+.2f}%, engine-core CPU "
-        f"per token {cpu_cost:+.2f}%, all vLLM CPU per token {all_cpu_cost:+.2f}% (goal <= 1%).", "",
-        f"Paired by round (each plugin round against the baseline round next to it): throughput cost "
-        f"{paired_cost:+.2f}% ± {paired_ci:.2f}%.", "",
-        f"The llumlet's hooks cost {hook_us} µs of engine-thread CPU per step"
-        + (f", {hook_pct:.2f}% of vLLM's mean step ({base['step_ms']:.2f} ms)." if hook_pct is not None else "."),
+        "Cost against vLLM alone (goal <= 1%). Paired: each round against the baseline round of the same "
+        "cycle, so drift cancels in their ratio.", "",
+        "| engine | throughput | paired throughput | step time | engine-core CPU/token | all vLLM CPU/token "
+        "| hooks, engine thread (µs/step) | export thread (µs/step) |",
+        "|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {names[label]} | {c['throughput_overhead_pct']:+.2f}% | {c['paired_throughput_overhead_pct']:+.2f}% "
+            f"± {c['paired_throughput_overhead_ci95_pct']:.2f}% | {c['step_time_overhead_pct']:+.2f}% | "
+            f"{c['engine_core_cpu_overhead_pct']:+.2f}% | {c['vllm_cpu_overhead_pct']:+.2f}% | "
+            f"{_shown(c['hook_cpu_us_per_step'])} | {_shown(c['export_cpu_us_per_step'])} |"
+            for label, c in costs.items()
+        ),
         "",
-        f"The llumlet inside vLLM, its own report (last log line): {staleness or 'none logged'}.",
+        "Each llumlet's own report (its last log line):", "",
+        *(f"- {names[label]}: {reports[label] or 'none logged'}." for label in reports),
+        "",
+        *(f"![{p}]({p})" for p in plots),
     ])  # fmt: skip
     write_report(args.out, NAME, result, markdown)
     print(markdown)

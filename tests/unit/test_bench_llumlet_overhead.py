@@ -1,0 +1,61 @@
+"""bench llumlet: which engines it compares, in what order, and how it reads their costs."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pilotfish.bench import llumlet_overhead as bench
+
+
+def test_default_variant_sends_every_write_through_the_export_thread() -> None:
+    assert bench._variants(None) == {"export-thread": {"PILOTFISH_ENGINE_THREAD_WRITES": "false"}}
+    assert bench._variants(["none"]) == {}
+    assert bench._variants(["slow:PILOTFISH_MIN_EXPORT_INTERVAL_US=5000,PILOTFISH_GIL_SWITCH_INTERVAL_US=0"]) == {
+        "slow": {"PILOTFISH_MIN_EXPORT_INTERVAL_US": "5000", "PILOTFISH_GIL_SWITCH_INTERVAL_US": "0"}
+    }
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        ["PILOTFISH_X=1"],  # no label
+        ["baseline:PILOTFISH_X=1"],  # a label the bench uses itself
+        ["a:PILOTFISH_X=1", "a:PILOTFISH_Y=2"],  # twice
+        ["a:X=1"],  # not a llumlet setting
+        ["A b:PILOTFISH_X=1"],
+    ],
+)
+def test_bad_variants_fail_with_the_flag_named(given: list[str]) -> None:
+    with pytest.raises(SystemExit, match="--variant"):
+        bench._variants(given)
+
+
+@pytest.mark.parametrize("rounds", [1, 2, 5])
+def test_every_engine_serves_as_many_rounds_and_each_cycle_mirrors(rounds: int) -> None:
+    labels = ["plugin", "export-thread", "baseline"]
+    order = bench._order(labels)
+    ran = list(itertools.islice(itertools.cycle(order), rounds * len(labels)))
+    assert {label: ran.count(label) for label in labels} == dict.fromkeys(labels, rounds)
+    # mirrored: the mean position of every engine within a cycle is the same, so drift falls alike
+    assert len({sum(i for i, x in enumerate(order) if x == label) for label in labels}) == 1
+
+
+def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
+    base_rounds = [{"tokens_per_s": 100.0}, {"tokens_per_s": 200.0}]
+    plug_rounds = [{"tokens_per_s": 95.0}, {"tokens_per_s": 190.0}]  # 5% slower in each cycle
+    base = {"tokens_per_s": 150.0, "step_ms": 4.0, "engine_core_cpu_ms_per_token": 0.05, "vllm_cpu_ms_per_token": 0.3}
+    plug = {"tokens_per_s": 142.5, "step_ms": 4.2, "engine_core_cpu_ms_per_token": 0.06, "vllm_cpu_ms_per_token": 0.3}
+    report = (
+        "9 status writes (0 from the engine's thread); ...; "
+        "CPU per step: hooks 43.3 us (4.24% of the engine thread's 1022 us), export thread 153.0 us"
+    )
+    costs = bench._costs(plug_rounds, base_rounds, plug, base, report)
+    assert costs["paired_throughput_overhead_pct"] == pytest.approx(5.0)
+    assert costs["paired_throughput_overhead_ci95_pct"] == pytest.approx(0.0)
+    assert costs["step_time_overhead_pct"] == pytest.approx(5.0)
+    assert costs["engine_core_cpu_overhead_pct"] == pytest.approx(20.0)
+    assert (costs["hook_cpu_us_per_step"], costs["export_cpu_us_per_step"]) == (43.3, 153.0)
+    assert costs["hook_cpu_pct_of_step"] == pytest.approx(100 * 0.0433 / 4.0, abs=1e-3)
+    assert bench._costs(plug_rounds, base_rounds, plug, base, "")["hook_cpu_us_per_step"] is None

@@ -65,13 +65,10 @@ class CmsWriter:
         packed = self._packed(raw)
         sock = self._socket()
         try:
-            if self._unsent:
-                sock.sendall(self._unsent)
-                self._unsent = b""
-            sock.sendall(packed)
+            sock.sendall(self._unsent + packed)
+            self._unsent = b""
             self._unread += _REPLIES_PER_WRITE
-            while self._unread:
-                self._take_replies(sock.recv(4096))
+            self._settle(sock)
         except BaseException:
             # a half-read reply would poison the next call: start over on a fresh connection
             self._drop()
@@ -113,6 +110,15 @@ class CmsWriter:
 
     def remove(self) -> None:
         """Delete both keys and announce it: a clean shutdown need not wait for the TTL."""
+        if self._conn is not None:
+            # the status writes still unanswered land first, or one could bring the key back
+            try:
+                sock = self._conn._sock
+                sock.sendall(self._unsent)
+                self._unsent = b""
+                self._settle(sock)
+            except Exception:
+                self._drop()  # the delete goes on regardless, on the client's own connection
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self.meta_key, self.status_key)
         pipe.publish(self.channel, self._meta_notice)
@@ -137,6 +143,11 @@ class CmsWriter:
             if not isinstance(sock, ssl.SSLSocket) and not os.get_blocking(sock.fileno()):
                 self._fd = sock.fileno()
         return self._conn._sock
+
+    def _settle(self, sock: Any) -> None:
+        """Read until every reply owed is in (blocking, within the socket's timeout)."""
+        while self._unread:
+            self._take_replies(sock.recv(4096))
 
     def _take_replies(self, data: bytes) -> None:
         """Count whole reply lines (+OK, :N, or -ERROR); raise on an error reply or a closed peer."""

@@ -61,6 +61,19 @@ def test_writer_output_is_what_the_reader_accepts(redis_service):
     writer.close()
 
 
+def test_remove_lands_after_every_write_made_without_waiting(redis_service):
+    client = redis.Redis.from_url(redis_service.url)
+    writer = CmsWriter(redis_service.url, "t", "e1", ttl_ms=5000)
+    writer.write_status(cms_pb2.InstanceStatus(instance_id="e1", update_id=1))  # opens the status connection
+    sent = [writer.try_write_status(cms_pb2.InstanceStatus(instance_id="e1", update_id=i)) for i in range(2, 200)]
+    assert any(sent), "no write went without waiting"
+    writer.remove()
+    # every SET the kernel took had been answered before the DELETE went out: none can revive the key
+    assert writer._unread == 0
+    assert client.exists(keys.status_key("t", "e1")) == 0
+    writer.close()
+
+
 @pytest.mark.parametrize("from_engine_thread", [True, False], ids=["engine-thread", "export-thread"])
 def test_llumlet_registers_exports_and_removes(redis_service, from_engine_thread):
     client = redis.Redis.from_url(redis_service.url)

@@ -215,12 +215,14 @@ class Llumlet:
         if self._server is not None:
             self._server.stop(grace=0.5)  # type: ignore[attr-defined]
             self._server = None
-        if remove:
-            try:
-                self.writer.remove()
-            except Exception as exc:  # shutdown goes on: the TTL removes us anyway
-                log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
+        # under the export lock: an engine-thread write already under way lands before the delete,
+        # not after it (where it would bring the status back until the TTL)
         with self._export_lock:
+            if remove:
+                try:
+                    self.writer.remove()
+                except Exception as exc:  # shutdown goes on: the TTL removes us anyway
+                    log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
             self.writer.close()
 
     # ---- export thread ------------------------------------------------------------------------

@@ -411,6 +411,10 @@ class MigrationCoordinator:
             if not admitted:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"cannot admit {rid}: {refused}")
             self.num_migrated_in += 1
+            log.info(
+                "migrated-in request %s admitted from %s with %d of %d tokens generated",
+                rid, request.source_instance_id or "?", len(moving.output_token_ids), moving.max_tokens,
+            )  # fmt: skip
             yield llumlet_pb2.MigrateInChunk(accepted=True)
             while True:
                 try:

@@ -8,6 +8,10 @@ Two ways to write a status, on the one held connection:
   write_status       blocking, until Redis has answered both commands (the export thread);
   try_write_status   never blocks: hands the command to the kernel if it takes it whole at once
                      and leaves the replies to be read by the next write (the engine's thread).
+                     A failure it meets (an error reply, Redis gone) is kept, not raised, for
+                     collect_replies to raise on the thread that counts, logs and retries.
+  collect_replies    blocking: the replies owed to writes made without waiting, so an error
+                     reply or a dead connection after the last of them is not left unseen.
 Status writes must not overlap: the caller serializes them (the llumlet's export lock), which also
 keeps records reaching Redis in update_id order.
 """
@@ -56,6 +60,7 @@ class CmsWriter:
         self._unsent = b""  # the tail of a command the kernel took only part of
         self._unread = 0  # replies owed to writes made so far
         self._replies = b""  # bytes of those replies read, not yet a whole line
+        self._inline_error: Exception | None = None  # what try_write_status met, for collect_replies
 
     def write_status(self, status: cms_pb2.InstanceStatus) -> None:
         self.write_status_bytes(status.SerializeToString())
@@ -93,7 +98,8 @@ class CmsWriter:
             sent = os.write(fd, packed)
         except BlockingIOError:
             return False
-        except Exception:  # the caller's blocking write meets it again and says why
+        except Exception as exc:  # kept for collect_replies: this thread must not raise into the engine
+            self._inline_error = exc
             self._drop()
             return False
         self._unread += _REPLIES_PER_WRITE
@@ -101,6 +107,30 @@ class CmsWriter:
             self._unsent = packed[sent:]  # the next blocking write sends it first
             return False
         return True
+
+    def can_try_write(self) -> bool:
+        """Whether try_write_status could take a write now (checked before making the status)."""
+        return self._fd >= 0 and not self._unsent
+
+    def owes_replies(self) -> bool:
+        return bool(self._unread or self._unsent or self._inline_error)
+
+    def collect_replies(self) -> None:
+        """Raise what try_write_status met, else read every reply owed to its writes (blocking,
+        within the socket's timeout); raises on an error reply or a closed connection."""
+        error, self._inline_error = self._inline_error, None
+        if error is not None:
+            raise error
+        if self._conn is None or not (self._unread or self._unsent):
+            return
+        try:
+            sock = self._conn._sock
+            sock.sendall(self._unsent)
+            self._unsent = b""
+            self._settle(sock)
+        except BaseException:
+            self._drop()
+            raise
 
     def write_metadata(self, meta: cms_pb2.InstanceMetadata) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -110,15 +140,10 @@ class CmsWriter:
 
     def remove(self) -> None:
         """Delete both keys and announce it: a clean shutdown need not wait for the TTL."""
-        if self._conn is not None:
-            # the status writes still unanswered land first, or one could bring the key back
-            try:
-                sock = self._conn._sock
-                sock.sendall(self._unsent)
-                self._unsent = b""
-                self._settle(sock)
-            except Exception:
-                self._drop()  # the delete goes on regardless, on the client's own connection
+        # the status writes still unanswered land first, or one could bring the key back; the
+        # delete goes on regardless, on the client's own connection
+        with contextlib.suppress(Exception):
+            self.collect_replies()
         pipe = self.client.pipeline(transaction=False)
         pipe.delete(self.meta_key, self.status_key)
         pipe.publish(self.channel, self._meta_notice)

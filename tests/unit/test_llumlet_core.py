@@ -53,7 +53,7 @@ class FakeWriter:
         pass
 
 
-def wait_until(condition: Callable[[], object], what: str, timeout: float = 10.0) -> None:
+def wait_until(condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -132,6 +132,16 @@ def test_kv_usage_rides_with_the_next_change():
     assert not s.changed  # a block allocated is no write of its own
     s.step_finished(0.01, 0, 1, 100)
     assert s.changed and s.snapshot().used_kv_tokens == 48
+
+
+def test_kv_blocks_freed_without_an_event_are_a_change():
+    s = _base()
+    s.kv_usage(3, 10, 16)
+    s.changed = False
+    s.kv_usage(3, 10, 16)
+    assert not s.changed  # the same figure again
+    s.kv_usage(1, 10, 16)  # vLLM's delayed free after a KV transfer: no request event comes with it
+    assert s.changed and s.snapshot().used_kv_tokens == 16
 
 
 def test_admitted_ids_use_the_exported_name_and_age_out():
@@ -290,20 +300,15 @@ def test_coalescing_never_loses_the_latest_state(events, delay):
 
 def test_export_wakes_on_event_not_on_refresh():
     writer = FakeWriter()
-    llumlet = Llumlet(config(refresh_ms=5000, ttl_ms=20000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
+    # no refresh for ten minutes: a write within the wait below can only be the event's
+    llumlet = Llumlet(config(refresh_ms=600_000, ttl_ms=1_200_000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
     llumlet.start(serve_grpc=False)
     try:
-        deadline = time.monotonic() + 5
-        while not writer.statuses and time.monotonic() < deadline:
-            time.sleep(0.001)
-        before = len(writer.statuses)
-        t0 = time.monotonic()
+        wait_until(lambda: llumlet.exports >= 1, "the first write")
         with llumlet.events() as s:
             s.added("a", 3)
-        while len(writer.statuses) == before and time.monotonic() - t0 < 2:
-            time.sleep(0.0005)
-        assert time.monotonic() - t0 < 1.0
-        assert writer.statuses[-1].num_waiting == 1
+        wait_until(lambda: writer.statuses[-1].num_waiting == 1, "the event's write", timeout=60)
+        assert len(writer.metadata) == 1  # no refresh came meanwhile
     finally:
         llumlet.stop()
 
@@ -328,7 +333,7 @@ def test_deferred_events_ride_with_the_next_write():
     llumlet.write_from_engine_thread = True
     llumlet.start(serve_grpc=False)
     try:
-        wait_until(lambda: writer.statuses, "the first write")
+        wait_until(lambda: llumlet.exports >= 1, "the first write")  # done, export lock released
         with llumlet.events(write=False) as s:
             s.added("a", 3)
         with llumlet.events(write=False) as s:
@@ -348,17 +353,36 @@ def test_deferred_events_ride_with_the_next_write():
         llumlet.stop()
 
 
+class StuckWriter(FakeWriter):
+    """A write that does not return until the test lets it (Redis hanging)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writing = threading.Event()
+        self.release = threading.Event()
+
+    def write_status(self, status: cms_pb2.InstanceStatus) -> None:
+        self.writing.set()
+        self.release.wait(60)
+        super().write_status(status)
+
+
 def test_engine_thread_never_waits_for_a_slow_writer():
-    writer = FakeWriter(delay=0.2)
+    writer = StuckWriter()
     llumlet = Llumlet(config(), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
     llumlet.start(serve_grpc=False)
     try:
-        t0 = time.perf_counter()
+        assert writer.writing.wait(30), "the export thread never wrote"
         for i in range(1000):
             with llumlet.events() as s:
                 s.added(f"r{i}", 5)
-        assert time.perf_counter() - t0 < 0.5  # 1000 events while one write takes 200 ms
+        # all 1000 applied while the first write still hangs: the engine thread never waited on it
+        assert not writer.release.is_set() and writer.statuses == []
+        assert llumlet.status_now().num_waiting == 1000
+        writer.release.set()
+        wait_until(lambda: writer.statuses and writer.statuses[-1].num_waiting == 1000, "the latest state written")
     finally:
+        writer.release.set()
         llumlet.stop()
 
 

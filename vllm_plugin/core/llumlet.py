@@ -48,6 +48,10 @@ _INFER_TYPES = {
 # Backoff while Redis is unreachable: the state keeps changing meanwhile and only the latest
 # matters, so a short cap gets the CMS current again soon after Redis returns.
 _BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+# The replies to the engine thread's writes are read by its next write; when none follows this
+# soon, the export thread reads them, so an error reply or a dead Redis after a step's last write
+# is seen (and the state written again) within this, not at the next refresh.
+_COLLECT_AFTER_S = 0.05
 
 AbortHandler = Callable[[list[str]], list[str]]
 
@@ -83,6 +87,8 @@ class Llumlet:
         self.watch_parent = False
         self.lock = threading.Lock()
         self._try_write: Callable[[cms_pb2.InstanceStatus], bool] | None = None
+        self._can_try_write: Callable[[], bool] = lambda: True
+        self._last_inline_s = 0.0  # when the engine thread last wrote (monotonic)
         # Held while a status is snapshotted and written, by whichever thread writes it, so
         # records reach Redis in update_id order. Acquired before `lock`, or tried under it.
         self._export_lock = threading.Lock()
@@ -160,10 +166,16 @@ class Llumlet:
 
     def _write_inline(self, state: LoadState, try_write: Callable[[cms_pb2.InstanceStatus], bool]) -> bool:
         """Under `lock` and the export lock: the write the export thread would make, made now."""
+        if not self._can_try_write():  # no snapshot made for nothing (Redis away, TLS)
+            return False
         status = state.snapshot(state.next_update_id())
         if not try_write(status):
             return False
-        self.staleness_us.append((time.monotonic_ns() - self._dirty_since_ns) / 1000)
+        now_ns = time.monotonic_ns()
+        self._last_inline_s = now_ns / 1e9
+        # to the kernel, not to Redis's reply (which the next write reads): on loopback Redis
+        # applies it microseconds later
+        self.staleness_us.append((now_ns - self._dirty_since_ns) / 1000)
         self._dirty_since_ns = 0
         self.exports += 1
         self.inline_exports += 1
@@ -189,6 +201,7 @@ class Llumlet:
         # between writes needs the export thread's timing; test writers may lack the method.
         if self.config.min_export_interval_us == 0:
             self._try_write = getattr(self.writer, "try_write_status", None)
+            self._can_try_write = getattr(self.writer, "can_try_write", self._can_try_write)
         self._thread = threading.Thread(target=self._run, name="pilotfish-llumlet-export", daemon=True)
         self._thread.start()
         log.info(
@@ -257,7 +270,7 @@ class Llumlet:
         pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
         text = (
             f"{self.exports} status writes ({self.inline_exports} from the engine's thread); "
-            f"event -> Redis staleness p50 {pick(0.5):.0f} us, "
+            f"event -> Redis staleness p50 {pick(0.5):.0f} us, "  # to the socket for the engine thread's writes
             f"p99 {pick(0.99):.0f} us, max {ordered[-1]:.0f} us over the last {len(ordered)} writes"
         )
         steps = self.state.step_id
@@ -276,6 +289,18 @@ class Llumlet:
         self.metadata.timestamp_ms = time.time_ns() // 1_000_000
         self.writer.write_metadata(self.metadata)
 
+    def _next_look(self, now: float) -> float:
+        """When the export thread next looks for replies owed to the engine thread's writes: a
+        while after the last one, or, with none owed, a while from now (one can come meanwhile)."""
+        owes = getattr(self.writer, "owes_replies", None)
+        if owes is None or self._try_write is None or not self.write_from_engine_thread:
+            return float("inf")
+        return self._last_inline_s + _COLLECT_AFTER_S if owes() else now + _COLLECT_AFTER_S
+
+    def _replies_due(self, now: float) -> bool:
+        owes = getattr(self.writer, "owes_replies", None)
+        return owes is not None and owes() and now >= self._last_inline_s + _COLLECT_AFTER_S
+
     def _run(self) -> None:
         refresh_s = self.config.refresh_ms / 1000
         min_gap_s = self.config.min_export_interval_us / 1e6
@@ -285,23 +310,37 @@ class Llumlet:
         stats_every = self.config.stats_log_s
         next_stats = time.monotonic() + stats_every
         parent = os.getppid()
+        collect = getattr(self.writer, "collect_replies", None)
         while not self._stop.is_set():
             if self.watch_parent and os.getppid() != parent:
                 log.warning("llumlet %s: the engine's parent process exited; removing CMS keys", self.instance_id)
                 self._try_write = None
-                with self._export_lock, contextlib.suppress(Exception):
-                    self.writer.remove()
+                with self._export_lock:
+                    with contextlib.suppress(Exception):
+                        self.writer.remove()
+                    self.writer.close()
                 return
             now = time.monotonic()
+            collect_only = False
             if now < next_refresh:
-                self._wake.wait(next_refresh - now)
+                woke = self._wake.wait(min(next_refresh, self._next_look(now)) - now)
                 if self._stop.is_set():
                     break
-            if min_gap_s and (gap := last_write + min_gap_s - time.monotonic()) > 0:
-                time.sleep(gap)
-            # Cleared before the snapshot: an event landing after it sets the flag again.
-            self._wake.clear()
+                if not woke and (now := time.monotonic()) < next_refresh:
+                    if not self._replies_due(now):
+                        continue  # none owed, or a write made since will read them
+                    collect_only = True  # nothing new to write: only replies to read
+            if not collect_only:
+                if min_gap_s and (gap := last_write + min_gap_s - time.monotonic()) > 0:
+                    time.sleep(gap)
+                # Cleared before the snapshot: an event landing after it sets the flag again.
+                self._wake.clear()
             try:
+                if collect is not None:
+                    with self._export_lock:
+                        collect()  # the engine thread's writes: their replies, or the failure it met
+                if collect_only:
+                    continue
                 if time.monotonic() >= next_refresh:
                     self.write_metadata()
                     next_refresh = time.monotonic() + refresh_s

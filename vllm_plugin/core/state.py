@@ -183,10 +183,15 @@ class LoadState:
         self.changed = True
 
     def kv_usage(self, used_blocks: int, total_blocks: int, block_size: int) -> None:
-        """Carried, not a reason to write: KV moves with the events that move it (admission,
-        tokens, a finish, a preemption), and each of those writes the figure with it. A decode
-        step allocating a block would otherwise cost a write of its own, a step ahead of its token."""
-        self.used_kv_tokens = min(used_blocks, total_blocks) * block_size
+        """Blocks allocated are carried, not a reason to write: they move with the events that
+        move them (admission, tokens), each of which writes the figure with it; a decode step
+        allocating a block would otherwise cost a write of its own, a step ahead of its token.
+        Blocks freed are a reason: vLLM can free them with no event of ours (delay_free_blocks,
+        once a KV transfer is done), and room freed is what a scheduler waits to see."""
+        used = min(used_blocks, total_blocks) * block_size
+        if used < self.used_kv_tokens:
+            self.changed = True
+        self.used_kv_tokens = used
         self.total_kv_tokens = total_blocks * block_size
 
     def step_finished(self, duration_s: float, prefill_tokens: int, decode_batch: int, seq_len_sum: int) -> None:

@@ -36,7 +36,12 @@ PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=6, help="rounds per engine, alternating (default 6)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="rounds per engine, an even number: each cycle runs every engine twice, mirrored (default 6)",
+    )
     parser.add_argument("--requests", type=int, default=32, help="requests per round (default 32)")
     parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
     parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
@@ -196,7 +201,9 @@ def _costs(
 ) -> dict[str, Any]:
     """One plugin engine's cost against the baseline, in percent (positive: slower)."""
     # paired: the i-th rounds of the two engines ran in the same cycle, so drift cancels in their ratio
-    paired = [p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds, base_rounds, strict=True)]
+    paired = [
+        p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds, base_rounds, strict=True) if b["tokens_per_s"]
+    ]
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
     return {
@@ -204,19 +211,32 @@ def _costs(
         "hook_cpu_us_per_step": hook_us,
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
         "export_cpu_us_per_step": _us_per_step(report, "export thread"),
-        "throughput_overhead_pct": round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2),
-        "paired_throughput_overhead_pct": round(100 * (1 - statistics.fmean(paired)), 2),
-        "paired_throughput_overhead_ci95_pct": round(100 * _ci95(paired), 2),
-        "step_time_overhead_pct": round(100 * (plug["step_ms"] / base["step_ms"] - 1), 2),
-        "engine_core_cpu_overhead_pct": round(
-            100 * (plug["engine_core_cpu_ms_per_token"] / base["engine_core_cpu_ms_per_token"] - 1), 2
+        "throughput_overhead_pct": (
+            round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2) if base["tokens_per_s"] else None
         ),
-        "vllm_cpu_overhead_pct": round(100 * (plug["vllm_cpu_ms_per_token"] / base["vllm_cpu_ms_per_token"] - 1), 2),
+        "paired_throughput_overhead_pct": round(100 * (1 - statistics.fmean(paired)), 2) if paired else None,
+        "paired_throughput_overhead_ci95_pct": round(100 * _ci95(paired), 2) if paired else None,
+        "step_time_overhead_pct": _pct_over(plug["step_ms"], base["step_ms"]),
+        "engine_core_cpu_overhead_pct": _pct_over(
+            plug["engine_core_cpu_ms_per_token"], base["engine_core_cpu_ms_per_token"]
+        ),
+        "vllm_cpu_overhead_pct": _pct_over(plug["vllm_cpu_ms_per_token"], base["vllm_cpu_ms_per_token"]),
     }
+
+
+def _pct_over(value: float, base: float) -> float | None:
+    """How much more `value` is than `base`, in percent; None when `base` measured nothing."""
+    return round(100 * (value / base - 1), 2) if base else None
 
 
 def _shown(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _signed(value: float | None, ci95: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:+.2f}%" + (f" ± {ci95:.2f}%" if ci95 is not None else "")
 
 
 def _plot(
@@ -241,8 +261,8 @@ def _plot(
     labels = list(costs)
     right.bar(
         range(len(labels)),
-        [costs[label]["paired_throughput_overhead_pct"] for label in labels],
-        yerr=[costs[label]["paired_throughput_overhead_ci95_pct"] for label in labels],
+        [_or_nan(costs[label]["paired_throughput_overhead_pct"]) for label in labels],
+        yerr=[_or_nan(costs[label]["paired_throughput_overhead_ci95_pct"]) for label in labels],
         capsize=6,
         color="#1f77b4",
     )
@@ -258,15 +278,28 @@ def _plot(
     return ["overhead.png"]
 
 
+def _or_nan(value: float | None) -> float:
+    return float("nan") if value is None else value
+
+
+def _setting(part: str, flag: str) -> tuple[str, str]:
+    """NAME=VALUE -> (NAME, VALUE); the name a PILOTFISH_ setting, the value as given (commas too)."""
+    name, eq, value = part.strip().partition("=")
+    if not eq or not name.startswith("PILOTFISH_"):
+        raise SystemExit(f"{flag}: {part!r} is not PILOTFISH_NAME=VALUE")
+    return name, value
+
+
 def _settings(item: str, flag: str) -> dict[str, str]:
-    """NAME=VALUE[,NAME=VALUE] -> {NAME: VALUE}; every name a PILOTFISH_ setting."""
-    out: dict[str, str] = {}
-    for part in filter(None, (p.strip() for p in item.split(","))):
-        name, eq, value = part.partition("=")
-        if not eq or not name.startswith("PILOTFISH_"):
-            raise SystemExit(f"{flag}: {part!r} is not PILOTFISH_NAME=VALUE")
-        out[name] = value
-    return out
+    """NAME=VALUE[,NAME=VALUE] -> {NAME: VALUE} (a --variant's list: its values hold no commas)."""
+    return dict(_setting(part, flag) for part in item.split(",") if part.strip())
+
+
+def _check_rounds(rounds: int) -> None:
+    if rounds < 2 or rounds % 2:
+        raise SystemExit(
+            f"--rounds {rounds}: give an even number, 2 or more (each cycle runs every engine twice, mirrored)"
+        )
 
 
 def _variants(given: list[str] | None) -> dict[str, dict[str, str]]:
@@ -299,7 +332,10 @@ def run(args: argparse.Namespace) -> int:
     if testing.vllm_python() is None:
         print("llumlet-overhead: vLLM is not installed; run scripts/install-vllm.sh")
         return 2
-    variants = _variants(args.variant)  # a typo fails before minutes of vLLM start-up
+    # a typo fails before minutes of vLLM start-up
+    _check_rounds(args.rounds)
+    variants = _variants(args.variant)
+    extra_env = dict(_setting(item, "--llumlet-env") for item in args.llumlet_env)
     vllm_cpus, client_cpus = split_cpus(args.vllm_cpus)
     with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp, pinned(client_cpus):
         # this process (the client) and Redis (the CMS, elsewhere in production) off vLLM's CPUs
@@ -310,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
         # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
         # which a loaded machine inflates far less than wall time)
         common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
-        common.update(_settings(",".join(args.llumlet_env), "--llumlet-env"))
+        common.update(extra_env)
         settings: dict[str, dict[str, str] | None] = {"plugin": common}
         settings.update({label: {**common, **extra} for label, extra in variants.items()})
         settings["baseline"] = None
@@ -391,9 +427,10 @@ def run(args: argparse.Namespace) -> int:
         "| hooks, engine thread (µs/step) | export thread (µs/step) |",
         "|---|---|---|---|---|---|---|---|",
         *(
-            f"| {names[label]} | {c['throughput_overhead_pct']:+.2f}% | {c['paired_throughput_overhead_pct']:+.2f}% "
-            f"± {c['paired_throughput_overhead_ci95_pct']:.2f}% | {c['step_time_overhead_pct']:+.2f}% | "
-            f"{c['engine_core_cpu_overhead_pct']:+.2f}% | {c['vllm_cpu_overhead_pct']:+.2f}% | "
+            f"| {names[label]} | {_signed(c['throughput_overhead_pct'])} | "
+            f"{_signed(c['paired_throughput_overhead_pct'], c['paired_throughput_overhead_ci95_pct'])} | "
+            f"{_signed(c['step_time_overhead_pct'])} | {_signed(c['engine_core_cpu_overhead_pct'])} | "
+            f"{_signed(c['vllm_cpu_overhead_pct'])} | "
             f"{_shown(c['hook_cpu_us_per_step'])} | {_shown(c['export_cpu_us_per_step'])} |"
             for label, c in costs.items()
         ),

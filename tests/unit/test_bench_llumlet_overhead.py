@@ -32,8 +32,9 @@ def test_bad_variants_fail_with_the_flag_named(given: list[str]) -> None:
         bench._variants(given)
 
 
-@pytest.mark.parametrize("rounds", [1, 2, 5])
+@pytest.mark.parametrize("rounds", [2, 4, 6])
 def test_every_engine_serves_as_many_rounds_and_each_cycle_mirrors(rounds: int) -> None:
+    bench._check_rounds(rounds)
     labels = ["plugin", "export-thread", "baseline"]
     order = bench._order(labels)
     ran = list(itertools.islice(itertools.cycle(order), rounds * len(labels)))
@@ -59,3 +60,24 @@ def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
     assert (costs["hook_cpu_us_per_step"], costs["export_cpu_us_per_step"]) == (43.3, 153.0)
     assert costs["hook_cpu_pct_of_step"] == pytest.approx(100 * 0.0433 / 4.0, abs=1e-3)
     assert bench._costs(plug_rounds, base_rounds, plug, base, "")["hook_cpu_us_per_step"] is None
+
+
+@pytest.mark.parametrize("rounds", [0, 1, 3, 5])
+def test_rounds_that_leave_a_cycle_half_run_are_refused(rounds: int) -> None:
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench._check_rounds(rounds)
+
+
+def test_a_llumlet_setting_keeps_the_commas_in_its_value() -> None:
+    assert bench._setting("PILOTFISH_NODE_ID=rack-1,row-2", "--llumlet-env") == ("PILOTFISH_NODE_ID", "rack-1,row-2")
+    with pytest.raises(SystemExit, match="--llumlet-env"):
+        bench._setting("NODE_ID=x", "--llumlet-env")
+
+
+def test_a_baseline_that_measured_nothing_gives_no_figure_not_a_crash() -> None:
+    zero = {"tokens_per_s": 0.0, "step_ms": 0.0, "engine_core_cpu_ms_per_token": 0.0, "vllm_cpu_ms_per_token": 0.0}
+    plug = {"tokens_per_s": 90.0, "step_ms": 4.0, "engine_core_cpu_ms_per_token": 0.05, "vllm_cpu_ms_per_token": 0.3}
+    costs = bench._costs([{"tokens_per_s": 90.0}], [{"tokens_per_s": 0.0}], plug, zero, "hooks 4.0 us")
+    assert costs["throughput_overhead_pct"] is None and costs["paired_throughput_overhead_pct"] is None
+    assert costs["step_time_overhead_pct"] is None and costs["hook_cpu_pct_of_step"] is None
+    assert bench._signed(costs["paired_throughput_overhead_pct"], costs["paired_throughput_overhead_ci95_pct"]) == "-"

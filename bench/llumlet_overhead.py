@@ -211,6 +211,7 @@ def _costs(
         "hook_cpu_us_per_step": hook_us,
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
         "export_cpu_us_per_step": _us_per_step(report, "export thread"),
+        "inline_write_cpu_us_per_step": _us_per_step(report, "writing"),  # of the hooks' figure
         "throughput_overhead_pct": (
             round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2) if base["tokens_per_s"] else None
         ),
@@ -424,14 +425,15 @@ def run(args: argparse.Namespace) -> int:
         "Cost against vLLM alone (goal <= 1%). Paired: each round against the baseline round of the same "
         "cycle, so drift cancels in their ratio.", "",
         "| engine | throughput | paired throughput | step time | engine-core CPU/token | all vLLM CPU/token "
-        "| hooks, engine thread (µs/step) | export thread (µs/step) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| hooks, engine thread (µs/step) | of which writing | export thread (µs/step) |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {names[label]} | {_signed(c['throughput_overhead_pct'])} | "
             f"{_signed(c['paired_throughput_overhead_pct'], c['paired_throughput_overhead_ci95_pct'])} | "
             f"{_signed(c['step_time_overhead_pct'])} | {_signed(c['engine_core_cpu_overhead_pct'])} | "
             f"{_signed(c['vllm_cpu_overhead_pct'])} | "
-            f"{_shown(c['hook_cpu_us_per_step'])} | {_shown(c['export_cpu_us_per_step'])} |"
+            f"{_shown(c['hook_cpu_us_per_step'])} | {_shown(c['inline_write_cpu_us_per_step'])} | "
+            f"{_shown(c['export_cpu_us_per_step'])} |"
             for label, c in costs.items()
         ),
         "",

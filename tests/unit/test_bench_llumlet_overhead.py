@@ -50,7 +50,8 @@ def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
     plug = {"tokens_per_s": 142.5, "step_ms": 4.2, "engine_core_cpu_ms_per_token": 0.06, "vllm_cpu_ms_per_token": 0.3}
     report = (
         "9 status writes (0 from the engine's thread); ...; "
-        "CPU per step: hooks 43.3 us (4.24% of the engine thread's 1022 us), export thread 153.0 us"
+        "CPU per step: hooks 43.3 us (4.24% of the engine thread's 1022 us), export thread 153.0 us; "
+        "of the hooks, writing 21.5 us (1.10 writes)"
     )
     costs = bench._costs(plug_rounds, base_rounds, plug, base, report)
     assert costs["paired_throughput_overhead_pct"] == pytest.approx(5.0)
@@ -58,6 +59,7 @@ def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
     assert costs["step_time_overhead_pct"] == pytest.approx(5.0)
     assert costs["engine_core_cpu_overhead_pct"] == pytest.approx(20.0)
     assert (costs["hook_cpu_us_per_step"], costs["export_cpu_us_per_step"]) == (43.3, 153.0)
+    assert costs["inline_write_cpu_us_per_step"] == 21.5
     assert costs["hook_cpu_pct_of_step"] == pytest.approx(100 * 0.0433 / 4.0, abs=1e-3)
     assert bench._costs(plug_rounds, base_rounds, plug, base, "")["hook_cpu_us_per_step"] is None
 

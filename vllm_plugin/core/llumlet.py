@@ -114,6 +114,7 @@ class Llumlet:
         # CPU, not wall, so a loaded machine does not inflate it) against the thread's total.
         self.profiling = config.stats_log_s > 0
         self.hook_cpu_ns = 0
+        self.inline_write_cpu_ns = 0  # of hook_cpu_ns, the writes made from the hooks
         self.engine_cpu_start_ns = 0
         self.engine_cpu_ns = 0
         self.export_cpu_ns = 0
@@ -168,9 +169,12 @@ class Llumlet:
         """Under `lock` and the export lock: the write the export thread would make, made now."""
         if not self._can_try_write():  # no snapshot made for nothing (Redis away, TLS)
             return False
+        cpu0 = time.thread_time_ns() if self.profiling else 0
         status = state.snapshot(state.next_update_id())
         if not try_write(status):
             return False
+        if cpu0:
+            self.inline_write_cpu_ns += time.thread_time_ns() - cpu0
         now_ns = time.monotonic_ns()
         self._last_inline_s = now_ns / 1e9
         # to the kernel, not to Redis's reply (which the next write reads): on loopback Redis
@@ -281,6 +285,11 @@ class Llumlet:
                 f"({100 * self.hook_cpu_ns / engine_ns:.2f}% of the engine thread's "
                 f"{engine_ns / steps / 1000:.0f} us), export thread {self.export_cpu_ns / steps / 1000:.1f} us"
             )
+            if self.inline_exports:
+                text += (
+                    f"; of the hooks, writing {self.inline_write_cpu_ns / steps / 1000:.1f} us "
+                    f"({self.inline_exports / steps:.2f} writes)"
+                )
         return text
 
     def write_metadata(self) -> None:

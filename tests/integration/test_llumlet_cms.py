@@ -194,6 +194,35 @@ def test_a_refused_write_is_reported_and_the_latest_state_lands_later(redis_serv
         llumlet.stop()
 
 
+def test_a_refused_write_right_after_an_accepted_one_is_seen_without_a_refresh(redis_service, caplog):
+    """The export thread looks for owed replies on its own while the engine is busy (no wake-up
+    from the write), and sleeps, to be woken by the next write, once it is idle."""
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url, **NO_REFRESH)
+    llumlet.start(serve_grpc=False)
+    try:
+        wait_for(lambda: client.exists(keys.status_key("t", "e0")), what="first status")
+        with llumlet.events() as s:
+            s.added("r0", 10)
+        wait_for(lambda: not llumlet.writer.owes_replies(), timeout=30, what="the accepted write's replies read")
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", "1")
+        with caplog.at_level(logging.WARNING, logger="pilotfish.llumlet"):
+            with llumlet.events() as s:
+                s.added("r1", 10)
+            wait_for(lambda: llumlet.write_failures > 0, timeout=30, what="the refused write seen")
+            client.config_set("maxmemory", "0")
+            wait_for(
+                lambda: (raw := client.get(keys.status_key("t", "e0"))) and decode_status(raw, "e0").num_waiting == 2,
+                timeout=30,
+                what="the latest state",
+            )
+        assert llumlet.inline_exports >= 2 and "OOM" in caplog.text
+    finally:
+        client.config_set("maxmemory", "0")
+        llumlet.stop()
+
+
 def test_engine_thread_writes_resume_after_a_redis_restart(redis_binary, tmp_path):
     port = free_port()
     first = services.start_redis(tmp_path / "r1", port)

@@ -52,6 +52,9 @@ _BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # soon, the export thread reads them, so an error reply or a dead Redis after a step's last write
 # is seen (and the state written again) within this, not at the next refresh.
 _COLLECT_AFTER_S = 0.05
+# An engine that has not written for this long is idle: the export thread stops looking and
+# sleeps until the refresh; the next write from the engine thread wakes it (one wake-up a burst).
+_NAP_AFTER_S = 1.0
 
 AbortHandler = Callable[[list[str]], list[str]]
 
@@ -89,6 +92,7 @@ class Llumlet:
         self._try_write: Callable[[cms_pb2.InstanceStatus], bool] | None = None
         self._can_try_write: Callable[[], bool] = lambda: True
         self._last_inline_s = 0.0  # when the engine thread last wrote (monotonic)
+        self._napping = False  # the export thread sleeps until the refresh: the next write wakes it
         # Held while a status is snapshotted and written, by whichever thread writes it, so
         # records reach Redis in update_id order. Acquired before `lock`, or tried under it.
         self._export_lock = threading.Lock()
@@ -177,6 +181,9 @@ class Llumlet:
             self.inline_write_cpu_ns += time.thread_time_ns() - cpu0
         now_ns = time.monotonic_ns()
         self._last_inline_s = now_ns / 1e9
+        if self._napping:
+            self._napping = False
+            self._wake.set()  # its replies need a reader before the refresh
         # to the kernel, not to Redis's reply (which the next write reads): on loopback Redis
         # applies it microseconds later
         self.staleness_us.append((now_ns - self._dirty_since_ns) / 1000)
@@ -300,11 +307,19 @@ class Llumlet:
 
     def _next_look(self, now: float) -> float:
         """When the export thread next looks for replies owed to the engine thread's writes: a
-        while after the last one, or, with none owed, a while from now (one can come meanwhile)."""
+        while after the last one; with none owed, a while from now while the engine is busy (one
+        can come meanwhile); never while it is idle, where the next write wakes the thread."""
         owes = getattr(self.writer, "owes_replies", None)
         if owes is None or self._try_write is None or not self.write_from_engine_thread:
             return float("inf")
-        return self._last_inline_s + _COLLECT_AFTER_S if owes() else now + _COLLECT_AFTER_S
+        self._napping = True  # before looking: a write from here on wakes us, one before is owed
+        if owes():
+            self._napping = False
+            return self._last_inline_s + _COLLECT_AFTER_S
+        if now - self._last_inline_s < _NAP_AFTER_S:
+            self._napping = False
+            return now + _COLLECT_AFTER_S
+        return float("inf")
 
     def _replies_due(self, now: float) -> bool:
         owes = getattr(self.writer, "owes_replies", None)
@@ -333,6 +348,7 @@ class Llumlet:
             collect_only = False
             if now < next_refresh:
                 woke = self._wake.wait(min(next_refresh, self._next_look(now)) - now)
+                self._napping = False
                 if self._stop.is_set():
                     break
                 if not woke and (now := time.monotonic()) < next_refresh:

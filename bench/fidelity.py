@@ -13,12 +13,21 @@ vLLM runs the workload `--real-repeats` times (interleaved by rate, each repeat 
 ids so no repeat hits another's prefix cache), and the ratios are against the mean of those
 runs. The spread between them is reported beside the ratios: it is how far real vLLM on this
 machine disagrees with itself, the floor under any simulator's error.
+
+On a shared VM vLLM's speed drifts between minutes, so a profile fitted before the runs need not
+hold during them. With `--track-speed` (the default when this calibrates) the calibration's
+saturated phase is timed again before and after each of vLLM's runs, and each run is also
+simulated with the profile slowed (or sped up) by how much longer that phase took then than at
+calibration (`saturation.at_speed`). Both ratios are reported: the plain one is what a profile
+fitted once gives; the tracked one is what the engine model gives when it knows the machine's
+speed at that minute.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import math
 import os
 import tempfile
@@ -30,6 +39,7 @@ from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
 
 LATENCY_GOAL = 0.15
 COUNT_GOAL = 0.10
+CALIBRATED_PROMPT_TOKENS = 512  # the calibration's longest prompt; its saturated phase follows from it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--real-repeats", type=int, default=2,
                         help="times vLLM runs each rate, interleaved; the ratios are against their mean and "
                         "their spread is reported (default 2)")
+    parser.add_argument("--track-speed", action=argparse.BooleanOptionalAction, default=True,
+                        help="time the calibration's saturated phase around each vLLM run and also simulate each "
+                        "run at the speed it found (needs the calibration this bench makes: not with --profile)")
     parser.add_argument("--reuse-real", type=Path, default=None, metavar="DIR",
                         help="take vLLM's side from an earlier run's DIR/result.json (same workload flags) and "
                         "only simulate: to try profiles against one set of real measurements")
@@ -128,10 +141,11 @@ async def _run_target(
     return out
 
 
-def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace, shared_cpu: bool) -> Path:
+def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace, shared_cpu: bool) -> tuple[Path, Any]:
     from pilotfish.simulator.calibrate.command import calibrate, profile_yaml
 
-    cal = argparse.Namespace(engine_url=url, model=shape["model"], name="fidelity-fit", max_prompt_tokens=512,
+    cal = argparse.Namespace(engine_url=url, model=shape["model"], name="fidelity-fit",
+                             max_prompt_tokens=CALIBRATED_PROMPT_TOKENS,
                              max_batch=args.max_num_seqs, repeats=7, vocab_size=args.vocab_size,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              shared_cpu=shared_cpu)
@@ -141,7 +155,46 @@ def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace, shared
     path = out / "profile.yaml"
     path.write_text(profile_yaml(fit, url, "Fitted by `pilotfish bench fidelity` just before its workload."))
     print(f"calibrated: {fit.describe()}", flush=True)
-    return path
+    return path, fit
+
+
+def _speed_probe(url: str, model: str, args: argparse.Namespace, seed: int) -> float:
+    """The calibration's saturated phase, timed now (seconds): how fast this vLLM runs this minute."""
+    import aiohttp
+
+    from pilotfish.simulator.calibrate.probes import HttpProber
+    from pilotfish.simulator.calibrate.saturation import SaturationPlan, measure_saturation
+
+    async def probe() -> float:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            plan = SaturationPlan.for_engine(CALIBRATED_PROMPT_TOKENS, args.max_num_seqs)
+            phase = await measure_saturation(HttpProber(url, model, session), plan, (16, args.vocab_size), seed)
+            return phase.makespan_s
+
+    makespan = asyncio.run(probe())
+    print(f"speed probe: saturated phase {makespan:.3f} s", flush=True)
+    return makespan
+
+
+def slowdowns(probes: list[float], calibrated_s: float) -> list[float]:
+    """Each run's speed against the calibration's: the geometric mean of the probes before and after
+    it over the calibration's own makespan (a probe after run k is the one before run k + 1)."""
+    return [(before * after) ** 0.5 / calibrated_s for before, after in itertools.pairwise(probes)]
+
+
+def _profile_at(profile: Any, slowdown: float, out: Path, run: int) -> str:
+    """The profile at another speed, written beside the report (the engine loads profiles by path)."""
+    import msgspec
+    import yaml
+
+    from pilotfish.simulator.calibrate.saturation import at_speed
+
+    path = Path(out) / f"profile-run{run + 1}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = msgspec.to_builtins(at_speed(profile, slowdown))
+    path.write_text(f"# profile.yaml at {slowdown:.3f}x its time terms: vLLM's speed around its run {run + 1}\n"
+                    + yaml.safe_dump(body, sort_keys=False))  # fmt: skip
+    return str(path)
 
 
 def _ratio(sim: float, real: float) -> float:
@@ -161,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     traces = [workload(rate, seed, args) for seed, rate in enumerate(rates)]
     child = None
     url = args.engine_url
+    calibrated_s: float | None = None  # the calibration's saturated makespan, with --track-speed
+    probes: list[float] = []
     if args.reuse_real is not None:
         import json
 
@@ -170,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         shape = earlier["engine"]
         real_runs = earlier.get("real_runs") or [earlier["real"]]
         profile_path = args.profile or str(args.reuse_real / "profile.yaml")
+        if args.profile is None and args.track_speed and earlier.get("speed"):
+            calibrated_s, probes = earlier["speed"]["calibration_makespan_s"], earlier["speed"]["probes_s"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
             if url is None:
@@ -184,9 +241,19 @@ def run(args: argparse.Namespace) -> int:
                 if profile_path is None:
                     # pinned to one CPU, vLLM's API server takes its CPU time from the engine's steps
                     shared_cpu = vllm_cpus is not None and len(vllm_cpus) == 1
-                    profile_path = str(_calibrate(url, shape, args, shared_cpu))
-                real_runs = [asyncio.run(_run_target(url, shape["model"], traces, args.vocab_size, salt=k * 7919))
-                             for k in range(max(1, args.real_repeats))]
+                    path, fit = _calibrate(url, shape, args, shared_cpu)
+                    profile_path = str(path)
+                    if args.track_speed and fit.saturation_makespan_s:
+                        calibrated_s = fit.saturation_makespan_s
+                track = calibrated_s is not None
+                real_runs = []
+                for k in range(max(1, args.real_repeats)):
+                    if track:
+                        probes.append(_speed_probe(url, shape["model"], args, seed=1000 + k))
+                    real_runs.append(asyncio.run(
+                        _run_target(url, shape["model"], traces, args.vocab_size, salt=k * 7919)))
+                if track:
+                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(real_runs)))
             finally:
                 if child is not None:
                     child.stop()
@@ -199,12 +266,16 @@ def run(args: argparse.Namespace) -> int:
         num_gpu_blocks=(shape["num_gpu_blocks"] or args.num_gpu_blocks) - 1, profile=profile_path,
     )
 
-    async def simulate() -> list[dict[str, Any]]:
+    async def simulate(engine: EngineConfig) -> list[dict[str, Any]]:
         serve = ServeConfig(engines=1, base_port=0, model=shape["model"])
         async with serve_engines(serve, engine) as fleet:
             return await _run_target(fleet.urls[0], shape["model"], traces, args.vocab_size)
 
-    sim = asyncio.run(simulate())
+    sim = asyncio.run(simulate(engine))
+    # each of vLLM's runs again, simulated at the speed the probes around it found
+    speeds = slowdowns(probes, calibrated_s) if calibrated_s and len(probes) == len(real_runs) + 1 else []
+    tracked = [asyncio.run(simulate(msgspec.structs.replace(engine, profile=_profile_at(profile, x, args.out, k))))
+               for k, x in enumerate(speeds)]  # fmt: skip
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -215,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
                 real = sum(values) / len(values)
                 row[f"{metric}_{q}"] = {"real": real, "sim": s[metric][q], "ratio": _ratio(s[metric][q], real),
                                         "real_runs": values, "real_spread": _ratio(max(values), min(values))}
+                if tracked:
+                    at_speed = [t[i][metric][q] for t in tracked]
+                    row[f"{metric}_{q}"].update(sim_tracked_runs=at_speed, ratio_tracked=_ratio(
+                        sum(at_speed) / len(at_speed), real))
         for count in ("num_preemptions_total", "prefix_cache_hits_total"):
             values = [r[count] for r in runs]
             real = sum(values) / len(values)
@@ -223,13 +298,19 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     latencies = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
     latency_ok = all(abs(row[k]["ratio"] - 1) <= LATENCY_GOAL for row in rows for k in latencies)
+    tracked_ok = bool(tracked) and all(
+        abs(row[k]["ratio_tracked"] - 1) <= LATENCY_GOAL for row in rows for k in latencies
+    )
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
     result = {"engine": shape, "profile": msgspec.to_builtins(profile), "rates": rates,
               "requests_per_rate": len(traces[0]), "rows": rows, "real": real_runs[0], "real_runs": real_runs,
               "sim": sim, "latency_goal_met": latency_ok, "count_goal_met": count_ok,
-              "real_latency_spread_max": real_spread}
+              "real_latency_spread_max": real_spread,
+              "speed": {"calibration_makespan_s": calibrated_s, "probes_s": probes, "slowdowns": speeds,
+                        "latency_goal_met_tracked": tracked_ok} if calibrated_s else None,
+              "sim_tracked": tracked}
     md = [
         "# Simulator fidelity against real vLLM (CPU)",
         "",
@@ -253,6 +334,16 @@ def run(args: argparse.Namespace) -> int:
            f"Largest spread between real runs: {real_spread:.2f}.",
            f"Latency goal (+-{LATENCY_GOAL:.0%}): **{'met' if latency_ok else 'missed'}**; "
            f"count goal (+-{COUNT_GOAL:.0%}): **{'met' if count_ok else 'missed'}**."]
+    if tracked:
+        md += ["", "## At the speed vLLM ran", "",
+               f"The calibration's saturated phase took {calibrated_s:.3f} s; timed again around vLLM's runs it "
+               f"took {', '.join(f'{x:.3f}' for x in probes)} s, so the runs went at "
+               f"{', '.join(f'{x:.2f}x' for x in speeds)} the calibration's step times. Each run simulated with the "
+               "profile at its speed (`profile-runN.yaml`); ratio = mean simulated / mean real:", "",
+               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
+               *(f"| {row['rate']:g}/s | " + " | ".join(f"**{row[k]['ratio_tracked']:.2f}**" for k in latencies)
+                 + " |" for row in rows),
+               "", f"Latency goal at the tracked speed: **{'met' if tracked_ok else 'missed'}**."]
     write_report(args.out, "fidelity", result, "\n".join(md))
     print("\n".join(md))
     return 0

@@ -109,9 +109,7 @@ async def _at_saturation(fit: Fit, prober: HttpProber, plan: CalibrationPlan, ar
         # vLLM V1 keeps one block aside as its null block: it reports N and uses N - 1
         num_gpu_blocks=max(1, int(float(info.get("num_gpu_blocks", 0))) - 1),
     )  # fmt: skip
-    top = args.max_prompt_tokens
-    phase_plan = SaturationPlan(prompt_lengths=(max(8, top // 16), max(8, top // 4), max(8, top // 2)),
-                                requests=4 * args.max_num_seqs, max_tokens=64)  # fmt: skip
+    phase_plan = SaturationPlan.for_engine(args.max_prompt_tokens, args.max_num_seqs)
     phase = await measure_saturation(prober, phase_plan, plan.vocab, plan.seed + 1)
     factor = await saturation_factor(fit.profile, phase, engine)
     return dataclasses.replace(fit, profile=scaled(fit.profile, factor), saturation_factor=factor,

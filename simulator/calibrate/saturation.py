@@ -36,6 +36,13 @@ class SaturationPlan:
     max_tokens: int
     repeats: int = 3
 
+    @classmethod
+    def for_engine(cls, max_prompt_tokens: int, max_num_seqs: int) -> SaturationPlan:
+        """Four requests per seat, prompts up to half the calibrated length: it queues and preempts."""
+        top = max_prompt_tokens
+        lengths = (max(8, top // 16), max(8, top // 4), max(8, top // 2))
+        return cls(prompt_lengths=lengths, requests=4 * max_num_seqs, max_tokens=64)
+
 
 @dataclass(frozen=True, slots=True)
 class SaturationPhase:
@@ -56,6 +63,19 @@ async def measure_saturation(
         streams = await prober.stream(prompts, plan.max_tokens)
         spans.append(max(s[-1] for s in streams if s))
     return SaturationPhase(lengths, plan.max_tokens, statistics.median(spans))
+
+
+def at_speed(profile: StepTimeProfile, slowdown: float) -> StepTimeProfile:
+    """The profile on a machine `slowdown` times slower than when it was fitted: every time
+    term, serving overhead included, scales alike (a saturated phase's makespan scales with it)."""
+    return msgspec.structs.replace(
+        profile,
+        base_ms=profile.base_ms * slowdown,
+        prefill_ms_per_token=profile.prefill_ms_per_token * slowdown,
+        decode_ms_per_token=profile.decode_ms_per_token * slowdown,
+        context_ms_per_token=profile.context_ms_per_token * slowdown,
+        api_overhead_ms=profile.api_overhead_ms * slowdown,
+    )
 
 
 def scaled(profile: StepTimeProfile, factor: float) -> StepTimeProfile:

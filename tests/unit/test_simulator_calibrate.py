@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from pilotfish.simulator.calibrate.command import plan_for, profile_yaml
@@ -15,6 +16,7 @@ from pilotfish.simulator.calibrate.probes import VirtualProber, metric_labels, m
 from pilotfish.simulator.calibrate.saturation import (
     SaturationPhase,
     SaturationPlan,
+    at_speed,
     measure_saturation,
     saturation_factor,
     scaled,
@@ -110,6 +112,23 @@ async def test_the_saturated_phase_recovers_the_decode_level(factor: float) -> N
     assert engine.stats().num_preemptions_total > 0  # saturated indeed: the KV cache ran out
     found = await saturation_factor(fitted, phase, SATURATION_ENGINE)
     assert found == pytest.approx(factor, rel=1e-3)
+
+
+@pytest.mark.parametrize("slowdown", [0.7, 1.0, 1.45])
+async def test_a_machine_slower_by_a_factor_stretches_the_saturated_phase_by_it(slowdown: float) -> None:
+    """What bench fidelity's speed probes rest on: the phase's makespan ratio is the slowdown."""
+    profile = msgspec.structs.replace(KNOWN[0], api_overhead_ms=3.0, shared_cpu=True)
+    then = await measure_saturation(VirtualProber(V1Engine(SATURATION_ENGINE, profile)), SATURATION_PLAN, (16, 256), 3)
+    now = await measure_saturation(
+        VirtualProber(V1Engine(SATURATION_ENGINE, at_speed(profile, slowdown))), SATURATION_PLAN, (16, 256), 3
+    )
+    assert now.makespan_s / then.makespan_s == pytest.approx(slowdown, rel=1e-6)
+
+
+def test_the_plan_for_an_engine_queues_four_requests_per_seat() -> None:
+    plan = SaturationPlan.for_engine(512, 16)
+    assert (plan.requests, plan.prompt_lengths, plan.max_tokens) == (64, (32, 128, 256), 64)
+    assert SATURATION_PLAN.prompt_lengths == plan.prompt_lengths  # the tests above measure what calibration does
 
 
 async def test_a_makespan_beyond_the_model_is_clamped() -> None:

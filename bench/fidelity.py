@@ -16,9 +16,9 @@ machine disagrees with itself, the floor under any simulator's error.
 
 On a shared VM vLLM's speed drifts between minutes, so a profile fitted before the runs need not
 hold during them. With `--track-speed` (the default when this calibrates) the calibration's
-saturated phase is timed again before and after each of vLLM's runs, and each run is also
-simulated with the profile slowed (or sped up) by how much longer that phase took then than at
-calibration (`saturation.at_speed`). Both ratios are reported: the plain one is what a profile
+saturated phase is timed again before and after each of vLLM's runs of each rate, and each of
+those runs is also simulated with the profile slowed (or sped up) by how much longer that phase
+took around it than at calibration (`saturation.at_speed`). Both ratios are reported: the plain one is what a profile
 fitted once gives; the tracked one is what the engine model gives when it knows the machine's
 speed at that minute.
 """
@@ -178,21 +178,21 @@ def _speed_probe(url: str, model: str, args: argparse.Namespace, seed: int) -> f
 
 def slowdowns(probes: list[float], calibrated_s: float) -> list[float]:
     """Each run's speed against the calibration's: the geometric mean of the probes before and after
-    it over the calibration's own makespan (a probe after run k is the one before run k + 1)."""
+    it over the calibration's own makespan (the probe after one run is the one before the next)."""
     return [(before * after) ** 0.5 / calibrated_s for before, after in itertools.pairwise(probes)]
 
 
-def _profile_at(profile: Any, slowdown: float, out: Path, run: int) -> str:
+def _profile_at(profile: Any, slowdown: float, out: Path, label: str) -> str:
     """The profile at another speed, written beside the report (the engine loads profiles by path)."""
     import msgspec
     import yaml
 
     from pilotfish.simulator.calibrate.saturation import at_speed
 
-    path = Path(out) / f"profile-run{run + 1}.yaml"
+    path = Path(out) / f"profile-{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     body = msgspec.to_builtins(at_speed(profile, slowdown))
-    path.write_text(f"# profile.yaml at {slowdown:.3f}x its time terms: vLLM's speed around its run {run + 1}\n"
+    path.write_text(f"# profile.yaml at {slowdown:.3f}x its time terms: vLLM's speed around its {label}\n"
                     + yaml.safe_dump(body, sort_keys=False))  # fmt: skip
     return str(path)
 
@@ -248,12 +248,14 @@ def run(args: argparse.Namespace) -> int:
                 track = calibrated_s is not None
                 real_runs = []
                 for k in range(max(1, args.real_repeats)):
-                    if track:
-                        probes.append(_speed_probe(url, shape["model"], args, seed=1000 + k))
-                    real_runs.append(asyncio.run(
-                        _run_target(url, shape["model"], traces, args.vocab_size, salt=k * 7919)))
+                    real_runs.append([])
+                    for trace in traces:  # probed around each rate's run: the 80/s one lasts seconds
+                        if track:
+                            probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
+                        real_runs[-1] += asyncio.run(
+                            _run_target(url, shape["model"], [trace], args.vocab_size, salt=k * 7919))
                 if track:
-                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(real_runs)))
+                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
             finally:
                 if child is not None:
                     child.stop()
@@ -266,16 +268,21 @@ def run(args: argparse.Namespace) -> int:
         num_gpu_blocks=(shape["num_gpu_blocks"] or args.num_gpu_blocks) - 1, profile=profile_path,
     )
 
-    async def simulate(engine: EngineConfig) -> list[dict[str, Any]]:
+    async def simulate(engine: EngineConfig, which: list[list[Any]]) -> list[dict[str, Any]]:
         serve = ServeConfig(engines=1, base_port=0, model=shape["model"])
         async with serve_engines(serve, engine) as fleet:
-            return await _run_target(fleet.urls[0], shape["model"], traces, args.vocab_size)
+            return await _run_target(fleet.urls[0], shape["model"], which, args.vocab_size)
 
-    sim = asyncio.run(simulate(engine))
+    sim = asyncio.run(simulate(engine, traces))
     # each of vLLM's runs again, simulated at the speed the probes around it found
-    speeds = slowdowns(probes, calibrated_s) if calibrated_s and len(probes) == len(real_runs) + 1 else []
-    tracked = [asyncio.run(simulate(msgspec.structs.replace(engine, profile=_profile_at(profile, x, args.out, k))))
-               for k, x in enumerate(speeds)]  # fmt: skip
+    windows = len(real_runs) * len(traces)
+    speeds = slowdowns(probes, calibrated_s) if calibrated_s and len(probes) == windows + 1 else []
+    tracked: list[list[dict[str, Any]]] = []
+    for k in range(len(real_runs) if speeds else 0):
+        tracked.append([])
+        for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
+            at = _profile_at(profile, speeds[k * len(traces) + i], args.out, f"run{k + 1}-{rate:g}")
+            tracked[-1] += asyncio.run(simulate(msgspec.structs.replace(engine, profile=at), [trace]))
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -337,9 +344,10 @@ def run(args: argparse.Namespace) -> int:
     if tracked:
         md += ["", "## At the speed vLLM ran", "",
                f"The calibration's saturated phase took {calibrated_s:.3f} s; timed again around vLLM's runs it "
-               f"took {', '.join(f'{x:.3f}' for x in probes)} s, so the runs went at "
-               f"{', '.join(f'{x:.2f}x' for x in speeds)} the calibration's step times. Each run simulated with the "
-               "profile at its speed (`profile-runN.yaml`); ratio = mean simulated / mean real:", "",
+               f"took {', '.join(f'{x:.3f}' for x in probes)} s (before each run of each rate, in order, and "
+               f"after the last), so the runs went at {', '.join(f'{x:.2f}x' for x in speeds)} the calibration's "
+               "step times. Each run simulated with the profile at its speed (`profile-runK-RATE.yaml`); "
+               "ratio = mean simulated / mean real:", "",
                "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
                *(f"| {row['rate']:g}/s | " + " | ".join(f"**{row[k]['ratio_tracked']:.2f}**" for k in latencies)
                  + " |" for row in rows),

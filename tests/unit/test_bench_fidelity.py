@@ -22,8 +22,8 @@ def test_each_run_gets_the_mean_speed_of_the_probes_around_it() -> None:
 
 
 def test_the_profile_at_a_speed_loads_back_with_every_time_term_scaled(tmp_path: Path) -> None:
-    path = fidelity._profile_at(PROFILE, 1.3, tmp_path, 0)
-    assert Path(path).name == "profile-run1.yaml"
+    path = fidelity._profile_at(PROFILE, 1.3, tmp_path, "run1-80")
+    assert Path(path).name == "profile-run1-80.yaml"
     loaded = load_profile(path)
     assert loaded == at_speed(PROFILE, 1.3)
     assert loaded.base_ms == pytest.approx(2.4 * 1.3) and loaded.api_overhead_ms == pytest.approx(3.5 * 1.3)

@@ -67,17 +67,7 @@ class CmsWriter:
 
     def write_status_bytes(self, raw: bytes) -> None:
         """Write and wait for Redis's answers; raises on a Redis or connection error."""
-        packed = self._packed(raw)
-        sock = self._socket()
-        try:
-            sock.sendall(self._unsent + packed)
-            self._unsent = b""
-            self._unread += _REPLIES_PER_WRITE
-            self._settle(sock)
-        except BaseException:
-            # a half-read reply would poison the next call: start over on a fresh connection
-            self._drop()
-            raise
+        self._send_and_settle(self._socket(), self._packed(raw))
 
     def try_write_status(self, status: cms_pb2.InstanceStatus) -> bool:
         """Write without waiting: True if the kernel took the whole command now.
@@ -121,16 +111,8 @@ class CmsWriter:
         error, self._inline_error = self._inline_error, None
         if error is not None:
             raise error
-        if self._conn is None or not (self._unread or self._unsent):
-            return
-        try:
-            sock = self._conn._sock
-            sock.sendall(self._unsent)
-            self._unsent = b""
-            self._settle(sock)
-        except BaseException:
-            self._drop()
-            raise
+        if self._conn is not None and (self._unread or self._unsent):
+            self._send_and_settle(self._conn._sock)
 
     def write_metadata(self, meta: cms_pb2.InstanceMetadata) -> None:
         pipe = self.client.pipeline(transaction=False)
@@ -169,10 +151,20 @@ class CmsWriter:
                 self._fd = sock.fileno()
         return self._conn._sock
 
-    def _settle(self, sock: Any) -> None:
-        """Read until every reply owed is in (blocking, within the socket's timeout)."""
-        while self._unread:
-            self._take_replies(sock.recv(4096))
+    def _send_and_settle(self, sock: Any, command: bytes = b"") -> None:
+        """Send what is unsent (and `command`), then read until every reply owed is in (blocking,
+        within the socket's timeout)."""
+        try:
+            sock.sendall(self._unsent + command)
+            self._unsent = b""
+            if command:
+                self._unread += _REPLIES_PER_WRITE
+            while self._unread:
+                self._take_replies(sock.recv(4096))
+        except BaseException:
+            # a half-read reply would poison the next call: start over on a fresh connection
+            self._drop()
+            raise
 
     def _take_replies(self, data: bytes) -> None:
         """Count whole reply lines (+OK, :N, or -ERROR); raise on an error reply or a closed peer."""

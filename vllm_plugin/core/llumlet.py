@@ -91,6 +91,7 @@ class Llumlet:
         self.lock = threading.Lock()
         self._try_write: Callable[[cms_pb2.InstanceStatus], bool] | None = None
         self._can_try_write: Callable[[], bool] = lambda: True
+        self._owes_replies: Callable[[], bool] | None = None  # the writer's, when the hooks may write
         self._last_inline_s = 0.0  # when the engine thread last wrote (monotonic)
         self._napping = False  # the export thread sleeps until the refresh: the next write wakes it
         # Held while a status is snapshotted and written, by whichever thread writes it, so
@@ -213,6 +214,7 @@ class Llumlet:
         if self.config.min_export_interval_us == 0:
             self._try_write = getattr(self.writer, "try_write_status", None)
             self._can_try_write = getattr(self.writer, "can_try_write", self._can_try_write)
+            self._owes_replies = getattr(self.writer, "owes_replies", None)
         self._thread = threading.Thread(target=self._run, name="pilotfish-llumlet-export", daemon=True)
         self._thread.start()
         log.info(
@@ -308,8 +310,9 @@ class Llumlet:
     def _next_look(self, now: float) -> float:
         """When the export thread next looks for replies owed to the engine thread's writes: a
         while after the last one; with none owed, a while from now while the engine is busy (one
-        can come meanwhile); never while it is idle, where the next write wakes the thread."""
-        owes = getattr(self.writer, "owes_replies", None)
+        can come meanwhile); never while it is idle, where the next write wakes the thread (this
+        sets `_napping` for that, before looking, so no write falls between the two)."""
+        owes = self._owes_replies
         if owes is None or self._try_write is None or not self.write_from_engine_thread:
             return float("inf")
         self._napping = True  # before looking: a write from here on wakes us, one before is owed
@@ -322,7 +325,7 @@ class Llumlet:
         return float("inf")
 
     def _replies_due(self, now: float) -> bool:
-        owes = getattr(self.writer, "owes_replies", None)
+        owes = self._owes_replies
         return owes is not None and owes() and now >= self._last_inline_s + _COLLECT_AFTER_S
 
     def _run(self) -> None:

@@ -18,9 +18,9 @@ On a shared VM vLLM's speed drifts between minutes, so a profile fitted before t
 hold during them. With `--track-speed` (the default when this calibrates) the calibration's
 saturated phase is timed again before and after each of vLLM's runs of each rate, and each of
 those runs is also simulated with the profile slowed (or sped up) by how much longer that phase
-took around it than at calibration (`saturation.at_speed`). Both ratios are reported: the plain one is what a profile
-fitted once gives; the tracked one is what the engine model gives when it knows the machine's
-speed at that minute.
+took around it than at calibration (`saturation.at_speed`). Both ratios are reported: the plain
+one is what a profile fitted once gives; the tracked one is what the engine model gives when it
+knows the machine's speed at that minute.
 """
 
 from __future__ import annotations

@@ -91,6 +91,12 @@ def with_serving(fit: Fit, shared_cpu: bool) -> Fit:
 async def _at_saturation(fit: Fit, prober: HttpProber, plan: CalibrationPlan, args: argparse.Namespace) -> Fit:
     import dataclasses
 
+    from pilotfish.simulator.calibrate.arrivals import (
+        ArrivalPlan,
+        fit_busy_arrival,
+        measure_arrivals,
+        with_busy_arrival,
+    )
     from pilotfish.simulator.calibrate.probes import metric_labels
     from pilotfish.simulator.calibrate.saturation import (
         SaturationPlan,
@@ -112,8 +118,15 @@ async def _at_saturation(fit: Fit, prober: HttpProber, plan: CalibrationPlan, ar
     phase_plan = SaturationPlan.for_engine(args.max_prompt_tokens, args.max_num_seqs)
     phase = await measure_saturation(prober, phase_plan, plan.vocab, plan.seed + 1)
     factor = await saturation_factor(fit.profile, phase, engine)
-    return dataclasses.replace(fit, profile=scaled(fit.profile, factor), saturation_factor=factor,
-                               saturation_makespan_s=phase.makespan_s)  # fmt: skip
+    if not fit.profile.shared_cpu:
+        return dataclasses.replace(fit, profile=scaled(fit.profile, factor), saturation_factor=factor,
+                                   saturation_makespan_s=phase.makespan_s)  # fmt: skip
+    arrival_plan = ArrivalPlan.for_engine(args.max_prompt_tokens, args.max_num_seqs, scaled(fit.profile, factor))
+    arrivals = await measure_arrivals(prober, arrival_plan, plan.vocab, plan.seed + 2)
+    busy, factor = await fit_busy_arrival(fit.profile, factor, phase, arrivals, engine)
+    return dataclasses.replace(fit, profile=with_busy_arrival(scaled(fit.profile, factor), busy),
+                               saturation_factor=factor, saturation_makespan_s=phase.makespan_s,
+                               arrivals_mean_latency_s=arrivals.mean_latency_s)  # fmt: skip
 
 
 def profile_yaml(fit: Fit, url: str, note: str) -> str:
@@ -127,7 +140,8 @@ def profile_yaml(fit: Fit, url: str, note: str) -> str:
         "# Least squares over timed requests: single-request TTFTs (prefill, with and without a cached",
         "# prefix) and inter-token gaps of decode batches; see simulator/calibrate/measure.py. With the",
         "# engine's batch limits given, the decode terms are then scaled to match a saturated phase",
-        "# (simulator/calibrate/saturation.py).",
+        "# (simulator/calibrate/saturation.py); with a shared CPU, a phase of spaced arrivals sets what",
+        "# each arrival takes from a busy engine (busy_arrival_ms, simulator/calibrate/arrivals.py).",
         f"# Fit: {fit.describe()}.",
         "# t_ms = base_ms + prefill_ms_per_token * P + decode_ms_per_token * D + context_ms_per_token * C",
     ]
@@ -135,6 +149,8 @@ def profile_yaml(fit: Fit, url: str, note: str) -> str:
             "decode_ms_per_token": round(p.decode_ms_per_token, 8),
             "context_ms_per_token": round(p.context_ms_per_token, 10),
             "api_overhead_ms": p.api_overhead_ms, "shared_cpu": p.shared_cpu}
+    if p.busy_arrival_ms is not None:
+        body["busy_arrival_ms"] = round(p.busy_arrival_ms, 3)
     return "\n".join(head) + "\n" + yaml.safe_dump(body, sort_keys=False)
 
 

@@ -16,12 +16,15 @@ import msgspec
 
 from pilotfish.simulator.engine.request import SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
-from pilotfish.simulator.virtual import VirtualEngine
+from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
 
 
 class Prober(Protocol):
-    async def stream(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        """Send the prompts together; per prompt, each output token's time after sending, in seconds."""
+    async def stream(
+        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+    ) -> list[list[float]]:
+        """Send the prompts together, or each `offsets[i]` seconds after the first; per prompt, each
+        output token's time after that prompt was sent, in seconds."""
         ...
 
     async def prefix_cache_hits(self) -> int:
@@ -33,19 +36,28 @@ class VirtualProber:
     def __init__(self, core: V1Engine) -> None:
         self.engine = VirtualEngine(core)
         self._seq = 0
+        # as in the HTTP driver, a request reaches the engine the serving overhead after it is sent
+        self._delay = core.profile.api_overhead_ms / 1000.0
 
-    async def stream(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+    async def stream(
+        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+    ) -> list[list[float]]:
         start = self.engine.now
-        ids = []
-        for prompt in prompts:
-            self._seq += 1
-            rid = f"probe-{self._seq}"
-            ids.append(rid)
-            self.engine.add_request(SimRequest(rid, list(prompt), max_tokens), start)
+        sent = [start + (offsets[i] if offsets else 0.0) for i in range(len(prompts))]
+        ids = [f"probe-{self._seq + i + 1}" for i in range(len(prompts))]
+        self._seq += len(prompts)
         times: dict[str, list[float]] = {rid: [] for rid in ids}
-        for timed in self.engine.run_until_idle():
-            if timed.output.token_id is not None:
-                times[timed.output.request_id].append(timed.time - start)
+        sent_at = dict(zip(ids, sent, strict=True))
+
+        def collect(outputs: list[TimedOutput]) -> None:
+            for timed in outputs:
+                if timed.output.token_id is not None:
+                    rid = timed.output.request_id
+                    times[rid].append(timed.time - sent_at[rid])
+
+        for i in sorted(range(len(prompts)), key=sent.__getitem__):
+            collect(self.engine.add_request(SimRequest(ids[i], list(prompts[i]), max_tokens), sent[i] + self._delay))
+        collect(self.engine.run_until_idle())
         return [times[rid] for rid in ids]
 
     async def prefix_cache_hits(self) -> int:
@@ -60,7 +72,9 @@ class HttpProber:
         self.model = model
         self.session = session
 
-    async def _one(self, prompt: list[int], max_tokens: int) -> list[float]:
+    async def _one(self, prompt: list[int], max_tokens: int, offset: float = 0.0) -> list[float]:
+        if offset > 0:
+            await asyncio.sleep(offset)  # the workload's pacing: this request is due then
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
                 "temperature": 0.0, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
         times: list[float] = []
@@ -81,8 +95,11 @@ class HttpProber:
                     times.append(now)
         return times
 
-    async def stream(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
-        return list(await asyncio.gather(*(self._one(p, max_tokens) for p in prompts)))
+    async def stream(
+        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+    ) -> list[list[float]]:
+        due = offsets or [0.0] * len(prompts)
+        return list(await asyncio.gather(*(self._one(p, max_tokens, t) for p, t in zip(prompts, due, strict=True))))
 
     async def prefix_cache_hits(self) -> int:
         return int(metric_value(await self.metrics_text(), "vllm:prefix_cache_hits_total"))

@@ -75,6 +75,7 @@ def at_speed(profile: StepTimeProfile, slowdown: float) -> StepTimeProfile:
         decode_ms_per_token=profile.decode_ms_per_token * slowdown,
         context_ms_per_token=profile.context_ms_per_token * slowdown,
         api_overhead_ms=profile.api_overhead_ms * slowdown,
+        busy_arrival_ms=None if profile.busy_arrival_ms is None else profile.busy_arrival_ms * slowdown,
     )
 
 

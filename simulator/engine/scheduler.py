@@ -52,7 +52,7 @@ class V1Engine:
         self._finished: dict[str, int] = {}
         # serving work on the engine's CPU since the last step began (profile.shared_cpu)
         self._stolen_s = 0.0
-        self._frontend_s = self.profile.api_overhead_ms / 1000.0 if self.profile.shared_cpu else 0.0
+        self._frontend_s = self.profile.busy_arrival_seconds
 
     def add_observer(self, observer: EngineObserver) -> None:
         self.observers.append(observer)

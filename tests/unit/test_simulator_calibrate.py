@@ -9,6 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from pilotfish.simulator.calibrate import arrivals
 from pilotfish.simulator.calibrate.command import plan_for, profile_yaml
 from pilotfish.simulator.calibrate.fit import Observation, fit_profile
 from pilotfish.simulator.calibrate.measure import CalibrationPlan, measure
@@ -22,6 +23,8 @@ from pilotfish.simulator.calibrate.saturation import (
     scaled,
 )
 from pilotfish.simulator.config import EngineConfig
+from pilotfish.simulator.engine.events import EngineObserver
+from pilotfish.simulator.engine.request import SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
 from pilotfish.simulator.engine.step_time import StepTimeProfile, load_profile
 
@@ -137,3 +140,61 @@ async def test_a_makespan_beyond_the_model_is_clamped() -> None:
     )
     slow = SaturationPhase(phase.prompt_lengths, phase.max_tokens, phase.makespan_s * 100)
     assert await saturation_factor(KNOWN[0], slow, SATURATION_ENGINE) == 8.0
+
+
+# ---- the spaced-arrivals phase
+
+
+SHARED = msgspec.structs.replace(KNOWN[0], base_ms=2.0, api_overhead_ms=1.5, shared_cpu=True)
+
+
+@pytest.mark.parametrize(("factor", "busy_ms"), [(1.0, 1.5), (1.3, 4.0), (0.8, 0.0)])
+async def test_the_two_phases_recover_the_decode_level_and_the_busy_arrival_cost(factor: float, busy_ms: float) -> None:
+    """Both phases pay both terms; fitted in turn they find the "real" engine's pair."""
+    real = arrivals.with_busy_arrival(scaled(SHARED, factor), busy_ms)
+    saturated = await measure_saturation(VirtualProber(V1Engine(SATURATION_ENGINE, real)), SATURATION_PLAN,
+                                         (16, 256), seed=3)  # fmt: skip
+    plan = arrivals.ArrivalPlan.for_engine(512, 16, SHARED)
+    spaced = await arrivals.measure_arrivals(VirtualProber(V1Engine(SATURATION_ENGINE, real)), plan, (16, 256), 5)
+    start = await saturation_factor(SHARED, saturated, SATURATION_ENGINE)  # what calibration has first
+    busy, found = await arrivals.fit_busy_arrival(SHARED, start, saturated, spaced, SATURATION_ENGINE)
+    assert busy == pytest.approx(busy_ms, abs=0.05) and found == pytest.approx(factor, rel=0.01)
+
+
+async def test_arrivals_land_on_a_busy_engine_short_of_saturation() -> None:
+    plan = arrivals.ArrivalPlan.for_engine(512, 16, SHARED)
+    core = V1Engine(SATURATION_ENGINE, SHARED)
+    prober = VirtualProber(core)
+    busiest = 0
+
+    class Seats(EngineObserver):
+        def request_scheduled(self, request: SimRequest, now: float) -> None:
+            nonlocal busiest
+            busiest = max(busiest, len(core.running))
+
+    core.add_observer(Seats())
+    phase = await arrivals.measure_arrivals(prober, plan, (16, 256), seed=1)
+    assert 2 <= busiest < 16 and core.stats().num_preemptions_total == 0
+    # each request decodes with others: slower than alone, and its cost grows with busy_arrival_ms
+    alone = await arrivals.virtual_mean_latency(
+        SHARED, arrivals.ArrivalPhase(phase.prompt_lengths[:1], phase.max_tokens, 0.0, 0.0), SATURATION_ENGINE
+    )
+    costly = await arrivals.virtual_mean_latency(arrivals.with_busy_arrival(SHARED, 5.0), phase, SATURATION_ENGINE)
+    assert alone < phase.mean_latency_s < costly
+
+
+async def test_a_spaced_request_is_timed_from_its_own_send() -> None:
+    profile = StepTimeProfile(name="flat", base_ms=10.0, prefill_ms_per_token=0.0, decode_ms_per_token=0.0,
+                              api_overhead_ms=2.0)  # fmt: skip
+    prober = VirtualProber(V1Engine(EngineConfig(max_model_len=256, num_gpu_blocks=64, block_size=16), profile))
+    first, late = await prober.stream([[20] * 8, [21] * 8], 2, offsets=[0.0, 1.0])
+    # each reaches the engine 2 ms after its send, then one 10 ms step per token
+    assert first == pytest.approx([0.012, 0.022]) and late == pytest.approx([0.012, 0.022])
+
+
+def test_a_profile_without_busy_arrival_charges_its_serving_overhead() -> None:
+    old = msgspec.structs.replace(SHARED, busy_arrival_ms=None)
+    assert old.busy_arrival_seconds == pytest.approx(0.0015)
+    assert arrivals.with_busy_arrival(old, 4.0).busy_arrival_seconds == pytest.approx(0.004)
+    assert msgspec.structs.replace(old, shared_cpu=False, busy_arrival_ms=4.0).busy_arrival_seconds == 0.0
+    assert at_speed(arrivals.with_busy_arrival(old, 4.0), 1.5).busy_arrival_ms == pytest.approx(6.0)

@@ -126,7 +126,7 @@ async def _at_saturation(fit: Fit, prober: HttpProber, plan: CalibrationPlan, ar
     busy, factor = await fit_busy_arrival(fit.profile, factor, phase, arrivals, engine)
     return dataclasses.replace(fit, profile=with_busy_arrival(scaled(fit.profile, factor), busy),
                                saturation_factor=factor, saturation_makespan_s=phase.makespan_s,
-                               arrivals_mean_latency_s=arrivals.mean_latency_s)  # fmt: skip
+                               arrivals_slowdown=arrivals.slowdown)  # fmt: skip
 
 
 def profile_yaml(fit: Fit, url: str, note: str) -> str:
@@ -140,8 +140,8 @@ def profile_yaml(fit: Fit, url: str, note: str) -> str:
         "# Least squares over timed requests: single-request TTFTs (prefill, with and without a cached",
         "# prefix) and inter-token gaps of decode batches; see simulator/calibrate/measure.py. With the",
         "# engine's batch limits given, the decode terms are then scaled to match a saturated phase",
-        "# (simulator/calibrate/saturation.py); with a shared CPU, a phase of spaced arrivals sets what",
-        "# each arrival takes from a busy engine (busy_arrival_ms, simulator/calibrate/arrivals.py).",
+        "# (simulator/calibrate/saturation.py); with a shared CPU, a phase of arrivals onto a decoding",
+        "# batch sets what each takes from a busy engine (busy_arrival_ms, simulator/calibrate/arrivals.py).",
         f"# Fit: {fit.describe()}.",
         "# t_ms = base_ms + prefill_ms_per_token * P + decode_ms_per_token * D + context_ms_per_token * C",
     ]

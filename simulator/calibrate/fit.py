@@ -50,8 +50,8 @@ class Fit:
     # phase's measured makespan; None where no phase was run
     saturation_factor: float | None = None
     saturation_makespan_s: float | None = None
-    # the spaced-arrivals phase's measured mean latency (calibrate/arrivals.py), where it was run
-    arrivals_mean_latency_s: float | None = None
+    # how much the arrivals phase's arrivals slowed its background's steps (calibrate/arrivals.py)
+    arrivals_slowdown: float | None = None
 
     def describe(self) -> str:
         p = self.profile
@@ -62,9 +62,9 @@ class Fit:
         if self.saturation_factor is not None:
             text += (f"; decode terms x{self.saturation_factor:.3g} to match a saturated phase "
                      f"({self.saturation_makespan_s:.3g} s)")
-        if self.arrivals_mean_latency_s is not None and p.busy_arrival_ms is not None:
-            text += (f"; {p.busy_arrival_ms:.3g} ms per arrival on a busy engine to match spaced arrivals "
-                     f"({self.arrivals_mean_latency_s * 1000:.3g} ms mean latency)")
+        if self.arrivals_slowdown is not None and p.busy_arrival_ms is not None:
+            text += (f"; {p.busy_arrival_ms:.3g} ms per arrival on a busy engine to match arrivals onto a "
+                     f"decoding batch (its steps x{self.arrivals_slowdown:.3g} while they arrived)")
         return text
 
 

@@ -21,10 +21,11 @@ from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
 
 class Prober(Protocol):
     async def stream(
-        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+        self, prompts: list[list[int]], max_tokens: int | list[int], offsets: list[float] | None = None
     ) -> list[list[float]]:
-        """Send the prompts together, or each `offsets[i]` seconds after the first; per prompt, each
-        output token's time after that prompt was sent, in seconds."""
+        """Send the prompts together, or each `offsets[i]` seconds after the first, for `max_tokens`
+        tokens each (or `max_tokens[i]`); per prompt, each output token's time after that prompt
+        was sent, in seconds."""
         ...
 
     async def prefix_cache_hits(self) -> int:
@@ -40,9 +41,10 @@ class VirtualProber:
         self._delay = core.profile.api_overhead_ms / 1000.0
 
     async def stream(
-        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+        self, prompts: list[list[int]], max_tokens: int | list[int], offsets: list[float] | None = None
     ) -> list[list[float]]:
         start = self.engine.now
+        lengths = _per_prompt(max_tokens, len(prompts))
         sent = [start + (offsets[i] if offsets else 0.0) for i in range(len(prompts))]
         ids = [f"probe-{self._seq + i + 1}" for i in range(len(prompts))]
         self._seq += len(prompts)
@@ -56,7 +58,7 @@ class VirtualProber:
                     times[rid].append(timed.time - sent_at[rid])
 
         for i in sorted(range(len(prompts)), key=sent.__getitem__):
-            collect(self.engine.add_request(SimRequest(ids[i], list(prompts[i]), max_tokens), sent[i] + self._delay))
+            collect(self.engine.add_request(SimRequest(ids[i], list(prompts[i]), lengths[i]), sent[i] + self._delay))
         collect(self.engine.run_until_idle())
         return [times[rid] for rid in ids]
 
@@ -96,10 +98,11 @@ class HttpProber:
         return times
 
     async def stream(
-        self, prompts: list[list[int]], max_tokens: int, offsets: list[float] | None = None
+        self, prompts: list[list[int]], max_tokens: int | list[int], offsets: list[float] | None = None
     ) -> list[list[float]]:
         due = offsets or [0.0] * len(prompts)
-        return list(await asyncio.gather(*(self._one(p, max_tokens, t) for p, t in zip(prompts, due, strict=True))))
+        lengths = _per_prompt(max_tokens, len(prompts))
+        return list(await asyncio.gather(*(self._one(p, n, t) for p, n, t in zip(prompts, lengths, due, strict=True))))
 
     async def prefix_cache_hits(self) -> int:
         return int(metric_value(await self.metrics_text(), "vllm:prefix_cache_hits_total"))
@@ -107,6 +110,10 @@ class HttpProber:
     async def metrics_text(self) -> str:
         async with self.session.get(f"{self.url}/metrics") as resp:
             return await resp.text()
+
+
+def _per_prompt(max_tokens: int | list[int], count: int) -> list[int]:
+    return [max_tokens] * count if isinstance(max_tokens, int) else list(max_tokens)
 
 
 def metric_value(text: str, name: str, label: str | None = None) -> float:

@@ -176,14 +176,54 @@ def _speed_probe(url: str, model: str, args: argparse.Namespace, seed: int) -> f
     return makespan
 
 
+def _arrivals_probe(url: str, model: str, args: argparse.Namespace, profile: Any, seed: int) -> float:
+    """The calibration's arrivals phase, timed now: how much arrivals slow a decoding batch this minute."""
+    import aiohttp
+
+    from pilotfish.simulator.calibrate.arrivals import ArrivalPlan, measure_arrivals
+    from pilotfish.simulator.calibrate.probes import HttpProber
+
+    async def probe() -> float:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            plan = ArrivalPlan.for_engine(CALIBRATED_PROMPT_TOKENS, args.max_num_seqs, profile)
+            phase = await measure_arrivals(HttpProber(url, model, session), plan, (16, args.vocab_size), seed)
+            return phase.slowdown
+
+    ratio = asyncio.run(probe())
+    print(f"arrivals probe: steps x{ratio:.3f} while requests arrive", flush=True)
+    return ratio
+
+
+def _refit_around(profile: Any, slowdown: float, engine: Any, makespans: list[float], ratios: list[float]) -> Any:
+    """The profile at a run's speed with its arrival cost and decode factor fitted again, in turn as
+    calibration fits them, to the two probes around the run (geometric means of before and after):
+    the saturated phase's makespan and the arrivals phase's slowdown."""
+    import msgspec
+
+    from pilotfish.simulator.calibrate.arrivals import ArrivalPhase, ArrivalPlan, fit_busy_arrival, with_busy_arrival
+    from pilotfish.simulator.calibrate.saturation import SaturationPhase, SaturationPlan, at_speed, scaled
+
+    at = at_speed(profile, slowdown)
+    sat = SaturationPlan.for_engine(CALIBRATED_PROMPT_TOKENS, engine.max_num_seqs)
+    lengths = [sat.prompt_lengths[i % len(sat.prompt_lengths)] for i in range(sat.requests)]
+    saturated = SaturationPhase(lengths, sat.max_tokens, (makespans[0] * makespans[1]) ** 0.5)
+    # the plan the probes ran: made from the calibrated profile, as in _arrivals_probe
+    plan = ArrivalPlan.for_engine(CALIBRATED_PROMPT_TOKENS, engine.max_num_seqs, profile)
+    arrivals = ArrivalPhase(plan, (ratios[0] * ratios[1]) ** 0.5)
+    unscaled = msgspec.structs.replace(at, busy_arrival_ms=None)
+    busy, factor = asyncio.run(fit_busy_arrival(unscaled, 1.0, saturated, arrivals, engine))
+    return with_busy_arrival(scaled(at, factor), busy)
+
+
 def slowdowns(probes: list[float], calibrated_s: float) -> list[float]:
     """Each run's speed against the calibration's: the geometric mean of the probes before and after
     it over the calibration's own makespan (the probe after one run is the one before the next)."""
     return [(before * after) ** 0.5 / calibrated_s for before, after in itertools.pairwise(probes)]
 
 
-def _profile_at(profile: Any, slowdown: float, out: Path, label: str) -> str:
-    """The profile at another speed, written beside the report (the engine loads profiles by path)."""
+def _profile_at(profile: Any, slowdown: float, out: Path, label: str, refitted: Any = None) -> str:
+    """The profile at another speed (or `refitted`, already at it), written beside the report (the
+    engine loads profiles by path)."""
     import msgspec
     import yaml
 
@@ -191,9 +231,12 @@ def _profile_at(profile: Any, slowdown: float, out: Path, label: str) -> str:
 
     path = Path(out) / f"profile-{label}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = msgspec.to_builtins(at_speed(profile, slowdown))
-    path.write_text(f"# profile.yaml at {slowdown:.3f}x its time terms: vLLM's speed around its {label}\n"
-                    + yaml.safe_dump(body, sort_keys=False))  # fmt: skip
+    note = f"# profile.yaml at {slowdown:.3f}x its time terms: vLLM's speed around its {label}"
+    if refitted is not None:
+        note += ("; arrival cost and decode factor fitted again to the probes around it: "
+                 f"{refitted.busy_arrival_ms:.3f} ms, decode {refitted.decode_ms_per_token:.4g} ms/request")
+    body = msgspec.to_builtins(refitted if refitted is not None else at_speed(profile, slowdown))
+    path.write_text(note + "\n" + yaml.safe_dump(body, sort_keys=False))
     return str(path)
 
 
@@ -216,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     url = args.engine_url
     calibrated_s: float | None = None  # the calibration's saturated makespan, with --track-speed
     probes: list[float] = []
+    arrival_probes: list[float] = []  # the arrivals phase's slowdown, around the same runs
     if args.reuse_real is not None:
         import json
 
@@ -227,6 +271,7 @@ def run(args: argparse.Namespace) -> int:
         profile_path = args.profile or str(args.reuse_real / "profile.yaml")
         if args.profile is None and args.track_speed and earlier.get("speed"):
             calibrated_s, probes = earlier["speed"]["calibration_makespan_s"], earlier["speed"]["probes_s"]
+            arrival_probes = earlier["speed"].get("arrival_probes") or []
     else:
         with tempfile.TemporaryDirectory() as tmp:
             if url is None:
@@ -246,16 +291,26 @@ def run(args: argparse.Namespace) -> int:
                     if args.track_speed and fit.saturation_makespan_s:
                         calibrated_s = fit.saturation_makespan_s
                 track = calibrated_s is not None
+                # with a shared CPU the arrivals' cost moves between minutes too: probed beside the speed
+                fitted = load_profile(profile_path)
+                track_arrivals = track and fitted.busy_arrival_ms is not None
+
+                def probe() -> None:
+                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
+                    if track_arrivals:
+                        arrival_probes.append(
+                            _arrivals_probe(url, shape["model"], args, fitted, seed=2000 + len(arrival_probes)))
+
                 real_runs = []
                 for k in range(max(1, args.real_repeats)):
                     real_runs.append([])
                     for trace in traces:  # probed around each rate's run: the 80/s one lasts seconds
                         if track:
-                            probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
+                            probe()
                         real_runs[-1] += asyncio.run(
                             _run_target(url, shape["model"], [trace], args.vocab_size, salt=k * 7919))
                 if track:
-                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
+                    probe()
             finally:
                 if child is not None:
                     child.stop()
@@ -283,6 +338,18 @@ def run(args: argparse.Namespace) -> int:
         for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
             at = _profile_at(profile, speeds[k * len(traces) + i], args.out, f"run{k + 1}-{rate:g}")
             tracked[-1] += asyncio.run(simulate(msgspec.structs.replace(engine, profile=at), [trace]))
+    # and at the arrival cost the arrivals probes around each run found, on top of its speed
+    busy: list[float] = []
+    tracked_arrivals: list[list[dict[str, Any]]] = []
+    if tracked and len(arrival_probes) == windows + 1:
+        for k in range(len(real_runs)):
+            tracked_arrivals.append([])
+            for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
+                w = k * len(traces) + i
+                refitted = _refit_around(profile, speeds[w], engine, probes[w:w + 2], arrival_probes[w:w + 2])
+                busy.append(refitted.busy_arrival_ms)
+                at = _profile_at(profile, speeds[w], args.out, f"run{k + 1}-{rate:g}-arrivals", refitted)
+                tracked_arrivals[-1] += asyncio.run(simulate(msgspec.structs.replace(engine, profile=at), [trace]))
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -297,6 +364,10 @@ def run(args: argparse.Namespace) -> int:
                     at_speed = [t[i][metric][q] for t in tracked]
                     row[f"{metric}_{q}"].update(sim_tracked_runs=at_speed, ratio_tracked=_ratio(
                         sum(at_speed) / len(at_speed), real))
+                if tracked_arrivals:
+                    both = [t[i][metric][q] for t in tracked_arrivals]
+                    row[f"{metric}_{q}"].update(sim_tracked_arrivals_runs=both, ratio_tracked_arrivals=_ratio(
+                        sum(both) / len(both), real))
         for count in ("num_preemptions_total", "prefix_cache_hits_total"):
             values = [r[count] for r in runs]
             real = sum(values) / len(values)
@@ -308,6 +379,9 @@ def run(args: argparse.Namespace) -> int:
     tracked_ok = bool(tracked) and all(
         abs(row[k]["ratio_tracked"] - 1) <= LATENCY_GOAL for row in rows for k in latencies
     )
+    arrivals_ok = bool(tracked_arrivals) and all(
+        abs(row[k]["ratio_tracked_arrivals"] - 1) <= LATENCY_GOAL for row in rows for k in latencies
+    )
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
@@ -316,8 +390,10 @@ def run(args: argparse.Namespace) -> int:
               "sim": sim, "latency_goal_met": latency_ok, "count_goal_met": count_ok,
               "real_latency_spread_max": real_spread,
               "speed": {"calibration_makespan_s": calibrated_s, "probes_s": probes, "slowdowns": speeds,
-                        "latency_goal_met_tracked": tracked_ok} if calibrated_s else None,
-              "sim_tracked": tracked}
+                        "latency_goal_met_tracked": tracked_ok, "arrival_probes": arrival_probes,
+                        "busy_arrival_ms": busy, "latency_goal_met_tracked_arrivals": arrivals_ok}
+              if calibrated_s else None,
+              "sim_tracked": tracked, "sim_tracked_arrivals": tracked_arrivals}
     md = [
         "# Simulator fidelity against real vLLM (CPU)",
         "",
@@ -352,6 +428,19 @@ def run(args: argparse.Namespace) -> int:
                *(f"| {row['rate']:g}/s | " + " | ".join(f"**{row[k]['ratio_tracked']:.2f}**" for k in latencies)
                  + " |" for row in rows),
                "", f"Latency goal at the tracked speed: **{'met' if tracked_ok else 'missed'}**."]
+    if tracked_arrivals:
+        md += ["", "## At the speed and the arrival cost found around each run", "",
+               "The calibration's arrivals phase (its decoding batch's steps while requests arrive, over its "
+               "steps before and after) was timed beside each speed probe: "
+               f"x{', x'.join(f'{x:.3f}' for x in arrival_probes)}; "
+               f"fitted per run, with the decode factor, to both probes around it: "
+               f"{', '.join(f'{x:.2f}' for x in busy)} ms per busy arrival (calibration: "
+               f"{profile.busy_arrival_ms:.2f} ms). Each run simulated at its speed with those "
+               "(`profile-runK-RATE-arrivals.yaml`):", "",
+               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
+               *(f"| {row['rate']:g}/s | " + " | ".join(
+                   f"**{row[k]['ratio_tracked_arrivals']:.2f}**" for k in latencies) + " |" for row in rows),
+               "", f"Latency goal so tracked: **{'met' if arrivals_ok else 'missed'}**."]
     write_report(args.out, "fidelity", result, "\n".join(md))
     print("\n".join(md))
     return 0

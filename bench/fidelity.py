@@ -20,7 +20,9 @@ saturated phase is timed again before and after each of vLLM's runs of each rate
 those runs is also simulated with the profile slowed (or sped up) by how much longer that phase
 took around it than at calibration (`saturation.at_speed`). Both ratios are reported: the plain
 one is what a profile fitted once gives; the tracked one is what the engine model gives when it
-knows the machine's speed at that minute.
+knows the machine's speed at that minute. Where the profile has a busy-arrival cost (a shared
+CPU), the calibration's arrivals phase is probed beside the speed too, and each run is simulated
+a third time with that cost and the decode factor fitted again to the two probes around it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "their spread is reported (default 2)")
     parser.add_argument("--track-speed", action=argparse.BooleanOptionalAction, default=True,
                         help="time the calibration's saturated phase around each vLLM run and also simulate each "
-                        "run at the speed it found (needs the calibration this bench makes: not with --profile)")
+                        "run at the speed it found, and (shared CPU) at the arrival cost probed beside it (needs "
+                        "the calibration this bench makes: not with --profile)")
     parser.add_argument("--reuse-real", type=Path, default=None, metavar="DIR",
                         help="take vLLM's side from an earlier run's DIR/result.json (same workload flags) and "
                         "only simulate: to try profiles against one set of real measurements")

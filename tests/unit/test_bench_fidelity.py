@@ -1,5 +1,6 @@
-"""bench fidelity's speed tracking: the arithmetic and the profiles it writes (the runs themselves
-need vLLM and minutes; `pilotfish bench fidelity` is run by hand, see the README)."""
+"""bench fidelity's speed and arrival tracking: the arithmetic, the refits and the profiles it
+writes (the runs themselves need vLLM and minutes; `pilotfish bench fidelity` is run by hand, see
+the README)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,35 @@ def test_the_profile_at_a_speed_loads_back_with_every_time_term_scaled(tmp_path:
     assert loaded == at_speed(PROFILE, 1.3)
     assert loaded.base_ms == pytest.approx(2.4 * 1.3) and loaded.api_overhead_ms == pytest.approx(3.5 * 1.3)
     assert loaded.shared_cpu and loaded.name == "fit"
+
+
+def test_a_run_is_refitted_to_the_arrival_cost_and_decode_level_the_probes_around_it_found(tmp_path: Path) -> None:
+    """The probes' plans come from the calibrated profile; refitted at the run's speed, the pair
+    they measured on a "real" engine is found again, and the written profile carries it."""
+    import asyncio
+
+    from pilotfish.simulator.calibrate import arrivals
+    from pilotfish.simulator.calibrate.probes import VirtualProber
+    from pilotfish.simulator.calibrate.saturation import SaturationPlan, measure_saturation, scaled
+    from pilotfish.simulator.config import EngineConfig
+    from pilotfish.simulator.engine.scheduler import V1Engine
+
+    engine = EngineConfig(max_model_len=1024, num_gpu_blocks=95, block_size=32, max_num_seqs=16,
+                          max_num_batched_tokens=1024)  # fmt: skip
+    fitted = arrivals.with_busy_arrival(PROFILE, 1.0)
+    real = arrivals.with_busy_arrival(scaled(at_speed(fitted, 1.2), 0.9), 2.5)  # slower, decodes x0.9, 2.5 ms
+
+    async def probes() -> tuple[float, float]:
+        sat = SaturationPlan.for_engine(fidelity.CALIBRATED_PROMPT_TOKENS, 16)
+        makespan = (await measure_saturation(VirtualProber(V1Engine(engine, real)), sat, (16, 256), 1)).makespan_s
+        plan = arrivals.ArrivalPlan.for_engine(fidelity.CALIBRATED_PROMPT_TOKENS, 16, fitted)
+        ratio = (await arrivals.measure_arrivals(VirtualProber(V1Engine(engine, real)), plan, (16, 256), 2)).slowdown
+        return makespan, ratio
+
+    makespan, ratio = asyncio.run(probes())
+    refitted = fidelity._refit_around(fitted, 1.2, engine, [makespan, makespan], [ratio, ratio])
+    assert refitted.busy_arrival_ms == pytest.approx(2.5, rel=0.03)
+    assert refitted.decode_ms_per_token == pytest.approx(real.decode_ms_per_token, rel=0.03)
+    assert refitted.base_ms == pytest.approx(real.base_ms)
+    written = load_profile(fidelity._profile_at(fitted, 1.2, tmp_path, "run1-80-arrivals", refitted))
+    assert written == refitted

@@ -161,60 +161,52 @@ def _calibrate(url: str, shape: dict[str, Any], args: argparse.Namespace, shared
     return path, fit
 
 
-def _speed_probe(url: str, model: str, args: argparse.Namespace, seed: int) -> float:
-    """The calibration's saturated phase, timed now (seconds): how fast this vLLM runs this minute."""
+def _probe(url: str, model: str, args: argparse.Namespace, arrival_plan: Any, seed: int) -> tuple[float, float | None]:
+    """The calibration's saturated phase, timed now (seconds): how fast this vLLM runs this minute;
+    with an `arrival_plan`, also its arrivals phase: how much arrivals slow a decoding batch."""
     import aiohttp
 
+    from pilotfish.simulator.calibrate.arrivals import measure_arrivals
     from pilotfish.simulator.calibrate.probes import HttpProber
     from pilotfish.simulator.calibrate.saturation import SaturationPlan, measure_saturation
 
-    async def probe() -> float:
+    async def probe() -> tuple[float, float | None]:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+            prober = HttpProber(url, model, session)
             plan = SaturationPlan.for_engine(CALIBRATED_PROMPT_TOKENS, args.max_num_seqs)
-            phase = await measure_saturation(HttpProber(url, model, session), plan, (16, args.vocab_size), seed)
-            return phase.makespan_s
+            makespan = (await measure_saturation(prober, plan, (16, args.vocab_size), seed)).makespan_s
+            if arrival_plan is None:
+                return makespan, None
+            return makespan, (await measure_arrivals(prober, arrival_plan, (16, args.vocab_size), seed)).slowdown
 
-    makespan = asyncio.run(probe())
-    print(f"speed probe: saturated phase {makespan:.3f} s", flush=True)
-    return makespan
-
-
-def _arrivals_probe(url: str, model: str, args: argparse.Namespace, profile: Any, seed: int) -> float:
-    """The calibration's arrivals phase, timed now: how much arrivals slow a decoding batch this minute."""
-    import aiohttp
-
-    from pilotfish.simulator.calibrate.arrivals import ArrivalPlan, measure_arrivals
-    from pilotfish.simulator.calibrate.probes import HttpProber
-
-    async def probe() -> float:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-            plan = ArrivalPlan.for_engine(CALIBRATED_PROMPT_TOKENS, args.max_num_seqs, profile)
-            phase = await measure_arrivals(HttpProber(url, model, session), plan, (16, args.vocab_size), seed)
-            return phase.slowdown
-
-    ratio = asyncio.run(probe())
-    print(f"arrivals probe: steps x{ratio:.3f} while requests arrive", flush=True)
-    return ratio
+    makespan, ratio = asyncio.run(probe())
+    print(f"speed probe: saturated phase {makespan:.3f} s"
+          + (f"; steps x{ratio:.3f} while requests arrive" if ratio is not None else ""), flush=True)
+    return makespan, ratio
 
 
-def _refit_around(profile: Any, slowdown: float, engine: Any, makespans: list[float], ratios: list[float]) -> Any:
+def _arrival_plan(profile: Any, args: argparse.Namespace) -> Any:
+    """The arrivals phase the probes time, where the profile has a busy-arrival cost to track."""
+    from pilotfish.simulator.calibrate.arrivals import ArrivalPlan
+
+    if profile.busy_arrival_ms is None:
+        return None
+    return ArrivalPlan.for_engine(CALIBRATED_PROMPT_TOKENS, args.max_num_seqs, profile)
+
+
+def _refit_around(profile: Any, slowdown: float, engine: Any, arrival_plan: Any, makespans: list[float],
+                  ratios: list[float]) -> Any:  # fmt: skip
     """The profile at a run's speed with its arrival cost and decode factor fitted again, in turn as
     calibration fits them, to the two probes around the run (geometric means of before and after):
     the saturated phase's makespan and the arrivals phase's slowdown."""
-    import msgspec
-
-    from pilotfish.simulator.calibrate.arrivals import ArrivalPhase, ArrivalPlan, fit_busy_arrival, with_busy_arrival
+    from pilotfish.simulator.calibrate.arrivals import ArrivalPhase, fit_busy_arrival, with_busy_arrival
     from pilotfish.simulator.calibrate.saturation import SaturationPhase, SaturationPlan, at_speed, scaled
 
     at = at_speed(profile, slowdown)
     sat = SaturationPlan.for_engine(CALIBRATED_PROMPT_TOKENS, engine.max_num_seqs)
-    lengths = [sat.prompt_lengths[i % len(sat.prompt_lengths)] for i in range(sat.requests)]
-    saturated = SaturationPhase(lengths, sat.max_tokens, (makespans[0] * makespans[1]) ** 0.5)
-    # the plan the probes ran: made from the calibrated profile, as in _arrivals_probe
-    plan = ArrivalPlan.for_engine(CALIBRATED_PROMPT_TOKENS, engine.max_num_seqs, profile)
-    arrivals = ArrivalPhase(plan, (ratios[0] * ratios[1]) ** 0.5)
-    unscaled = msgspec.structs.replace(at, busy_arrival_ms=None)
-    busy, factor = asyncio.run(fit_busy_arrival(unscaled, 1.0, saturated, arrivals, engine))
+    saturated = SaturationPhase(sat.request_lengths(), sat.max_tokens, (makespans[0] * makespans[1]) ** 0.5)
+    arrivals = ArrivalPhase(arrival_plan, (ratios[0] * ratios[1]) ** 0.5)
+    busy, factor = asyncio.run(fit_busy_arrival(at, 1.0, saturated, arrivals, engine))
     return with_busy_arrival(scaled(at, factor), busy)
 
 
@@ -262,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     url = args.engine_url
     calibrated_s: float | None = None  # the calibration's saturated makespan, with --track-speed
     probes: list[float] = []
-    arrival_probes: list[float] = []  # the arrivals phase's slowdown, around the same runs
+    arrival_probes: list[float] = []  # the arrivals phase's slowdown, beside the same probes
+    arrival_plan = None  # that phase, where the profile has a busy-arrival cost to track
     if args.reuse_real is not None:
         import json
 
@@ -272,9 +265,11 @@ def run(args: argparse.Namespace) -> int:
         shape = earlier["engine"]
         real_runs = earlier.get("real_runs") or [earlier["real"]]
         profile_path = args.profile or str(args.reuse_real / "profile.yaml")
+        profile = load_profile(profile_path)
         if args.profile is None and args.track_speed and earlier.get("speed"):
             calibrated_s, probes = earlier["speed"]["calibration_makespan_s"], earlier["speed"]["probes_s"]
             arrival_probes = earlier["speed"].get("arrival_probes") or []
+            arrival_plan = _arrival_plan(profile, args)
     else:
         with tempfile.TemporaryDirectory() as tmp:
             if url is None:
@@ -293,16 +288,16 @@ def run(args: argparse.Namespace) -> int:
                     profile_path = str(path)
                     if args.track_speed and fit.saturation_makespan_s:
                         calibrated_s = fit.saturation_makespan_s
+                profile = load_profile(profile_path)
                 track = calibrated_s is not None
                 # with a shared CPU the arrivals' cost moves between minutes too: probed beside the speed
-                fitted = load_profile(profile_path)
-                track_arrivals = track and fitted.busy_arrival_ms is not None
+                arrival_plan = _arrival_plan(profile, args) if track else None
 
                 def probe() -> None:
-                    probes.append(_speed_probe(url, shape["model"], args, seed=1000 + len(probes)))
-                    if track_arrivals:
-                        arrival_probes.append(
-                            _arrivals_probe(url, shape["model"], args, fitted, seed=2000 + len(arrival_probes)))
+                    makespan, ratio = _probe(url, shape["model"], args, arrival_plan, seed=1000 + len(probes))
+                    probes.append(makespan)
+                    if ratio is not None:
+                        arrival_probes.append(ratio)
 
                 real_runs = []
                 for k in range(max(1, args.real_repeats)):
@@ -318,7 +313,6 @@ def run(args: argparse.Namespace) -> int:
                 if child is not None:
                     child.stop()
 
-    profile = load_profile(profile_path)
     engine = EngineConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=shape["max_model_len"], block_size=shape["block_size"],
@@ -331,28 +325,30 @@ def run(args: argparse.Namespace) -> int:
         async with serve_engines(serve, engine) as fleet:
             return await _run_target(fleet.urls[0], shape["model"], which, args.vocab_size)
 
+    def simulate_with(profile_file: str, trace: list[Any]) -> list[dict[str, Any]]:
+        return asyncio.run(simulate(msgspec.structs.replace(engine, profile=profile_file), [trace]))
+
     sim = asyncio.run(simulate(engine, traces))
-    # each of vLLM's runs again, simulated at the speed the probes around it found
+    # each of vLLM's runs again, simulated at the speed the probes around it found and, where the
+    # arrivals phase was probed beside it, with the arrival cost and decode factor refitted as well
     windows = len(real_runs) * len(traces)
     speeds = slowdowns(probes, calibrated_s) if calibrated_s and len(probes) == windows + 1 else []
+    refit = bool(speeds) and arrival_plan is not None and len(arrival_probes) == windows + 1
     tracked: list[list[dict[str, Any]]] = []
+    tracked_arrivals: list[list[dict[str, Any]]] = []
+    busy: list[float] = []
     for k in range(len(real_runs) if speeds else 0):
         tracked.append([])
+        tracked_arrivals += [[]] if refit else []
         for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
-            at = _profile_at(profile, speeds[k * len(traces) + i], args.out, f"run{k + 1}-{rate:g}")
-            tracked[-1] += asyncio.run(simulate(msgspec.structs.replace(engine, profile=at), [trace]))
-    # and at the arrival cost the arrivals probes around each run found, on top of its speed
-    busy: list[float] = []
-    tracked_arrivals: list[list[dict[str, Any]]] = []
-    if tracked and len(arrival_probes) == windows + 1:
-        for k in range(len(real_runs)):
-            tracked_arrivals.append([])
-            for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
-                w = k * len(traces) + i
-                refitted = _refit_around(profile, speeds[w], engine, probes[w:w + 2], arrival_probes[w:w + 2])
+            w, label = k * len(traces) + i, f"run{k + 1}-{rate:g}"
+            tracked[-1] += simulate_with(_profile_at(profile, speeds[w], args.out, label), trace)
+            if refit:
+                refitted = _refit_around(profile, speeds[w], engine, arrival_plan, probes[w:w + 2],
+                                         arrival_probes[w:w + 2])  # fmt: skip
                 busy.append(refitted.busy_arrival_ms)
-                at = _profile_at(profile, speeds[w], args.out, f"run{k + 1}-{rate:g}-arrivals", refitted)
-                tracked_arrivals[-1] += asyncio.run(simulate(msgspec.structs.replace(engine, profile=at), [trace]))
+                at = _profile_at(profile, speeds[w], args.out, f"{label}-arrivals", refitted)
+                tracked_arrivals[-1] += simulate_with(at, trace)
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -363,14 +359,11 @@ def run(args: argparse.Namespace) -> int:
                 real = sum(values) / len(values)
                 row[f"{metric}_{q}"] = {"real": real, "sim": s[metric][q], "ratio": _ratio(s[metric][q], real),
                                         "real_runs": values, "real_spread": _ratio(max(values), min(values))}
-                if tracked:
-                    at_speed = [t[i][metric][q] for t in tracked]
-                    row[f"{metric}_{q}"].update(sim_tracked_runs=at_speed, ratio_tracked=_ratio(
-                        sum(at_speed) / len(at_speed), real))
-                if tracked_arrivals:
-                    both = [t[i][metric][q] for t in tracked_arrivals]
-                    row[f"{metric}_{q}"].update(sim_tracked_arrivals_runs=both, ratio_tracked_arrivals=_ratio(
-                        sum(both) / len(both), real))
+                for name, runs_of in (("tracked", tracked), ("tracked_arrivals", tracked_arrivals)):
+                    if runs_of:
+                        values = [t[i][metric][q] for t in runs_of]
+                        row[f"{metric}_{q}"].update({f"sim_{name}_runs": values,
+                                                     f"ratio_{name}": _ratio(sum(values) / len(values), real)})
         for count in ("num_preemptions_total", "prefix_cache_hits_total"):
             values = [r[count] for r in runs]
             real = sum(values) / len(values)
@@ -378,13 +371,13 @@ def run(args: argparse.Namespace) -> int:
                           "real_spread": _ratio(max(values), min(values))}
         rows.append(row)
     latencies = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
-    latency_ok = all(abs(row[k]["ratio"] - 1) <= LATENCY_GOAL for row in rows for k in latencies)
-    tracked_ok = bool(tracked) and all(
-        abs(row[k]["ratio_tracked"] - 1) <= LATENCY_GOAL for row in rows for k in latencies
-    )
-    arrivals_ok = bool(tracked_arrivals) and all(
-        abs(row[k]["ratio_tracked_arrivals"] - 1) <= LATENCY_GOAL for row in rows for k in latencies
-    )
+
+    def latency_met(ratio: str) -> bool:
+        return all(abs(row[k][ratio] - 1) <= LATENCY_GOAL for row in rows for k in latencies)
+
+    latency_ok = latency_met("ratio")
+    tracked_ok = bool(tracked) and latency_met("ratio_tracked")
+    arrivals_ok = bool(tracked_arrivals) and latency_met("ratio_tracked_arrivals")
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)

@@ -88,10 +88,9 @@ def slowdown(streams: list[list[float]], plan: ArrivalPlan) -> float:
     after = (during[1], during[1] + span)
     ratios = []
     for s in streams:
-        gaps = [_mean_gap(s, *window) for window in (before, during, after)]
-        if None not in gaps:
-            quiet = (gaps[0] + gaps[2]) / 2  # type: ignore[operator]
-            ratios.append(gaps[1] / quiet)  # type: ignore[operator]
+        ahead, amid, behind = (_mean_gap(s, *window) for window in (before, during, after))
+        if ahead and amid and behind:
+            ratios.append(amid / ((ahead + behind) / 2))
     if not ratios:
         raise RuntimeError("arrivals phase: the background did not decode through all three windows")
     return statistics.median(ratios)

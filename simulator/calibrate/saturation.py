@@ -43,6 +43,9 @@ class SaturationPlan:
         lengths = (max(8, top // 16), max(8, top // 4), max(8, top // 2))
         return cls(prompt_lengths=lengths, requests=4 * max_num_seqs, max_tokens=64)
 
+    def request_lengths(self) -> list[int]:
+        return [self.prompt_lengths[i % len(self.prompt_lengths)] for i in range(self.requests)]
+
 
 @dataclass(frozen=True, slots=True)
 class SaturationPhase:
@@ -55,7 +58,7 @@ async def measure_saturation(
     prober: Prober, plan: SaturationPlan, vocab: tuple[int, int], seed: int
 ) -> SaturationPhase:
     rng = random.Random(seed)
-    lengths = [plan.prompt_lengths[i % len(plan.prompt_lengths)] for i in range(plan.requests)]
+    lengths = plan.request_lengths()
     spans = []
     for _ in range(plan.repeats):
         # fresh random prompts each time: nothing hits the prefix cache

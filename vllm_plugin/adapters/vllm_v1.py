@@ -147,7 +147,9 @@ class _LlumletHooks:
         self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
         llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]
         llumlet.watch_parent = True  # the API server is our parent: its death is ours
-        # hooks run once or twice a step, around the model: one write per step from the hook
+        # vLLM's engine core owns its process: by default a child writes to the CMS (export_process),
+        # else the hooks, which run once or twice a step around the model, write once a step
+        llumlet.export_from_process = True
         llumlet.write_from_engine_thread = config.engine_thread_writes
         llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
@@ -297,11 +299,9 @@ class _LlumletHooks:
         return done.result()
 
     def _apply_aborts(self, outputs: dict[int, EngineCoreOutputs]) -> None:
-        while True:
-            try:
-                ids, done = self._aborts.get_nowait()
-            except queue.Empty:
-                return
+        aborts = self._aborts
+        while not aborts.empty():  # once a step: an empty check is cheaper than get_nowait's exception
+            ids, done = aborts.get()
             if not done.set_running_or_notify_cancel():  # the caller gave up waiting
                 continue
             internal = [self._internal_ids.get(rid, rid) for rid in ids]

@@ -2,14 +2,17 @@
 
 Threads:
   engine thread   the adapter's hooks run here, inside the engine's step loop. They mutate the
-                  LoadState under one lock (`with llumlet.events() as s: s.added(...)`). A change
-                  is written at once from here if that cannot block: the snapshot is handed to
-                  the kernel with a non-blocking write whose replies the next write reads
-                  (CmsWriter.try_write_status). Otherwise (the export thread is mid-write, the
-                  socket is full, Redis is down) the hook only sets a wake-up flag.
-  export thread   wakes on the flag, snapshots the state and writes it, blocking until Redis
-                  answers. Events that arrive while a write is in flight only re-set the flag,
-                  so the next write carries the latest state: latest wins, nothing newer is lost.
+                  LoadState under one lock (`with llumlet.events() as s: s.added(...)`). With an
+                  export process (`export_process`, vLLM's default) a change is stored in shared
+                  memory for it (core/handoff.py, core/export_process.py) and nothing else runs
+                  here. Otherwise it is written at once from here if that cannot block: the
+                  snapshot is handed to the kernel with a non-blocking write whose replies the
+                  next write reads (CmsWriter.try_write_status); failing that (the export thread
+                  is mid-write, the socket is full, Redis is down) the hook only sets a flag.
+  export thread   (none with an export process) wakes on the flag, snapshots the state and
+                  writes it, blocking until Redis answers. Events that arrive while a write is in
+                  flight only re-set the flag, so the next write carries the latest state: latest
+                  wins, nothing newer is lost.
                   It also re-writes status and metadata every `refresh_ms` to keep the TTL alive,
                   and owns reconnecting with backoff.
   gRPC threads    Migrate, MigrateIn, Abort, GetStatus (core/server.py); Abort is handed to the
@@ -32,10 +35,12 @@ from typing import TYPE_CHECKING
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.llumlet_stats import BACKOFF_S, export_summary
 from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
 from pilotfish.vllm_plugin.core.state import LoadState
 
 if TYPE_CHECKING:
+    from pilotfish.vllm_plugin.core.export_process import ExportProcess
     from pilotfish.vllm_plugin.core.migration import MigrationCoordinator
 
 log = logging.getLogger("pilotfish.llumlet")
@@ -45,9 +50,6 @@ _INFER_TYPES = {
     "prefill": cms_pb2.INFER_TYPE_PREFILL,
     "decode": cms_pb2.INFER_TYPE_DECODE,
 }
-# Backoff while Redis is unreachable: the state keeps changing meanwhile and only the latest
-# matters, so a short cap gets the CMS current again soon after Redis returns.
-_BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
 # The replies to the engine thread's writes are read by its next write; when none follows this
 # soon, the export thread reads them, so an error reply or a dead Redis after a step's last write
 # is seen (and the state written again) within this, not at the next refresh.
@@ -55,6 +57,8 @@ _COLLECT_AFTER_S = 0.05
 # An engine that has not written for this long is idle: the export thread stops looking and
 # sleeps until the refresh; the next write from the engine thread wakes it (one wake-up a burst).
 _NAP_AFTER_S = 1.0
+# An export process that died is started again, at most this often.
+_RESPAWN_EVERY_S = 5.0
 
 AbortHandler = Callable[[list[str]], list[str]]
 
@@ -102,6 +106,12 @@ class Llumlet:
         # export thread. Not for hooks that fire per token (the simulator's): they would write
         # per token, where the export thread coalesces.
         self.write_from_engine_thread = False
+        # Set by adapters whose engine owns its process (vLLM's engine core): the CMS writes move
+        # to a child process fed through shared memory (config export_process). Not for engines
+        # sharing a process (the simulator's fleet): one child each would poll side by side.
+        self.export_from_process = False
+        self._exporter: ExportProcess | None = None
+        self._exporter_checked_s = 0.0
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -161,6 +171,9 @@ class Llumlet:
             if not write:
                 return
             state.changed = False
+            if self._exporter is not None:
+                self._publish(self._exporter, state)
+                return
             try_write = self._try_write if self.write_from_engine_thread else None
             if try_write is not None and self._thread is not None and self._export_lock.acquire(False):
                 try:
@@ -193,24 +206,84 @@ class Llumlet:
         self.inline_exports += 1
         return True
 
+    def _publish(self, exporter: ExportProcess, state: LoadState) -> None:
+        """Under `lock`: store the state for the export process; wake it if it naps."""
+        hook_ns = engine_ns = 0
+        if self.profiling:
+            hook_ns, engine_ns = self.hook_cpu_ns, self.engine_cpu_ns - self.engine_cpu_start_ns
+        if exporter.handoff.publish(state, self._dirty_since_ns, hook_ns, engine_ns):
+            exporter.wake()
+        self._dirty_since_ns = 0
+        self.exports += 1
+        now = time.monotonic()
+        if now - self._exporter_checked_s >= _RESPAWN_EVERY_S:
+            self._exporter_checked_s = now
+            if not exporter.alive():
+                log.warning(
+                    "llumlet %s: the export process exited (code %s); starting another",
+                    self.instance_id,
+                    exporter.process.returncode,
+                )
+                try:
+                    self._start_exporter()
+                except Exception as exc:  # never into the engine: the next check tries again
+                    log.warning("llumlet %s: could not start an export process: %s", self.instance_id, exc)
+                else:
+                    exporter.stop(remove=False)
+
+    def _start_exporter(self) -> None:
+        """Under `lock` (or before the hooks run): a new export process, handed the current state."""
+        from pilotfish.vllm_plugin.core.export_process import ExportProcess
+
+        self._exporter = ExportProcess(self.config, self.instance_id, self.metadata, self.watch_parent)
+        self._exporter.handoff.publish(self.state, self._dirty_since_ns)
+        self._dirty_since_ns = 0
+
     # ---- lifecycle ----------------------------------------------------------------------------
 
     def start(self, serve_grpc: bool = True) -> None:
-        wanted = self.config.gil_switch_interval_us / 1e6
-        if wanted and sys.getswitchinterval() > wanted:
-            # measured (bench llumlet-staleness --engine busy): event -> view p99 17 ms at Python's
-            # 5 ms, 4 ms at 1 ms; the exporter needs the GIL for every write
-            sys.setswitchinterval(wanted)
         if serve_grpc:
             from pilotfish.vllm_plugin.core.server import start_server
 
             self._server, port = start_server(self, self.config)
             self.metadata.llumlet_port = port
-        # A write from the hook skips the export thread's wake-up and GIL hand-off: event -> view
+        # The export process takes the write off the engine's thread and process: the engine pays
+        # a store to shared memory (core/handoff.py), no system call (bench llumlet).
+        if self.export_from_process and self.config.export_process:
+            try:
+                with self.lock:
+                    self._start_exporter()
+                    self.state.changed = False
+            except Exception as exc:  # the engine runs on; its writes go out from here instead
+                log.warning(
+                    "llumlet %s: could not start the export process (%s); writing from the engine's process",
+                    self.instance_id,
+                    exc,
+                )
+            else:
+                self._exporter_checked_s = time.monotonic()
+                self.writer.close()  # the child holds its own connection
+                log.info(
+                    "llumlet %s exporting to %s (cluster %s) from process %d, gRPC on %s:%s",
+                    self.instance_id,
+                    _redacted(self.config.cms_url),
+                    self.config.cluster,
+                    self._exporter.process.pid,  # type: ignore[union-attr]
+                    self.config.llumlet_host,
+                    self.metadata.llumlet_port or "-",
+                )
+                return
+        # In process: a write from the hook skips the export thread's wake-up and GIL hand-off: event -> view
         # p50 0.29 ms and p99 0.87 ms, against 1.34 and 2.34 ms through the woken thread (bench
         # llumlet-staleness --engine busy), for about the same CPU, but on the step's critical path
         # (bench llumlet; adapters choose, vLLM's by engine_thread_writes). A minimum interval
         # between writes needs the export thread's timing; test writers may lack the method.
+        wanted = self.config.gil_switch_interval_us / 1e6
+        if wanted and sys.getswitchinterval() > wanted:
+            # measured (bench llumlet-staleness --engine busy): event -> view p99 17 ms at Python's
+            # 5 ms, 4 ms at 1 ms; the export thread needs the GIL for every write (an export
+            # process does not: the engine's interval is then left alone)
+            sys.setswitchinterval(wanted)
         if self.config.min_export_interval_us == 0:
             self._try_write = getattr(self.writer, "try_write_status", None)
             self._can_try_write = getattr(self.writer, "can_try_write", self._can_try_write)
@@ -228,6 +301,12 @@ class Llumlet:
 
     def stop(self, remove: bool = True) -> None:
         """Stop exporting; `remove` deletes the keys so readers drop us now, not after the TTL."""
+        if self._exporter is not None:
+            with self.lock:
+                exporter, self._exporter = self._exporter, None
+            exporter.stop(remove)  # the child logs its own figures
+            self._stop_services()
+            return
         if self._thread is None:
             return
         self._try_write = None
@@ -236,11 +315,7 @@ class Llumlet:
         self._thread.join(timeout=5)
         self._thread = None
         log.info("llumlet %s stopping: %s", self.instance_id, self.staleness_summary())
-        if self.migration is not None:
-            self.migration.shutdown()  # before the server stops, so sources hear why
-        if self._server is not None:
-            self._server.stop(grace=0.5)  # type: ignore[attr-defined]
-            self._server = None
+        self._stop_services()
         # under the export lock: an engine-thread write already under way lands before the delete,
         # not after it (where it would bring the status back until the TTL)
         with self._export_lock:
@@ -250,6 +325,13 @@ class Llumlet:
                 except Exception as exc:  # shutdown goes on: the TTL removes us anyway
                     log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
             self.writer.close()
+
+    def _stop_services(self) -> None:
+        if self.migration is not None:
+            self.migration.shutdown()  # before the server stops, so sources hear why
+        if self._server is not None:
+            self._server.stop(grace=0.5)  # type: ignore[attr-defined]
+            self._server = None
 
     # ---- export thread ------------------------------------------------------------------------
 
@@ -277,29 +359,17 @@ class Llumlet:
         return status
 
     def staleness_summary(self) -> str:
-        if not self.staleness_us:
-            return "no load changes exported"
-        ordered = sorted(self.staleness_us)
-        pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-        text = (
-            f"{self.exports} status writes ({self.inline_exports} from the engine's thread); "
-            f"event -> Redis staleness p50 {pick(0.5):.0f} us, "  # to the socket for the engine thread's writes
-            f"p99 {pick(0.99):.0f} us, max {ordered[-1]:.0f} us over the last {len(ordered)} writes"
+        return export_summary(
+            self.exports,
+            list(self.staleness_us),
+            where=f"{self.inline_exports} from the engine's thread",
+            steps=self.state.step_id,
+            hook_cpu_ns=self.hook_cpu_ns if self.profiling else 0,
+            engine_cpu_ns=self.engine_cpu_ns - self.engine_cpu_start_ns,
+            exporter_cpu_ns=self.export_cpu_ns,
+            inline_exports=self.inline_exports,
+            inline_write_cpu_ns=self.inline_write_cpu_ns,
         )
-        steps = self.state.step_id
-        engine_ns = self.engine_cpu_ns - self.engine_cpu_start_ns
-        if self.profiling and steps and engine_ns > 0:
-            text += (
-                f"; CPU per step: hooks {self.hook_cpu_ns / steps / 1000:.1f} us "
-                f"({100 * self.hook_cpu_ns / engine_ns:.2f}% of the engine thread's "
-                f"{engine_ns / steps / 1000:.0f} us), export thread {self.export_cpu_ns / steps / 1000:.1f} us"
-            )
-            if self.inline_exports:
-                text += (
-                    f"; of the hooks, writing {self.inline_write_cpu_ns / steps / 1000:.1f} us "
-                    f"({self.inline_exports / steps:.2f} writes)"
-                )
-        return text
 
     def write_metadata(self) -> None:
         self._meta_update_id = max(self._meta_update_id + 1, time.time_ns() // 1000)
@@ -387,7 +457,7 @@ class Llumlet:
                     log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
                 failures += 1
                 next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
-                self._stop.wait(_BACKOFF_S[min(failures, len(_BACKOFF_S)) - 1])
+                self._stop.wait(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
 
 
 def _redacted(url: str) -> str:

@@ -16,8 +16,48 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 from pilotfish.protos import cms_pb2
+
+# The figures a status record carries as they are, named alike in LoadState and InstanceStatus
+# (the export process gets them through shared memory in this order: core/handoff.py).
+COUNTER_FIELDS = (
+    "step_id",
+    "schedulable",
+    "num_waiting",
+    "num_running",
+    "num_loading",
+    "num_running_prefill",
+    "num_running_decode",
+    "uncomputed_prefill_tokens",
+    "running_decode_seq_len_sum",
+    "used_kv_tokens",
+    "total_kv_tokens",
+    "unallocated_tokens",
+    "last_step_duration_us",
+    "last_step_prefill_tokens",
+    "last_step_decode_batch",
+    "last_step_seq_len_sum",
+    "num_preempted_total",
+    "num_migrating_out",
+    "num_migrating_in",
+)
+counter_values = attrgetter(*COUNTER_FIELDS)  # a LoadState's, in that order, in one call
+
+
+def status_record(
+    instance_id: str, update_id: int, counters: dict[str, int], admitted_ids: list[str], timestamp_ms: int = 0
+) -> cms_pb2.InstanceStatus:
+    """The CMS status record; `timestamp_ms` 0 is now."""
+    return cms_pb2.InstanceStatus(
+        instance_id=instance_id,
+        update_id=update_id,
+        timestamp_ms=timestamp_ms or time.time_ns() // 1_000_000,
+        num_waiting_prefill=counters["num_waiting"],
+        admitted_request_ids=admitted_ids,
+        **counters,
+    )
 
 
 @dataclass(slots=True)
@@ -73,6 +113,7 @@ class LoadState:
         self.num_migrating_out = 0
         self.num_migrating_in = 0
         self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, request id), oldest first
+        self.admitted_total = 0  # ids ever appended to `admitted`
         self.update_id = 0
         # set by every event that moved a figure; the Llumlet wakes its exporter only then
         self.changed = False
@@ -109,6 +150,7 @@ class LoadState:
         self.requests[request_id] = r
         self._apply(r, +1)
         self.admitted.append((time.monotonic_ns(), exported_id or request_id))
+        self.admitted_total += 1
 
     def scheduled(self, request_id: str, num_computed_tokens: int, num_cached_tokens: int = 0) -> None:
         """A waiting (or preempted) request entered the running batch; cached tokens came free."""
@@ -215,38 +257,21 @@ class LoadState:
         self.update_id = max(self.update_id + 1, time.time_ns() // 1000)
         return self.update_id
 
-    def snapshot(self, update_id: int | None = None) -> cms_pb2.InstanceStatus:
-        """The status record as of now; `update_id` None keeps the last one (for GetStatus)."""
-        now = time.monotonic_ns()
-        horizon = now - self.admitted_window_ns
+    def trim_admitted(self) -> None:
+        """Drop admitted ids older than the window, and the oldest beyond the cap."""
+        horizon = time.monotonic_ns() - self.admitted_window_ns
         admitted = self.admitted
         while admitted and admitted[0][0] < horizon:
             admitted.popleft()
         while len(admitted) > self.max_admitted_ids:
             admitted.popleft()
-        return cms_pb2.InstanceStatus(
-            instance_id=self.instance_id,
-            update_id=self.update_id if update_id is None else update_id,
-            timestamp_ms=time.time_ns() // 1_000_000,
-            step_id=self.step_id,
-            schedulable=self.schedulable,
-            num_waiting=self.num_waiting,
-            num_running=self.num_running,
-            num_loading=self.num_loading,
-            num_waiting_prefill=self.num_waiting,
-            num_running_prefill=self.num_running_prefill,
-            num_running_decode=self.num_running_decode,
-            uncomputed_prefill_tokens=self.uncomputed_prefill_tokens,
-            running_decode_seq_len_sum=self.running_decode_seq_len_sum,
-            used_kv_tokens=self.used_kv_tokens,
-            total_kv_tokens=self.total_kv_tokens,
-            unallocated_tokens=self.unallocated_tokens,
-            last_step_duration_us=self.last_step_duration_us,
-            last_step_prefill_tokens=self.last_step_prefill_tokens,
-            last_step_decode_batch=self.last_step_decode_batch,
-            last_step_seq_len_sum=self.last_step_seq_len_sum,
-            admitted_request_ids=[rid for _, rid in admitted],
-            num_preempted_total=self.num_preempted_total,
-            num_migrating_out=self.num_migrating_out,
-            num_migrating_in=self.num_migrating_in,
+
+    def snapshot(self, update_id: int | None = None) -> cms_pb2.InstanceStatus:
+        """The status record as of now; `update_id` None keeps the last one (for GetStatus)."""
+        self.trim_admitted()
+        return status_record(
+            self.instance_id,
+            self.update_id if update_id is None else update_id,
+            dict(zip(COUNTER_FIELDS, counter_values(self), strict=True)),
+            [rid for _, rid in self.admitted],
         )

@@ -1,0 +1,180 @@
+"""The llumlet's export process against a real redis-server: a real child of the engine's process,
+fed through shared memory, writing the CMS; its stop, the engine's death, Redis restarts, its own death."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import redis
+
+from pilotfish import services
+from pilotfish.cms import keys
+from pilotfish.cms.records import decode_metadata, decode_status
+from pilotfish.procs import free_port
+from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.llumlet import Llumlet
+from tests.integration.test_llumlet_cms import wait_for
+
+pytestmark = pytest.mark.integration
+
+# a TTL no test waits for: keys that vanish were removed, not expired
+LONG_TTL = {"ttl_ms": 120_000, "refresh_ms": 500}
+
+
+def make_llumlet(url: str, instance: str = "e0", **kw: object) -> Llumlet:
+    cfg = LlumletConfig(cms_url=url, cluster="t", **{"ttl_ms": 1500, "refresh_ms": 500, **kw})  # type: ignore[arg-type]
+    meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=8000, model="m", block_size=16)
+    llumlet = Llumlet(cfg, instance, meta)
+    llumlet.export_from_process = True
+    return llumlet
+
+
+def status_of(client: redis.Redis, instance: str = "e0") -> cms_pb2.InstanceStatus | None:
+    raw = client.get(keys.status_key("t", instance))
+    return decode_status(raw, instance) if raw else None
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie (ours, not yet reaped) is gone too
+    with open(f"/proc/{pid}/stat", "rb") as handle:
+        return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+
+
+def test_the_export_process_writes_every_change_and_removes_the_keys(redis_service):
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url)
+    llumlet.start(serve_grpc=False)
+    child = llumlet._exporter.process.pid  # type: ignore[union-attr]
+    try:
+        assert child != os.getpid()
+        meta = wait_for(lambda: client.get(keys.meta_key("t", "e0")), what="metadata")
+        assert decode_metadata(meta, "e0").model == "m"
+        for i in range(50):
+            with llumlet.events() as s:
+                s.added(f"r{i}", 40)
+                if i % 2:
+                    s.scheduled(f"r{i}", 0, num_cached_tokens=16)
+        got = wait_for(lambda: (st := status_of(client)) and st.num_waiting == 25 and st, what="fifty admissions")
+        assert got.num_running == 25 and got.uncomputed_prefill_tokens == 25 * 40 + 25 * 24
+        assert list(got.admitted_request_ids) == [f"r{i}" for i in range(50)]
+        with llumlet.events() as s:
+            s.finished("r0")
+        wait_for(lambda: status_of(client).num_waiting == 24, what="a finish")  # type: ignore[union-attr]
+    finally:
+        llumlet.stop()
+    assert client.exists(keys.meta_key("t", "e0"), keys.status_key("t", "e0")) == 0
+    assert gone(child)
+
+
+def test_the_engine_process_dying_removes_its_keys_at_once(redis_service, tmp_path):
+    """SIGKILL to the engine's process: its child sees the pipe close and deletes the keys, long before the TTL."""
+    engine_code = textwrap.dedent(f"""
+        import sys, time
+        from pilotfish.protos import cms_pb2
+        from pilotfish.vllm_plugin.config import LlumletConfig
+        from pilotfish.vllm_plugin.core.llumlet import Llumlet
+        cfg = LlumletConfig(cms_url={redis_service.url!r}, cluster="t", ttl_ms=120_000, refresh_ms=500)
+        llumlet = Llumlet(cfg, "dying", cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1))
+        llumlet.export_from_process = True
+        llumlet.start(serve_grpc=False)
+        with llumlet.events() as s:
+            s.added("r1", 10)
+        print(llumlet._exporter.process.pid, flush=True)
+        time.sleep(600)
+    """)
+    engine = subprocess.Popen([sys.executable, "-c", engine_code], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(engine.stdout.readline())  # type: ignore[union-attr]
+        client = redis.Redis.from_url(redis_service.url)
+        wait_for(lambda: (st := status_of(client, "dying")) and st.num_waiting == 1, what="the engine's status")
+        engine.send_signal(signal.SIGKILL)
+        engine.wait(timeout=10)
+        wait_for(
+            lambda: client.exists(keys.meta_key("t", "dying"), keys.status_key("t", "dying")) == 0,
+            timeout=20,
+            what="the keys removed after the engine died",
+        )
+        wait_for(lambda: gone(child), what="the export process to exit")
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+def test_the_export_process_writes_again_after_a_redis_restart(redis_binary, tmp_path):
+    port = free_port()
+    first = services.start_redis(tmp_path / "r1", port)
+    llumlet = make_llumlet(first.url, **LONG_TTL)
+    llumlet.start(serve_grpc=False)
+    try:
+        client = redis.Redis.from_url(first.url)
+        wait_for(lambda: status_of(client), what="first status")
+        first.stop()
+        for i in range(3):  # the engine goes on while Redis is away: never blocked, nothing kept back
+            with llumlet.events() as s:
+                s.added(f"r{i}", 10)
+        with services.start_redis(tmp_path / "r2", port) as second:
+            client = redis.Redis.from_url(second.url)
+            wait_for(
+                lambda: (st := status_of(client)) and st.num_waiting == 3, timeout=30, what="the state written again"
+            )
+            wait_for(lambda: client.exists(keys.meta_key("t", "e0")), what="metadata written again")
+            llumlet.stop()
+    finally:
+        llumlet.stop()
+        first.stop()
+
+
+def test_a_dead_export_process_is_replaced(redis_service):
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url, **LONG_TTL)
+    llumlet.start(serve_grpc=False)
+    first = llumlet._exporter.process  # type: ignore[union-attr]
+    try:
+        wait_for(lambda: status_of(client), what="first status")
+        first.kill()
+        first.wait()
+        added = [0]
+
+        def add_one() -> bool:  # the engine goes on; a change after the check interval starts another
+            with llumlet.events() as s:
+                s.added(f"r{added[0]}", 10)
+            added[0] += 1
+            exporter = llumlet._exporter
+            return exporter is not None and exporter.process.pid != first.pid and exporter.alive()
+
+        wait_for(add_one, timeout=30, what="a new export process")
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == added[0], what="the latest state")
+    finally:
+        llumlet.stop()
+    assert client.exists(keys.status_key("t", "e0")) == 0
+
+
+def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch):
+    from pilotfish.vllm_plugin.core import export_process
+
+    def refuse(*_args: object, **_kw: object) -> None:
+        raise OSError("fork refused")
+
+    monkeypatch.setattr(export_process.ExportProcess, "__init__", refuse)
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url)
+    llumlet.start(serve_grpc=False)
+    try:
+        assert llumlet._exporter is None
+        with llumlet.events() as s:
+            s.added("r1", 10)
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="a write from the engine's process")
+    finally:
+        llumlet.stop()
+    assert client.exists(keys.status_key("t", "e0")) == 0

@@ -1,0 +1,291 @@
+"""The shared-memory hand-off between the engine and the export process, and the export loop with a fake CMS writer."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core import export_process, handoff
+from pilotfish.vllm_plugin.core.export_process import STOP_KEEP, STOP_REMOVE, Exporter, exporter_cpus
+from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, create_region, map_region
+from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS, LoadState, counter_values
+
+
+def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := condition():
+            return value
+        time.sleep(0.005)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def region():
+    fd, region = create_region()
+    yield fd, region
+    os.close(fd)
+
+
+def test_a_published_state_reads_back_whole(region):
+    fd, mapped = region
+    state = LoadState("e0")
+    state.added("a", 100)
+    state.added("b", 30, exported_id="b-ext")
+    state.scheduled("a", 0, num_cached_tokens=64)
+    state.step_finished(0.004, 36, 0, 36)
+    state.kv_usage(10, 100, 16)
+    writer, reader = HandoffWriter(mapped), HandoffReader(map_region(fd))
+    assert reader.poll() is None  # nothing published yet
+    writer.publish(state, dirty_since_ns=123)
+    record = reader.poll()
+    assert record is not None
+    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+    assert record.counters["uncomputed_prefill_tokens"] == 36 + 30 and record.dirty_since_ns == 123
+    assert record.update_id == state.update_id
+    assert reader.ids_until(record.ring_end) == ["a", "b-ext"]
+    assert reader.poll() is None  # read once
+    state.finished("b")
+    writer.publish(state, 0)
+    record = reader.poll()
+    assert record is not None and record.counters["num_waiting"] == 0
+    assert reader.ids_until(record.ring_end) == []
+
+
+def test_ids_cross_the_ring_end_intact(region, monkeypatch):
+    _, mapped = region
+    monkeypatch.setattr(handoff, "RING_SIZE", 100)
+    state = LoadState("e0", max_admitted_ids=4096)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    seen: list[str] = []
+    for i in range(40):  # entries of 6 + 11 bytes: the ring wraps every five or six
+        state.added(f"request-{i:03d}", 1)
+        writer.publish(state, 0)
+        record = reader.poll()
+        assert record is not None
+        seen += reader.ids_until(record.ring_end)
+    assert seen == [f"request-{i:03d}" for i in range(40)]
+    assert reader.lost_ids == 0
+
+
+def test_a_reader_that_fell_a_ring_behind_skips_and_counts(region, monkeypatch):
+    _, mapped = region
+    monkeypatch.setattr(handoff, "RING_SIZE", 100)
+    state = LoadState("e0", max_admitted_ids=4096)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    for i in range(20):
+        state.added(f"request-{i:03d}", 1)
+        writer.publish(state, 0)
+    record = reader.poll()
+    assert record is not None
+    assert reader.ids_until(record.ring_end) == [] and reader.lost_ids == 1
+    state.added("next", 1)
+    writer.publish(state, 0)
+    record = reader.poll()
+    assert record is not None and reader.ids_until(record.ring_end) == ["next"]
+
+
+def test_a_torn_record_is_not_taken(region):
+    _, mapped = region
+    state = LoadState("e0")
+    state.added("a", 5)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    writer.publish(state, 0)
+    # a copy caught mid-write: the body's bytes changed under the CRC
+    mapped[handoff.RECORD_AT + 40] ^= 0xFF
+    assert reader.poll() is None
+    mapped[handoff.RECORD_AT + 40] ^= 0xFF
+    record = reader.poll()
+    assert record is not None and record.counters["num_waiting"] == 1
+
+
+def test_an_id_too_long_is_not_handed_over(region):
+    _, mapped = region
+    state = LoadState("e0")
+    state.added("x" * (handoff.MAX_ID_BYTES + 1), 1)
+    state.added("ok", 1)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    writer.publish(state, 0)
+    record = reader.poll()
+    assert record is not None and reader.ids_until(record.ring_end) == ["ok"]
+    assert writer.dropped_ids == 1
+
+
+def test_publish_asks_for_one_wake_up_per_nap(region):
+    _, mapped = region
+    state = LoadState("e0")
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    assert writer.publish(state, 0) == 0  # the exporter polls: nothing to wake
+    reader.set_napping(7)
+    assert writer.publish(state, 0) == 7
+    assert writer.publish(state, 0) == 0  # woken once for this nap already
+    reader.set_napping(8)
+    assert writer.publish(state, 0) == 8
+
+
+def test_a_region_of_something_else_is_refused():
+    fd = os.memfd_create("not-ours")
+    os.ftruncate(fd, handoff.RING_AT + handoff.RING_SIZE)
+    with pytest.raises(ValueError, match="not a llumlet hand-off region"):
+        map_region(fd)
+    os.close(fd)
+
+
+def test_exporter_cpus():
+    assert exporter_cpus("inherit") is None
+    assert exporter_cpus("0-2,5") == {0, 1, 2, 5}
+    with pytest.raises(ValueError):
+        exporter_cpus("a-b")
+    everything = set(range(os.cpu_count() or 1))
+    if os.sched_getaffinity(0) == everything:
+        assert exporter_cpus("auto") is None  # not pinned: shares every CPU
+
+
+class FakeWriter:
+    """Records what the exporter writes; `fail` makes the next writes raise."""
+
+    def __init__(self) -> None:
+        self.statuses: list[cms_pb2.InstanceStatus] = []
+        self.metadata: list[cms_pb2.InstanceMetadata] = []
+        self.removed = self.closed = False
+        self.fail = 0
+
+    def write_status(self, status: cms_pb2.InstanceStatus) -> None:
+        self._maybe_fail()
+        self.statuses.append(status)
+
+    def write_metadata(self, meta: cms_pb2.InstanceMetadata) -> None:
+        self._maybe_fail()
+        self.metadata.append(cms_pb2.InstanceMetadata.FromString(meta.SerializeToString()))
+
+    def _maybe_fail(self) -> None:
+        if self.fail:
+            self.fail -= 1
+            raise ConnectionError("redis away")
+
+    def remove(self) -> None:
+        self.removed = True
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Running:
+    """An Exporter on a thread of this process, fed by a HandoffWriter, told things through a pipe."""
+
+    def __init__(self, **config: object) -> None:
+        fd, region = create_region()
+        self.state = LoadState("e0", admitted_window_ms=60_000)
+        self.handoff = HandoffWriter(region)
+        read_end, self.pipe = os.pipe()
+        self.fake = FakeWriter()
+        cfg = LlumletConfig(cms_url="redis://unused", refresh_ms=60_000, ttl_ms=120_000, **config)  # type: ignore[arg-type]
+        meta = cms_pb2.InstanceMetadata(instance_id="e0", host="h", http_port=1)
+        self.exporter = Exporter(cfg, "e0", meta, map_region(fd), read_end, os.getppid(), writer=self.fake)  # type: ignore[arg-type]
+        self.handoff.publish(self.state, 0)
+        self.thread = threading.Thread(target=self.exporter.run, daemon=True)
+        self.thread.start()
+        self._fds = (fd, read_end)
+
+    def publish(self) -> None:
+        if self.handoff.publish(self.state, time.monotonic_ns()):
+            os.write(self.pipe, b"w")
+
+    def last(self) -> cms_pb2.InstanceStatus | None:
+        return self.fake.statuses[-1] if self.fake.statuses else None
+
+    def close(self, message: bytes | None = STOP_REMOVE) -> None:
+        if message is not None:
+            os.write(self.pipe, message)
+        else:
+            os.close(self.pipe)
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive(), "the exporter did not stop"
+        for fd in self._fds:
+            os.close(fd)
+        if message is not None:
+            os.close(self.pipe)
+
+
+def test_exporter_writes_metadata_first_then_every_change():
+    run = Running()
+    try:
+        wait_for(lambda: run.fake.statuses, what="first status")
+        assert run.fake.metadata, "metadata before status"
+        run.state.added("r1", 40)
+        run.publish()
+        got = wait_for(lambda: (s := run.last()) and s.num_waiting == 1 and s, what="the change")
+        assert list(got.admitted_request_ids) == ["r1"] and got.uncomputed_prefill_tokens == 40
+        ids = [s.update_id for s in run.fake.statuses]
+        assert ids == sorted(set(ids)), "update ids rise with every write"
+    finally:
+        run.close()
+    assert run.fake.removed and run.fake.closed
+
+
+def test_a_napping_exporter_is_woken_by_the_engine(monkeypatch):
+    # naps last as long as the refresh (a minute): only the engine's byte on the pipe can wake it
+    monkeypatch.setattr(export_process, "_NAP_MAX_S", 60.0)
+    run = Running()
+    try:
+        wait_for(lambda: run.fake.statuses, what="first status")
+        wait_for(lambda: handoff._CONTROL.unpack_from(run.handoff._region, 0)[2], what="the exporter napping")
+        run.state.added("late", 5)
+        run.publish()
+        wait_for(lambda: (s := run.last()) and s.num_waiting == 1, what="the change after the nap")
+    finally:
+        run.close()
+
+
+def test_failed_writes_are_retried_with_the_latest_state():
+    run = Running()
+    try:
+        wait_for(lambda: run.fake.statuses, what="first status")
+        run.fake.fail = 3
+        for i in range(5):
+            run.state.added(f"r{i}", 10)
+            run.publish()
+        got = wait_for(lambda: (s := run.last()) and s.num_waiting == 5 and s, what="the latest state after failures")
+        assert list(got.admitted_request_ids) == [f"r{i}" for i in range(5)]
+        assert run.exporter.write_failures == 3
+        assert len(run.fake.metadata) >= 2, "metadata re-sent after a failure (the keys may have expired)"
+    finally:
+        run.close()
+
+
+def test_stop_keeping_the_keys_writes_the_last_state_first():
+    run = Running()
+    wait_for(lambda: run.fake.statuses, what="first status")
+    run.state.added("r1", 1)
+    run.handoff.publish(run.state, 0)  # no time to poll it: the stop must carry it
+    run.close(STOP_KEEP)
+    assert not run.fake.removed and run.fake.closed
+    last = run.last()
+    assert last is not None and last.num_waiting == 1
+
+
+def test_the_engine_closing_the_pipe_removes_the_keys():
+    run = Running()
+    wait_for(lambda: run.fake.statuses, what="first status")
+    run.close(None)  # what the kernel does when the engine dies
+    assert run.fake.removed
+
+
+def test_a_minimum_interval_coalesces_changes_into_fewer_writes():
+    run = Running(min_export_interval_us=500_000)
+    try:
+        wait_for(lambda: run.fake.statuses, what="first status")
+        before = len(run.fake.statuses)
+        for i in range(20):  # all well within one interval of the first status
+            run.state.added(f"r{i}", 1)
+            run.publish()
+        got = wait_for(lambda: (s := run.last()) and s.num_waiting == 20 and s, what="the latest state")
+        assert len(run.fake.statuses) - before < 20, "each change written on its own despite the interval"
+        assert list(got.admitted_request_ids) == [f"r{i}" for i in range(20)]
+    finally:
+        run.close()

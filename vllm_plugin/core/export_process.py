@@ -1,0 +1,369 @@
+"""The llumlet's export process: writes the engine's status to the CMS from outside the engine.
+
+The engine's process stores each change in shared memory (core/handoff.py) and goes on; this
+process, a child of the engine's, polls that record and writes it to Redis (SET with TTL and a
+PUBLISH, as the export thread would), refreshes metadata and status every `refresh_ms`, and
+retries with backoff while Redis is away. It never touches the engine's GIL or CPU time: it runs
+on `exporter_cpus` ("auto": off the engine's CPUs when the engine is pinned to some).
+
+Polling: every `exporter_poll_us` while the engine changed its state in the last
+`_NAP_AFTER_S`; then it sleeps on a pipe, and the engine's next change writes one byte to wake
+it. The pipe also carries stop ("s": remove the keys, "k": keep them) and, closing, the engine's
+death: the keys are removed at once rather than at the TTL.
+
+Engine side: `ExportProcess` (spawn, wake, stop). Child side: `python -m` this module, its
+settings on stdin (the CMS URL may hold a password: not on the command line).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+
+from pilotfish.cms.writer import CmsWriter
+from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, Record, create_region, map_region
+from pilotfish.vllm_plugin.core.llumlet_stats import BACKOFF_S, export_summary
+from pilotfish.vllm_plugin.core.state import status_record
+
+log = logging.getLogger("pilotfish.llumlet")
+
+# No change for this long: stop polling, sleep on the pipe. Short, so an engine between bursts
+# costs no wake-ups; an engine mid-step (a GPU step is 10-100 ms) pays one pipe write to wake us.
+_NAP_AFTER_S = 0.05
+# A wake-up byte can cross the exporter going to sleep (the two flags are read without a fence):
+# a nap never lasts longer than this, so such a miss costs at most this much staleness.
+_NAP_MAX_S = 0.1
+_WATCH_EVERY_S = 0.2  # how often the engine's parent is checked (watch_parent)
+_STOP_TIMEOUT_S = 5.0
+
+STOP_REMOVE, STOP_KEEP, WAKE = b"s", b"k", b"w"
+
+
+class ExportProcess:
+    """The engine's handle: the shared record to publish into and the child writing it out."""
+
+    def __init__(
+        self, config: LlumletConfig, instance_id: str, metadata: cms_pb2.InstanceMetadata, watch_parent: bool
+    ) -> None:
+        fd, region = create_region()
+        self.handoff = HandoffWriter(region)
+        read_end, self._pipe = os.pipe()
+        os.set_blocking(self._pipe, False)  # a full pipe already holds a wake-up
+        settings = {
+            "config": msgspec.to_builtins(config),
+            "instance_id": instance_id,
+            "metadata": base64.b64encode(metadata.SerializeToString()).decode(),
+            "region_fd": fd,
+            "pipe_fd": read_end,
+            "engine_pid": os.getpid(),
+            "watch_pid": os.getppid() if watch_parent else 0,
+        }
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE,
+                # in the engine's process group: whatever kills the whole engine kills this too
+                pass_fds=(fd, read_end),
+            )
+        except BaseException:
+            os.close(self._pipe)
+            self.handoff.close()
+            raise
+        finally:
+            os.close(fd)
+            os.close(read_end)
+        assert self.process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # died at once: the engine's next check sees it
+            self.process.stdin.write(json.dumps(settings).encode())
+            self.process.stdin.close()
+
+    def wake(self) -> None:
+        with contextlib.suppress(BlockingIOError, BrokenPipeError):
+            os.write(self._pipe, WAKE)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, remove: bool = True) -> None:
+        """Ask the child to write nothing more (and delete the keys if `remove`), wait, reap."""
+        with contextlib.suppress(OSError):
+            os.write(self._pipe, STOP_REMOVE if remove else STOP_KEEP)
+        try:
+            self.process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("llumlet export process %d did not stop in %.0fs: killed", self.process.pid, _STOP_TIMEOUT_S)
+            self.process.kill()
+            self.process.wait()
+        os.close(self._pipe)
+        self.handoff.close()
+
+
+class Exporter:
+    """The child's loop (also run in-process by tests, with their own writer)."""
+
+    def __init__(
+        self,
+        config: LlumletConfig,
+        instance_id: str,
+        metadata: cms_pb2.InstanceMetadata,
+        region: Any,
+        pipe_fd: int,
+        engine_pid: int,
+        watch_pid: int = 0,
+        writer: CmsWriter | None = None,
+    ) -> None:
+        self.config = config
+        self.instance_id = instance_id
+        self.metadata = metadata
+        self.reader = HandoffReader(region)
+        self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
+        self.pipe_fd = pipe_fd
+        self.engine_pid = engine_pid
+        self.watch_pid = watch_pid
+        self.record: Record | None = None
+        self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, id) as read, oldest first
+        self.update_id = 0
+        self._meta_update_id = 0
+        self._dirty_since_ns = 0
+        self.exports = 0
+        self.write_failures = 0
+        self.staleness_us: deque[float] = deque(maxlen=100_000)
+        self.terminated = False  # SIGTERM: stop as if told to, removing the keys
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        refresh_s = self.config.refresh_ms / 1000
+        poll_s = self.config.exporter_poll_us / 1e6
+        min_gap_s = self.config.min_export_interval_us / 1e6
+        last_write = 0.0
+        stats_every = self.config.stats_log_s
+        next_stats = time.monotonic() + stats_every
+        next_refresh = 0.0  # metadata first, so a reader never sees status without metadata
+        next_watch = 0.0
+        last_change = time.monotonic()
+        pending = False
+        failures = 0
+        nap_id = 0
+        while True:
+            now = time.monotonic()
+            if now >= next_watch:
+                if (why := self._engine_gone()) is not None:
+                    log.warning("llumlet %s: %s; removing CMS keys", self.instance_id, why)
+                    return self._finish(remove=True)
+                next_watch = now + _WATCH_EVERY_S
+            if (record := self.reader.poll()) is not None:
+                self._take(record)
+                pending = True
+                last_change = now
+            if pending and min_gap_s and (gap := last_write + min_gap_s - now) > 0 and now < next_refresh:
+                if (stop := self._wait(gap)) is not None:
+                    return self._finish(remove=stop)
+                continue
+            if pending or now >= next_refresh:
+                try:
+                    if now >= next_refresh:
+                        self._write_metadata()
+                        next_refresh = time.monotonic() + refresh_s
+                        if stats_every and time.monotonic() >= next_stats:
+                            log.info("llumlet %s: %s", self.instance_id, self.summary())
+                            next_stats = time.monotonic() + stats_every
+                    if self.record is not None:
+                        self._write_status()
+                        last_write = time.monotonic()
+                    pending = False
+                    if failures:
+                        log.warning("llumlet %s: CMS reachable again after %d failures", self.instance_id, failures)
+                    failures = 0
+                except Exception as exc:
+                    self.write_failures += 1
+                    if failures == 0:
+                        log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
+                    failures += 1
+                    pending = True
+                    next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
+                    if (stop := self._wait(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])) is not None:
+                        return self._finish(remove=stop)
+                    continue
+            if now - last_change < _NAP_AFTER_S:
+                stop = self._wait(poll_s)
+            else:
+                nap_id += 1
+                self.reader.set_napping(nap_id)
+                if self.reader.changed():  # published after our last look: no nap
+                    self.reader.set_napping(0)
+                    continue
+                stop = self._wait(max(0.0, min(next_refresh - time.monotonic(), _NAP_MAX_S)))
+                self.reader.set_napping(0)
+            if stop is not None:
+                return self._finish(remove=stop)
+
+    def _wait(self, timeout_s: float) -> bool | None:
+        """Sleep up to `timeout_s` or until the engine writes to the pipe; a stop: whether to remove the keys."""
+        if self.terminated:
+            return True
+        with contextlib.suppress(InterruptedError):
+            ready, _, _ = select.select([self.pipe_fd], [], [], timeout_s)
+            if not ready:
+                return True if self.terminated else None
+        try:
+            data = os.read(self.pipe_fd, 4096)
+        except BlockingIOError:
+            return None
+        if not data:
+            log.warning("llumlet %s: the engine process exited; removing CMS keys", self.instance_id)
+            return True
+        if STOP_REMOVE in data:
+            return True
+        if STOP_KEEP in data:
+            return False
+        return True if self.terminated else None
+
+    def _engine_gone(self) -> str | None:
+        if os.getppid() != self.engine_pid:
+            return "the engine process exited"
+        if self.watch_pid and _parent_of(self.engine_pid) not in (None, self.watch_pid):
+            return "the engine's parent process exited"
+        return None
+
+    def _finish(self, remove: bool) -> None:
+        # the record the engine stored last goes out first: a stop keeping the keys leaves them current
+        if not remove and (record := self.reader.poll()) is not None:
+            self._take(record)
+            with contextlib.suppress(Exception):
+                self._write_status()
+        log.info("llumlet %s stopping: %s", self.instance_id, self.summary())
+        if remove:
+            try:
+                self.writer.remove()
+            except Exception as exc:  # the TTL removes them anyway
+                log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
+        self.writer.close()
+
+    # ---- writes ---------------------------------------------------------------------------------
+
+    def _take(self, record: Record) -> None:
+        ids = self.reader.ids_until(record.ring_end)
+        if ids:
+            now_ns = time.monotonic_ns()
+            self.admitted.extend((now_ns, rid) for rid in ids)
+        if record.dirty_since_ns and not self._dirty_since_ns:
+            self._dirty_since_ns = record.dirty_since_ns  # the oldest change not yet written
+        self.record = record
+
+    def _write_status(self) -> None:
+        record = self.record
+        assert record is not None
+        admitted = self.admitted
+        horizon = time.monotonic_ns() - self.config.admitted_window_ms * 1_000_000
+        while admitted and (admitted[0][0] < horizon or len(admitted) > self.config.max_admitted_ids):
+            admitted.popleft()
+        # ours, not the engine's: a refresh re-writes an unchanged record and must still be newer
+        self.update_id = max(self.update_id + 1, record.update_id, time.time_ns() // 1000)
+        self.writer.write_status(
+            status_record(self.instance_id, self.update_id, record.counters, [rid for _, rid in admitted])
+        )
+        if self._dirty_since_ns:
+            self.staleness_us.append((time.monotonic_ns() - self._dirty_since_ns) / 1000)
+            self._dirty_since_ns = 0
+        self.exports += 1
+
+    def _write_metadata(self) -> None:
+        self._meta_update_id = max(self._meta_update_id + 1, time.time_ns() // 1000)
+        self.metadata.update_id = self._meta_update_id
+        self.metadata.timestamp_ms = time.time_ns() // 1_000_000
+        self.writer.write_metadata(self.metadata)
+
+    def summary(self) -> str:
+        record = self.record
+        return export_summary(
+            self.exports,
+            list(self.staleness_us),
+            where="from the export process",
+            steps=record.counters["step_id"] if record else 0,
+            hook_cpu_ns=record.hook_cpu_ns if record else 0,
+            engine_cpu_ns=record.engine_cpu_ns if record else 0,
+            exporter_cpu_ns=time.process_time_ns(),
+            exporter="export process",
+            extra=f"; {self.reader.lost_ids} admitted-id reads lost" if self.reader.lost_ids else "",
+        )
+
+
+def _parent_of(pid: int) -> int | None:
+    """`pid`'s parent from /proc (None where there is no /proc or no such process)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return int(handle.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def exporter_cpus(setting: str) -> set[int] | None:
+    """The CPUs to run on for `exporter_cpus`: None keeps the inherited ones."""
+    if setting == "inherit" or not hasattr(os, "sched_getaffinity"):
+        return None
+    if setting != "auto":
+        return _cpu_list(setting)
+    mine = os.sched_getaffinity(0)
+    everything = set(range(os.cpu_count() or 1))
+    with contextlib.suppress(OSError, ValueError), open("/sys/devices/system/cpu/online") as handle:
+        everything = _cpu_list(handle.read().strip())
+    rest = everything - mine
+    return rest or None  # pinned engines leave others free; an unpinned one leaves all to share
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-2,5' -> {0, 1, 2, 5}; ValueError on anything else."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.strip().partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    if not cpus:
+        raise ValueError(f"no CPUs in {text!r}")
+    return cpus
+
+
+def main() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(levelname)s %(asctime)s [pilotfish export process] %(message)s", stream=sys.stderr
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for vLLM, which stops us in order
+    settings = json.loads(sys.stdin.buffer.read())
+    config = msgspec.convert(settings["config"], LlumletConfig)
+    with contextlib.suppress(OSError, ValueError):
+        if (cpus := exporter_cpus(config.exporter_cpus)) is not None:
+            os.sched_setaffinity(0, cpus)
+    metadata = cms_pb2.InstanceMetadata.FromString(base64.b64decode(settings["metadata"]))
+    exporter = Exporter(
+        config,
+        settings["instance_id"],
+        metadata,
+        map_region(settings["region_fd"]),
+        settings["pipe_fd"],
+        settings["engine_pid"],
+        settings["watch_pid"],
+    )
+
+    def terminate(*_: Any) -> None:
+        exporter.terminated = True
+
+    signal.signal(signal.SIGTERM, terminate)
+    exporter.run()
+
+
+if __name__ == "__main__":
+    main()

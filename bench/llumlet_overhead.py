@@ -2,8 +2,9 @@
 
 All engines run in the same run, on the same tiny local Llama (dummy weights), with the same
 flags: one with vLLM's default scheduler (baseline), one with the llumlet's scheduler exporting
-to a loopback redis-server (plugin), and by default a second plugin engine whose writes all go
-through the export thread (`--variant`, which names any other settings to compare). Only one
+to a loopback redis-server (plugin: default settings, its writes made by the export process),
+and by default a second plugin engine that writes from vLLM's engine thread, as the llumlet did
+before the export process (`--variant`, which names any other settings to compare). Only one
 engine serves at a time: rounds go A B C C B A ... so drift of the machine (a loaded two-core
 box) falls on all of them.
 
@@ -31,7 +32,8 @@ from pilotfish.bench.cpus import add_argument as add_cpus_argument
 from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
 
 NAME = "llumlet_overhead"
-DEFAULT_VARIANT = "export-thread:PILOTFISH_ENGINE_THREAD_WRITES=false"
+DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
+_EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
@@ -90,13 +92,15 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _cpu_seconds(pids: list[int]) -> dict[str, float]:
-    """CPU time (user + system) of vLLM's processes by role: engine core, and all of them."""
+    """CPU time (user + system) of vLLM's processes by role: engine core, the llumlet's export
+    process (a child of the engine core), and all of them."""
     tick = os.sysconf("SC_CLK_TCK")
-    engine = total = 0.0
+    engine = exporter = total = 0.0
     for pid in pids:
         try:
             stat = Path(f"/proc/{pid}/stat").read_text()
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         fields = stat.rsplit(")", 1)[1].split()
@@ -104,7 +108,9 @@ def _cpu_seconds(pids: list[int]) -> dict[str, float]:
         total += seconds
         if comm.startswith("VLLM::EngineCor"):
             engine += seconds
-    return {"engine_core": engine, "all": total}
+        elif _EXPORTER_MODULE in cmdline:
+            exporter += seconds
+    return {"engine_core": engine, "exporter": exporter, "all": total}
 
 
 def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
@@ -171,6 +177,7 @@ def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float
         "step_ms": (itl1[0] - itl0[0]) / itl_count * 1000 if itl_count else 0.0,
         "client_gap_ms": statistics.median(gaps) * 1000,
         "engine_core_cpu_ms_per_token": (cpu1["engine_core"] - cpu0["engine_core"]) * 1000 / max(tokens, 1),
+        "exporter_cpu_ms_per_token": (cpu1["exporter"] - cpu0["exporter"]) * 1000 / max(tokens, 1),
         "vllm_cpu_ms_per_token": (cpu1["all"] - cpu0["all"]) * 1000 / max(tokens, 1),
         "wall_s": wall,
     }
@@ -187,7 +194,7 @@ def _logged_staleness(log_path: Path) -> str:
 
 
 def _us_per_step(line: str, marker: str) -> float | None:
-    """A figure of the self-report's CPU part: 'hooks 43.3 us (...)', 'export thread 153.0 us'."""
+    """A figure of the self-report's CPU part: 'hooks 43.3 us (...)', 'export thread 153.0 us' (a regex)."""
     found = re.search(rf"{marker} ([0-9.]+) us", line)
     return float(found.group(1)) if found else None
 
@@ -210,7 +217,7 @@ def _costs(
         "llumlet_self_report": report,
         "hook_cpu_us_per_step": hook_us,
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
-        "export_cpu_us_per_step": _us_per_step(report, "export thread"),
+        "export_cpu_us_per_step": _us_per_step(report, "export (?:thread|process)"),
         "inline_write_cpu_us_per_step": _us_per_step(report, "writing"),  # of the hooks' figure
         "throughput_overhead_pct": (
             round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2) if base["tokens_per_s"] else None
@@ -382,7 +389,8 @@ def run(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {}
     for label, rs in rounds.items():
         summary[label] = {"rounds": rs}
-        for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "vllm_cpu_ms_per_token"):
+        for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "exporter_cpu_ms_per_token",
+                    "vllm_cpu_ms_per_token"):  # fmt: skip
             values = [r[key] for r in rs]
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
@@ -412,12 +420,13 @@ def run(args: argparse.Namespace) -> int:
         + "".join(f" `{v}`: {', '.join(f'{k}={x}' for k, x in variants[v].items())}." for v in variants)
         + (f" Every plugin engine: {', '.join(args.llumlet_env)}." if args.llumlet_env else ""), "",
         "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine-core CPU ms/token "
-        "| all vLLM CPU ms/token |",
-        "|---|---|---|---|---|",
+        "| export process CPU ms/token | all vLLM CPU ms/token (the export process's too) |",
+        "|---|---|---|---|---|---|",
         *(
             f"| {names[label]} | {e['tokens_per_s']:.1f} ± {e['tokens_per_s_ci95']:.1f} | {e['step_ms']:.3f} ± "
             f"{e['step_ms_ci95']:.3f} | {e['engine_core_cpu_ms_per_token']:.4f} ± "
-            f"{e['engine_core_cpu_ms_per_token_ci95']:.4f} | {e['vllm_cpu_ms_per_token']:.4f} ± "
+            f"{e['engine_core_cpu_ms_per_token_ci95']:.4f} | {e['exporter_cpu_ms_per_token']:.4f} | "
+            f"{e['vllm_cpu_ms_per_token']:.4f} ± "
             f"{e['vllm_cpu_ms_per_token_ci95']:.4f} |"
             for label, e in summary.items()
         ),
@@ -425,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
         "Cost against vLLM alone (goal <= 1%). Paired: each round against the baseline round of the same "
         "cycle, so drift cancels in their ratio.", "",
         "| engine | throughput | paired throughput | step time | engine-core CPU/token | all vLLM CPU/token "
-        "| hooks, engine thread (µs/step) | of which writing | export thread (µs/step) |",
+        "| hooks, engine thread (µs/step) | of which writing | export thread or process (µs/step) |",
         "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {names[label]} | {_signed(c['throughput_overhead_pct'])} | "

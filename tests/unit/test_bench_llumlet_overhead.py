@@ -9,8 +9,8 @@ import pytest
 from pilotfish.bench import llumlet_overhead as bench
 
 
-def test_default_variant_sends_every_write_through_the_export_thread() -> None:
-    assert bench._variants(None) == {"export-thread": {"PILOTFISH_ENGINE_THREAD_WRITES": "false"}}
+def test_default_variant_writes_from_the_engine_process() -> None:
+    assert bench._variants(None) == {"engine-thread": {"PILOTFISH_EXPORT_PROCESS": "false"}}
     assert bench._variants(["none"]) == {}
     assert bench._variants(["slow:PILOTFISH_MIN_EXPORT_INTERVAL_US=5000,PILOTFISH_GIL_SWITCH_INTERVAL_US=0"]) == {
         "slow": {"PILOTFISH_MIN_EXPORT_INTERVAL_US": "5000", "PILOTFISH_GIL_SWITCH_INTERVAL_US": "0"}
@@ -35,7 +35,7 @@ def test_bad_variants_fail_with_the_flag_named(given: list[str]) -> None:
 @pytest.mark.parametrize("rounds", [2, 4, 6])
 def test_every_engine_serves_as_many_rounds_and_each_cycle_mirrors(rounds: int) -> None:
     bench._check_rounds(rounds)
-    labels = ["plugin", "export-thread", "baseline"]
+    labels = ["plugin", "engine-thread", "baseline"]
     order = bench._order(labels)
     ran = list(itertools.islice(itertools.cycle(order), rounds * len(labels)))
     assert {label: ran.count(label) for label in labels} == dict.fromkeys(labels, rounds)
@@ -62,6 +62,11 @@ def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
     assert costs["inline_write_cpu_us_per_step"] == 21.5
     assert costs["hook_cpu_pct_of_step"] == pytest.approx(100 * 0.0433 / 4.0, abs=1e-3)
     assert bench._costs(plug_rounds, base_rounds, plug, base, "")["hook_cpu_us_per_step"] is None
+    # the export process's line names its CPU so
+    from_process = "...; CPU per step: hooks 30.1 us (2.98% of the engine thread's 1010 us), export process 41.5 us"
+    costs = bench._costs(plug_rounds, base_rounds, plug, base, from_process)
+    assert (costs["hook_cpu_us_per_step"], costs["export_cpu_us_per_step"]) == (30.1, 41.5)
+    assert costs["inline_write_cpu_us_per_step"] is None
 
 
 @pytest.mark.parametrize("rounds", [0, 1, 3, 5])

@@ -30,6 +30,7 @@ from typing import Any
 
 from pilotfish.bench.cpus import add_argument as add_cpus_argument
 from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
+from pilotfish.procs import descendants
 
 NAME = "llumlet_overhead"
 DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
@@ -82,15 +83,6 @@ def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
     return len(stamps), [b - a for a, b in itertools.pairwise(stamps)]
 
 
-def _descendants(pid: int) -> list[int]:
-    out = [pid]
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        children = (task / "children").read_text().split() if (task / "children").exists() else []
-        for child in children:
-            out += _descendants(int(child))
-    return out
-
-
 def _cpu_seconds(pids: list[int]) -> dict[str, float]:
     """CPU time (user + system) of vLLM's processes by role: engine core, the llumlet's export
     process (a child of the engine core), and all of them."""
@@ -118,7 +110,7 @@ def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
     (sched_yield) for a second after their last step, and sharing a CPU with the next round's
     engine that halved its throughput (rounds alternated 2,200 and 4,400 tok/s)."""
     deadline = time.monotonic() + timeout
-    pids = _descendants(pid)
+    pids = descendants(pid)
     before = _cpu_seconds(pids)["all"]
     while time.monotonic() < deadline:
         time.sleep(0.2)  # the sampling window of the condition, not a wait in its place
@@ -161,7 +153,7 @@ def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float
                 tokens += n
                 gaps.extend(g)
 
-    pids = _descendants(pid) if pid else []
+    pids = descendants(pid) if pid else []
     cpu0, itl0 = _cpu_seconds(pids), _itl_metrics(port)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]

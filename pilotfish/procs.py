@@ -97,6 +97,17 @@ async def wait_until_async(condition: Callable[[], bool], timeout: float, what: 
         await asyncio.sleep(interval)
 
 
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it, from /proc (Linux); [pid] where there is none."""
+    out = [pid]
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        children = task / "children"
+        with contextlib.suppress(OSError):
+            for child in children.read_text().split() if children.exists() else []:
+                out += descendants(int(child))
+    return out
+
+
 class Child:
     """One child process, in its own process group, stopped by PID."""
 

@@ -28,7 +28,7 @@ from pilotfish import services
 from pilotfish.cms import keys
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.cms.records import decode_metadata, decode_status
-from pilotfish.procs import Child, free_port, wait_until_async
+from pilotfish.procs import Child, descendants, free_port, wait_until_async
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.service import SchedulerServer
@@ -145,6 +145,26 @@ def test_metadata_describes_the_engine(engine: Engine):
     status = engine.status()
     assert status is not None and status.total_kv_tokens == meta.num_gpu_blocks * meta.block_size
     assert status.schedulable and status.num_waiting == status.num_running == 0
+
+
+def test_the_load_is_written_by_an_export_process(engine: Engine):
+    """The default: a child of vLLM's engine-core process writes the CMS, fed through shared memory."""
+
+    def exporters() -> list[int]:
+        found = []
+        for pid in descendants(engine.child.pid):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"pilotfish.vllm_plugin.core.export_process" in cmdline:
+                found.append(pid)
+        return found
+
+    found = wait_for(exporters, 30, "the export process")
+    assert len(found) == 1
+    parent = Path(f"/proc/{found[0]}/stat").read_bytes().rsplit(b")", 1)[1].split()[1]
+    assert Path(f"/proc/{int(parent)}/comm").read_text().startswith("VLLM::EngineCor")
 
 
 def test_status_follows_waiting_and_running(engine: Engine):

@@ -8,8 +8,9 @@ with an unmigrated run: temperature 0 on dummy weights is deterministic, and rep
 2.0 makes every generated token distinct (so a lost or repeated token cannot hide in a cycle)
 while staying exact under recompute (vLLM penalizes prompt and output tokens alike).
 
-A writes load changes from vLLM's engine thread (the default), B only from the export thread
-(PILOTFISH_ENGINE_THREAD_WRITES=false), so both write paths run inside real vLLM.
+Both write their load changes from vLLM's process (PILOTFISH_EXPORT_PROCESS=false; the default,
+an export process, runs in test_llumlet_vllm.py): A from vLLM's engine thread, B only from the
+export thread (PILOTFISH_ENGINE_THREAD_WRITES=false), so every write path runs inside real vLLM.
 """
 
 from __future__ import annotations
@@ -185,6 +186,7 @@ def cluster(tmp_path_factory) -> Iterator[dict[str, Engine]]:
                     "PILOTFISH_CLUSTER": CLUSTER,
                     "PILOTFISH_REFRESH_MS": "1000",
                     "PILOTFISH_STATS_LOG_S": "1",  # the write counts, for the write-path test
+                    "PILOTFISH_EXPORT_PROCESS": "false",
                     "PILOTFISH_ENGINE_THREAD_WRITES": "true" if name == "a" else "false",
                 }
                 work = tmp_path_factory.mktemp(f"vllm-{name}")

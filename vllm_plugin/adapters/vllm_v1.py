@@ -47,6 +47,7 @@ ABORT_TIMEOUT_S = 30.0  # a loaded engine may take seconds per step
 # vLLM (>= 0.11) appends "-<8 random chars>" to every request id it admits; the frontend, the
 # client and the gateway only know the id without it, so that is the id the llumlet exports.
 _RANDOM_SUFFIX_LEN = 9
+_RUNNING = RequestStatus.RUNNING
 
 
 def external_id(request: Request, randomized: bool) -> str:
@@ -214,7 +215,10 @@ class _LlumletHooks:
         requests = self.requests  # type: ignore[attr-defined]
         with llumlet.events() as s:
             tracked = s.requests
-            for req_id in scheduler_output.num_scheduled_tokens:
+            # every request we know is decoding (no waiting, no running prefill): nothing below
+            # would act on any of them, so a decode step skips the loop
+            scheduled = scheduler_output.num_scheduled_tokens if s.num_waiting or s.num_running_prefill else ()
+            for req_id in scheduled:
                 t = tracked.get(req_id)
                 if t is None:
                     continue
@@ -247,20 +251,23 @@ class _LlumletHooks:
         # schedule, or the previous step's end, whichever is later) to its outputs.
         duration = now - max(t0, self._last_update_end)
         self._last_update_end = now
-        requests = self.requests  # type: ignore[attr-defined]
+        get = self.requests.get  # type: ignore[attr-defined]
         prefill_tokens = decodes = seq_len_sum = 0
         with llumlet.events() as s:
+            progressed = s.progressed
             for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                request = requests.get(req_id)
+                request = get(req_id)
                 if request is None:
                     continue
-                if request.num_output_tokens and n == 1:
+                computed = request.num_computed_tokens
+                output = request.num_output_tokens
+                if output and n == 1:
                     decodes += 1
                 else:
                     prefill_tokens += n
-                seq_len_sum += request.num_computed_tokens
-                if request.status == RequestStatus.RUNNING:
-                    s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
+                seq_len_sum += computed
+                if request.status is _RUNNING:
+                    progressed(req_id, computed, output)
             if scheduler_output.total_num_scheduled_tokens:
                 s.step_finished(duration, prefill_tokens, decodes, seq_len_sum)
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)

@@ -207,6 +207,12 @@ def test_status_follows_waiting_and_running(engine: Engine):
     assert max(s.num_running for s in seen) == 16
     assert max(s.num_waiting for s in seen) >= 1
     assert any(s.num_running_decode > 0 for s in seen)
+    # each decode holds the prompt and 1..320 generated tokens (the decode step's O(1) path included)
+    prompt = prompt_tokens(engine)
+    assert all(
+        s.num_running_decode * (prompt + 1) <= s.running_decode_seq_len_sum <= s.num_running_decode * (prompt + 320)
+        for s in seen
+    )
     assert any(s.uncomputed_prefill_tokens > 0 for s in seen)
     assert max(s.used_kv_tokens for s in seen) > 0
     assert all(s.num_waiting + s.num_running <= 24 for s in seen)
@@ -217,6 +223,17 @@ def test_status_follows_waiting_and_running(engine: Engine):
     assert any(s.last_step_duration_us > 0 and s.last_step_decode_batch > 0 for s in seen)
     updates = [s.update_id for s in seen]
     assert updates == sorted(set(updates))
+
+
+def prompt_tokens(engine: Engine) -> int:
+    """How many tokens PROMPT is, by vLLM's count."""
+    conn = http.client.HTTPConnection("127.0.0.1", engine.port, timeout=WAIT)
+    body = {"model": testing.MODEL_NAME, "prompt": PROMPT, "max_tokens": 1}
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        return int(json.loads(conn.getresponse().read())["usage"]["prompt_tokens"])
+    finally:
+        conn.close()
 
 
 def post_token_prompt(engine: Engine, tokens: list[int]) -> None:

@@ -22,7 +22,7 @@ from pilotfish.simulator.engine.step_time import StepTimeProfile
 from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
 from pilotfish.vllm_plugin.config import LlumletConfig, config_from_env
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
-from pilotfish.vllm_plugin.core.state import LoadState
+from pilotfish.vllm_plugin.core.state import LoadState, counter_values
 
 # fields that identify a record rather than describe load
 _VOLATILE = ("update_id", "timestamp_ms")
@@ -472,3 +472,60 @@ async def test_simulator_abort_runs_on_the_engine_loop():
     assert aborted == ["r1"]
     status = llumlet.status_now()
     assert (status.num_waiting, status.num_running) == (0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), num_requests=st.integers(1, 12))
+def test_decoded_all_keeps_the_same_status_as_visiting_every_request(seed, num_requests):
+    """The adapter's O(1) decode step against the per-request path, over admissions, prefills,
+    decode steps where some requests sit out, preemptions and finishes."""
+    rng = random.Random(seed)
+    bulk, visit = LoadState("e"), LoadState("e")  # bulk: decoded_all whenever it applies
+    truth: dict[str, list[int]] = {}  # id -> [prompt, output, max output, running]
+    for step in range(200):
+        if len(truth) < num_requests and rng.random() < 0.3:
+            rid = f"r{step}"
+            truth[rid] = [rng.randint(1, 50), 0, rng.randint(1, 30), 0]
+            for s in (bulk, visit):
+                s.added(rid, truth[rid][0])
+        for rid, t in truth.items():
+            if not t[3] and rng.random() < 0.5:  # scheduled: its prompt (or recompute) in one chunk
+                t[3] = 1
+                for s in (bulk, visit):
+                    s.scheduled(rid, 0)
+                    s.progressed(rid, t[0] + t[1], t[1])
+                t[1] += 1  # the prefill's step samples a token
+                for s in (bulk, visit):
+                    s.progressed(rid, t[0] + t[1] - 1, t[1])
+        running = [rid for rid, t in truth.items() if t[3]]
+        decoding = [rid for rid in running if truth[rid][1] > 0]
+        sits_out = {rid for rid in decoding if rng.random() < 0.1}
+        everyone = len(decoding) == len(truth) and not sits_out
+        for rid in decoding:
+            if rid not in sits_out:
+                truth[rid][1] += 1
+        if everyone and decoding:
+            bulk.decoded_all()
+        for rid in decoding:
+            if rid in sits_out:
+                continue
+            t = truth[rid]
+            if not everyone:
+                bulk.progressed(rid, t[0] + t[1] - 1, t[1])
+            visit.progressed(rid, t[0] + t[1] - 1, t[1])
+        for rid in list(truth):
+            t = truth[rid]
+            if t[3] and (t[1] >= t[2] or rng.random() < 0.02):
+                del truth[rid]
+                for s in (bulk, visit):
+                    s.finished(rid)
+            elif t[3] and rng.random() < 0.02:
+                t[3] = 0
+                for s in (bulk, visit):
+                    s.preempted(rid)
+        assert counter_values(bulk) == counter_values(visit), f"step {step}"
+        assert bulk.running_decode_seq_len_sum == sum(t[0] + t[1] for t in truth.values() if t[3] and t[1])
+    for rid in list(truth):
+        for s in (bulk, visit):
+            s.finished(rid)
+    assert bulk.running_decode_seq_len_sum == bulk.uncomputed_prefill_tokens == bulk.num_running == 0

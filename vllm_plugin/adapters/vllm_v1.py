@@ -251,23 +251,38 @@ class _LlumletHooks:
         # schedule, or the previous step's end, whichever is later) to its outputs.
         duration = now - max(t0, self._last_update_end)
         self._last_update_end = now
-        get = self.requests.get  # type: ignore[attr-defined]
+        scheduled = scheduler_output.num_scheduled_tokens
         prefill_tokens = decodes = seq_len_sum = 0
         with llumlet.events() as s:
-            progressed = s.progressed
-            for req_id, n in scheduler_output.num_scheduled_tokens.items():
-                request = get(req_id)
-                if request is None:
-                    continue
-                computed = request.num_computed_tokens
-                output = request.num_output_tokens
-                if output and n == 1:
-                    decodes += 1
-                else:
-                    prefill_tokens += n
-                seq_len_sum += computed
-                if request.status is _RUNNING:
-                    progressed(req_id, computed, output)
+            tracked = s.requests
+            if (
+                scheduler_output.total_num_scheduled_tokens == len(scheduled)  # one token each
+                and not s.num_waiting
+                and not s.num_running_prefill  # so every request we track decodes...
+                and tracked
+                and len(scheduled.keys() & tracked.keys()) == len(tracked)  # ...and was scheduled
+            ):
+                # the steady decode step: each sampled one token (those that finished were freed
+                # above); O(1) in the batch, where the loop below visits every request
+                decodes = len(tracked)
+                s.decoded_all()
+                seq_len_sum = s.running_decode_seq_len_sum - decodes  # computed = tokens - 1
+            else:
+                get = self.requests.get  # type: ignore[attr-defined]
+                progressed = s.progressed
+                for req_id, n in scheduled.items():
+                    request = get(req_id)
+                    if request is None:
+                        continue
+                    computed = request.num_computed_tokens
+                    output = request.num_output_tokens
+                    if output and n == 1:
+                        decodes += 1
+                    else:
+                        prefill_tokens += n
+                    seq_len_sum += computed
+                    if request.status is _RUNNING:
+                        progressed(req_id, computed, output)
             if scheduler_output.total_num_scheduled_tokens:
                 s.step_finished(duration, prefill_tokens, decodes, seq_len_sum)
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)

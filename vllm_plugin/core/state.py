@@ -67,6 +67,9 @@ class _Request:
     num_computed: int = 0
     num_cached: int = 0  # known prefix-cache hit (tokens), set when scheduled from waiting
     running: bool = False
+    # LoadState.decode_steps when num_output and num_computed were last brought up to date: a
+    # step of decoded_all() moves every request by one token without visiting it (_sync)
+    decode_mark: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -114,6 +117,7 @@ class LoadState:
         self.num_migrating_in = 0
         self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, request id), oldest first
         self.admitted_total = 0  # ids ever appended to `admitted`
+        self.decode_steps = 0  # steps applied by decoded_all()
         self.update_id = 0
         # set by every event that moved a figure; the Llumlet wakes its exporter only then
         self.changed = False
@@ -146,7 +150,7 @@ class LoadState:
         """
         if request_id in self.requests:
             return
-        r = _Request(num_prompt_tokens, num_output_tokens)
+        r = _Request(num_prompt_tokens, num_output_tokens, decode_mark=self.decode_steps)
         self.requests[request_id] = r
         self._apply(r, +1)
         self.admitted.append((time.monotonic_ns(), exported_id or request_id))
@@ -157,6 +161,7 @@ class LoadState:
         r = self.requests.get(request_id)
         if r is None:
             return
+        self._sync(r)
         self._apply(r, -1)
         r.running = True
         r.num_computed = num_computed_tokens
@@ -168,6 +173,7 @@ class LoadState:
         r = self.requests.get(request_id)
         if r is None:
             return
+        self._sync(r)
         self._apply(r, -1)
         r.num_cached = num_tokens
         self._apply(r, +1)
@@ -177,6 +183,8 @@ class LoadState:
         r = self.requests.get(request_id)
         if r is None:
             return
+        if r.decode_mark != self.decode_steps:
+            self._sync(r)
         # The hot path, once per decoding request per step: a decode stays a decode and only its
         # length moves. Inlined: the general path below costs ~4x as much.
         num_output = r.num_output
@@ -198,11 +206,29 @@ class LoadState:
         r.num_output = num_output_tokens
         self._apply(r, +1)
 
+    def decoded_all(self) -> None:
+        """Every request here is a running decode and sampled exactly one token (the adapter checked
+        that: no waiting, no running prefill, each one scheduled for one token). O(1): the requests
+        are brought up to date when an event next names one (_sync)."""
+        self.decode_steps += 1
+        self.running_decode_seq_len_sum += self.num_running_decode
+        self.changed = True
+
+    def _sync(self, r: _Request) -> None:
+        # Only decodes are ever moved by decoded_all (it requires that all requests are), and a
+        # request stops decoding only through an event, which syncs it first: so the lag is theirs.
+        lag = self.decode_steps - r.decode_mark
+        if lag:
+            r.num_output += lag
+            r.num_computed += lag
+            r.decode_mark = self.decode_steps
+
     def preempted(self, request_id: str) -> None:
         """A running request lost its KV and went back to waiting, to recompute everything."""
         r = self.requests.get(request_id)
         if r is None:
             return
+        self._sync(r)
         self._apply(r, -1)
         r.running = False
         r.num_computed = 0
@@ -214,6 +240,7 @@ class LoadState:
         """A request left the engine (finished, stopped or aborted)."""
         r = self.requests.pop(request_id, None)
         if r is not None:
+            self._sync(r)
             self._apply(r, -1)
 
     def migrating(self, out_delta: int = 0, in_delta: int = 0, loading_delta: int = 0) -> None:

@@ -135,29 +135,48 @@ def test_the_export_process_writes_again_after_a_redis_restart(redis_binary, tmp
         first.stop()
 
 
-def test_a_dead_export_process_is_replaced(redis_service):
+def test_a_dead_export_process_is_replaced_on_an_idle_engine(redis_service):
+    """No engine event follows the death: the watcher, not a hook, must bring a new one."""
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url, **LONG_TTL)
     llumlet.start(serve_grpc=False)
     first = llumlet._exporter.process  # type: ignore[union-attr]
     try:
-        wait_for(lambda: status_of(client), what="first status")
+        with llumlet.events() as s:
+            s.added("r0", 10)
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="first status")
         first.kill()
         first.wait()
-        added = [0]
-
-        def add_one() -> bool:  # the engine goes on; a change after the check interval starts another
-            with llumlet.events() as s:
-                s.added(f"r{added[0]}", 10)
-            added[0] += 1
-            exporter = llumlet._exporter
-            return exporter is not None and exporter.process.pid != first.pid and exporter.alive()
-
-        wait_for(add_one, timeout=30, what="a new export process")
-        wait_for(lambda: (st := status_of(client)) and st.num_waiting == added[0], what="the latest state")
+        client.delete(keys.status_key("t", "e0"), keys.meta_key("t", "e0"))  # as if they had expired meanwhile
+        wait_for(
+            lambda: (e := llumlet._exporter) is not None and e.process.pid != first.pid and e.process.poll() is None,
+            timeout=30,
+            what="a new export process",
+        )
+        # the new one starts from the engine's current state, metadata first
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="the state written again")
+        assert client.exists(keys.meta_key("t", "e0"))
+        with llumlet.events() as s:
+            s.added("r1", 10)
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 2, what="a change through the new one")
     finally:
         llumlet.stop()
-    assert client.exists(keys.status_key("t", "e0")) == 0
+    assert client.exists(keys.status_key("t", "e0"), keys.meta_key("t", "e0")) == 0
+
+
+def test_stopping_after_the_export_process_died_still_removes_the_keys(redis_service, monkeypatch):
+    from pilotfish.vllm_plugin.core import llumlet as llumlet_module
+
+    monkeypatch.setattr(llumlet_module, "_RESPAWN_EVERY_S", 3600.0)  # no replacement in this test
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url, **LONG_TTL)
+    llumlet.start(serve_grpc=False)
+    child = llumlet._exporter.process  # type: ignore[union-attr]
+    wait_for(lambda: status_of(client), what="first status")
+    child.kill()
+    child.wait()
+    llumlet.stop()
+    assert client.exists(keys.status_key("t", "e0"), keys.meta_key("t", "e0")) == 0
 
 
 def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch):
@@ -178,3 +197,19 @@ def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_pro
     finally:
         llumlet.stop()
     assert client.exists(keys.status_key("t", "e0")) == 0
+
+
+def test_an_export_process_that_never_gets_ready_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch):
+    from pilotfish.vllm_plugin.core import export_process
+
+    monkeypatch.setattr(export_process.sys, "executable", "/bin/false")  # a child that exits at once
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url)
+    llumlet.start(serve_grpc=False)
+    try:
+        assert llumlet._exporter is None
+        with llumlet.events() as s:
+            s.added("r1", 10)
+        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="a write from the engine's process")
+    finally:
+        llumlet.stop()

@@ -278,9 +278,12 @@ class _LlumletHooks:
                     output = request.num_output_tokens
                     if output and n == 1:
                         decodes += 1
+                        # the context it attended, as the O(1) path counts it (under async
+                        # scheduling num_computed already includes the next step's token)
+                        seq_len_sum += request.num_prompt_tokens + output - 1
                     else:
                         prefill_tokens += n
-                    seq_len_sum += computed
+                        seq_len_sum += computed
                     if request.status is _RUNNING:
                         progressed(req_id, computed, output)
             if scheduler_output.total_num_scheduled_tokens:

@@ -49,57 +49,92 @@ _NAP_AFTER_S = 0.05
 _NAP_MAX_S = 0.1
 _WATCH_EVERY_S = 0.2  # how often the engine's parent is checked (watch_parent)
 _STOP_TIMEOUT_S = 5.0
+# How long the engine waits for a new export process to say it is ready (imports, settings)
+# before it writes from its own process instead: minutes for vLLM to start, seconds for this.
+READY_TIMEOUT_S = 20.0
 
-STOP_REMOVE, STOP_KEEP, WAKE = b"s", b"k", b"w"
+STOP_REMOVE, STOP_KEEP, WAKE, READY = b"s", b"k", b"w", b"r"
 
 
 class ExportProcess:
     """The engine's handle: the shared record to publish into and the child writing it out."""
 
     def __init__(
-        self, config: LlumletConfig, instance_id: str, metadata: cms_pb2.InstanceMetadata, watch_parent: bool
+        self,
+        config: LlumletConfig,
+        instance_id: str,
+        metadata: cms_pb2.InstanceMetadata,
+        watch_pid: int = 0,
+        ready_timeout_s: float = READY_TIMEOUT_S,
     ) -> None:
+        """Start the child and wait until it is ready; RuntimeError (nothing left behind) if it is not.
+
+        `watch_pid`: the engine's parent as the engine first saw it (vLLM's frontend), whose death
+        the child watches for; 0: none.
+        """
+        self._closed = False
         fd, region = create_region()
         self.handoff = HandoffWriter(region)
         read_end, self._pipe = os.pipe()
         os.set_blocking(self._pipe, False)  # a full pipe already holds a wake-up
-        settings = {
+        ready_read, ready_write = os.pipe()
+        settings = json.dumps({
             "config": msgspec.to_builtins(config),
             "instance_id": instance_id,
             "metadata": base64.b64encode(metadata.SerializeToString()).decode(),
             "region_fd": fd,
             "pipe_fd": read_end,
+            "ready_fd": ready_write,
             "engine_pid": os.getpid(),
-            "watch_pid": os.getppid() if watch_parent else 0,
-        }
+            "watch_pid": watch_pid,
+        }).encode()  # fmt: skip
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __name__],
                 stdin=subprocess.PIPE,
                 # in the engine's process group: whatever kills the whole engine kills this too
-                pass_fds=(fd, read_end),
+                pass_fds=(fd, read_end, ready_write),
+                cwd="/",  # `-m` puts the directory first on sys.path: a source tree there must not shadow us
             )
         except BaseException:
             os.close(self._pipe)
+            os.close(ready_read)
             self.handoff.close()
             raise
         finally:
             os.close(fd)
             os.close(read_end)
-        assert self.process.stdin is not None
-        with contextlib.suppress(BrokenPipeError):  # died at once: the engine's next check sees it
-            self.process.stdin.write(json.dumps(settings).encode())
-            self.process.stdin.close()
+            os.close(ready_write)
+        try:
+            with contextlib.suppress(BrokenPipeError):  # it died at once: not ready, below
+                self.process.stdin.write(settings)  # type: ignore[union-attr]
+            with contextlib.suppress(BrokenPipeError):
+                self.process.stdin.close()  # type: ignore[union-attr]
+            ready, _, _ = select.select([ready_read], [], [], ready_timeout_s)
+            ok = bool(ready) and os.read(ready_read, 1) == READY
+        finally:
+            os.close(ready_read)
+        if not ok:
+            self.process.kill()
+            code = self.process.wait()
+            os.close(self._pipe)
+            self.handoff.close()
+            raise RuntimeError(f"the export process was not ready within {ready_timeout_s:.0f}s (exit code {code})")
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, BrokenPipeError):
             os.write(self._pipe, WAKE)
 
-    def alive(self) -> bool:
-        return self.process.poll() is None
+    def stop(self, remove: bool = True) -> bool:
+        """Ask the child to write nothing more (and delete the keys if `remove`), wait, reap, close.
 
-    def stop(self, remove: bool = True) -> None:
-        """Ask the child to write nothing more (and delete the keys if `remove`), wait, reap."""
+        Returns whether the child was alive to do it (a dead one left the keys to its TTL).
+        Idempotent: later calls return False.
+        """
+        if self._closed:
+            return False
+        self._closed = True
+        alive = self.process.poll() is None
         with contextlib.suppress(OSError):
             os.write(self._pipe, STOP_REMOVE if remove else STOP_KEEP)
         try:
@@ -108,8 +143,10 @@ class ExportProcess:
             log.warning("llumlet export process %d did not stop in %.0fs: killed", self.process.pid, _STOP_TIMEOUT_S)
             self.process.kill()
             self.process.wait()
+            alive = False
         os.close(self._pipe)
         self.handoff.close()
+        return alive
 
 
 class Exporter:
@@ -164,7 +201,7 @@ class Exporter:
             if now >= next_watch:
                 if (why := self._engine_gone()) is not None:
                     log.warning("llumlet %s: %s; removing CMS keys", self.instance_id, why)
-                    return self._finish(remove=True)
+                    return self._finish(remove=True, pending=pending)
                 next_watch = now + _WATCH_EVERY_S
             if (record := self.reader.poll()) is not None:
                 self._take(record)
@@ -172,7 +209,7 @@ class Exporter:
                 last_change = now
             if pending and min_gap_s and (gap := last_write + min_gap_s - now) > 0 and now < next_refresh:
                 if (stop := self._wait(gap)) is not None:
-                    return self._finish(remove=stop)
+                    return self._finish(remove=stop, pending=pending)
                 continue
             if pending or now >= next_refresh:
                 try:
@@ -197,7 +234,7 @@ class Exporter:
                     pending = True
                     next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
                     if (stop := self._wait(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])) is not None:
-                        return self._finish(remove=stop)
+                        return self._finish(remove=stop, pending=pending)
                     continue
             if now - last_change < _NAP_AFTER_S:
                 stop = self._wait(poll_s)
@@ -210,16 +247,15 @@ class Exporter:
                 stop = self._wait(max(0.0, min(next_refresh - time.monotonic(), _NAP_MAX_S)))
                 self.reader.set_napping(0)
             if stop is not None:
-                return self._finish(remove=stop)
+                return self._finish(remove=stop, pending=pending)
 
     def _wait(self, timeout_s: float) -> bool | None:
         """Sleep up to `timeout_s` or until the engine writes to the pipe; a stop: whether to remove the keys."""
         if self.terminated:
             return True
-        with contextlib.suppress(InterruptedError):
-            ready, _, _ = select.select([self.pipe_fd], [], [], timeout_s)
-            if not ready:
-                return True if self.terminated else None
+        ready, _, _ = select.select([self.pipe_fd], [], [], timeout_s)  # a signal ends it (PEP 475: not early)
+        if not ready:
+            return True if self.terminated else None
         try:
             data = os.read(self.pipe_fd, 4096)
         except BlockingIOError:
@@ -240,12 +276,16 @@ class Exporter:
             return "the engine's parent process exited"
         return None
 
-    def _finish(self, remove: bool) -> None:
-        # the record the engine stored last goes out first: a stop keeping the keys leaves them current
-        if not remove and (record := self.reader.poll()) is not None:
-            self._take(record)
-            with contextlib.suppress(Exception):
-                self._write_status()
+    def _finish(self, remove: bool, pending: bool = False) -> None:
+        # the state the engine stored last goes out first (one not yet read, or one read but held
+        # back by the minimum interval or a failed write): a stop keeping the keys leaves them current
+        if not remove:
+            if (record := self.reader.poll()) is not None:
+                self._take(record)
+                pending = True
+            if pending and self.record is not None:
+                with contextlib.suppress(Exception):
+                    self._write_status()
         log.info("llumlet %s stopping: %s", self.instance_id, self.summary())
         if remove:
             try:
@@ -362,6 +402,8 @@ def main() -> None:
         exporter.terminated = True
 
     signal.signal(signal.SIGTERM, terminate)
+    os.write(settings["ready_fd"], READY)
+    os.close(settings["ready_fd"])
     exporter.run()
 
 

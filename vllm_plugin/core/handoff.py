@@ -1,7 +1,7 @@
 """Shared memory between the engine's process and the llumlet's export process.
 
 The engine thread stores the latest status in one fixed record and appends each admitted request
-id to a ring; the export process (core/exporter.py) polls the record and writes it to the CMS.
+id to a ring; the export process (core/export_process.py) polls the record and writes it to the CMS.
 A store costs the engine thread a few microseconds and no system call: no socket write, no
 thread woken, no GIL handed to a thread of ours (bench llumlet measured 78 µs a step for the
 write from the engine thread, inside vLLM on CPU).
@@ -10,8 +10,9 @@ Layout (one memfd, both processes map it):
   [0, 64)        control: magic, layout version, `napping` (set by the exporter while it sleeps
                  on its pipe instead of polling; the engine then wakes it with one byte)
   [64, ...)      the status record: seq, the figures, seq again, CRC32
-  [RING_AT, +n)  admitted ids, each: u16 length, u32 CRC32, the id's UTF-8 bytes; a ring whose
-                 end (bytes ever written) the record carries
+  [RING_AT, +n)  admitted ids, each: u16 length, u32 CRC32 (of the bytes, seeded with the entry's
+                 position, so an old entry left at that place does not pass), the id's UTF-8
+                 bytes; a ring whose end (bytes ever written) the record carries
 
 Reads are lock-free: the writer rewrites the record whole (one memcpy); a reader that copied it
 mid-write sees the two seqs or the CRC disagree and reads again. The CRC also covers what the
@@ -58,7 +59,7 @@ def create_region() -> tuple[int, mmap.mmap]:
     """A fresh shared region: (its fd, to hand to the exporter; the engine's mapping)."""
     size = RING_AT + RING_SIZE
     if hasattr(os, "memfd_create"):
-        fd = os.memfd_create("pilotfish-llumlet", 0)
+        fd = os.memfd_create("pilotfish-llumlet")  # close-on-exec: pass_fds hands it to the exporter
     else:  # not Linux: an unlinked file in RAM where there is one
         with tempfile.TemporaryFile(dir="/dev/shm" if os.path.isdir("/dev/shm") else None) as handle:
             fd = os.dup(handle.fileno())
@@ -117,10 +118,10 @@ class HandoffWriter:
         view = self._view
         for i in range(max(0, len(admitted) - new), len(admitted)):
             raw = admitted[i][1].encode()
-            if len(raw) > MAX_ID_BYTES:
+            if not raw or len(raw) > MAX_ID_BYTES:
                 self.dropped_ids += 1
                 continue
-            entry = _ENTRY.pack(len(raw), zlib.crc32(raw)) + raw
+            entry = _ENTRY.pack(len(raw), zlib.crc32(raw, self._ring_end & 0xFFFFFFFF)) + raw
             at = self._ring_end % RING_SIZE
             first = min(len(entry), RING_SIZE - at)
             view[RING_AT + at : RING_AT + at + first] = entry[:first]
@@ -138,7 +139,7 @@ class HandoffReader:
         self._seq = 0
         self._ring_at = 0  # the ring position read up to
         self._bad_reads = 0
-        self.lost_ids = 0  # overrun or unreadable: the scheduler's account times these out instead
+        self.lost_ids = 0  # overruns or unreadable stretches (not ids): the scheduler's account times those out
 
     def changed(self) -> bool:
         """Whether a record newer than the last one polled is there."""
@@ -172,7 +173,11 @@ class HandoffReader:
             head = self._read(at, _ENTRY.size)
             length, crc = _ENTRY.unpack(head)
             raw = self._read(at + _ENTRY.size, length)
-            if length > MAX_ID_BYTES or at + _ENTRY.size + length > ring_end or zlib.crc32(raw) != crc:
+            if (
+                not 0 < length <= MAX_ID_BYTES
+                or at + _ENTRY.size + length > ring_end
+                or zlib.crc32(raw, at & 0xFFFFFFFF) != crc
+            ):
                 # not (yet) visible whole to this CPU: read again next poll; a lasting mismatch is
                 # damage, skipped
                 self._bad_reads += 1

@@ -111,7 +111,9 @@ class Llumlet:
         # sharing a process (the simulator's fleet): one child each would poll side by side.
         self.export_from_process = False
         self._exporter: ExportProcess | None = None
-        self._exporter_checked_s = 0.0
+        self._exporter_started_s = 0.0
+        self._exporter_watch: threading.Thread | None = None
+        self._parent_pid = 0  # the engine's parent at start (watch_parent): a child must not outlive it
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._write_block = _EventBlock(self, write=True)
@@ -218,29 +220,49 @@ class Llumlet:
             exporter.wake()
         self._dirty_since_ns = 0
         self.exports += 1
-        now = time.monotonic()
-        if now - self._exporter_checked_s >= _RESPAWN_EVERY_S:
-            self._exporter_checked_s = now
-            if not exporter.alive():
-                log.warning(
-                    "llumlet %s: the export process exited (code %s); starting another",
-                    self.instance_id,
-                    exporter.process.returncode,
-                )
-                try:
-                    self._start_exporter()
-                except Exception as exc:  # never into the engine: the next check tries again
-                    log.warning("llumlet %s: could not start an export process: %s", self.instance_id, exc)
-                else:
-                    exporter.stop(remove=False)
 
-    def _start_exporter(self) -> None:
-        """Under `lock` (or before the hooks run): a new export process, handed the current state."""
+    def _start_exporter(self, replacing: ExportProcess | None = None) -> ExportProcess:
+        """A new export process, ready, handed the current state; raises if it cannot start.
+
+        Started outside `lock` (the engine steps on while the child gets ready). If the export
+        process being replaced is no longer current (the llumlet stopped meanwhile), the new one
+        is stopped again and returned unused.
+        """
         from pilotfish.vllm_plugin.core.export_process import ExportProcess
 
-        self._exporter = ExportProcess(self.config, self.instance_id, self.metadata, self.watch_parent)
-        self._exporter.handoff.publish(self.state, self._dirty_since_ns)
-        self._dirty_since_ns = 0
+        exporter = ExportProcess(self.config, self.instance_id, self.metadata, self._parent_pid)
+        self._exporter_started_s = time.monotonic()
+        with self.lock:
+            current = self._exporter is replacing and not self._stop.is_set()
+            if current:
+                self._exporter = exporter
+                exporter.handoff.publish(self.state, self._dirty_since_ns)
+                self._dirty_since_ns = 0
+                self.state.changed = False
+        if not current:
+            exporter.stop(remove=True)
+        return exporter
+
+    def _watch_exporter(self) -> None:
+        """Export watcher thread: blocks until the export process exits; if the llumlet still
+        exports (and the engine's parent lives), starts another, at most every _RESPAWN_EVERY_S.
+        A thread, not a check in the hooks: an idle engine runs no hooks, and its keys would expire."""
+        while (exporter := self._exporter) is not None:
+            code = exporter.process.wait()
+            if self._exporter is not exporter:
+                return  # stopped (or replaced) by the llumlet itself
+            if self.watch_parent and os.getppid() != self._parent_pid:
+                log.warning("llumlet %s: the engine's parent process exited; no new export process", self.instance_id)
+                return
+            log.warning("llumlet %s: the export process exited (code %s); starting another", self.instance_id, code)
+            while self._exporter is exporter:
+                if self._stop.wait(max(0.0, self._exporter_started_s + _RESPAWN_EVERY_S - time.monotonic())):
+                    return
+                try:
+                    self._start_exporter(replacing=exporter)
+                except Exception as exc:  # tried again after the interval
+                    log.warning("llumlet %s: could not start an export process: %s", self.instance_id, exc)
+            exporter.stop(remove=False)  # reaped already: this closes its pipe and shared memory
 
     # ---- lifecycle ----------------------------------------------------------------------------
 
@@ -252,11 +274,11 @@ class Llumlet:
             self.metadata.llumlet_port = port
         # The export process takes the write off the engine's thread and process: the engine pays
         # a store to shared memory (core/handoff.py), no system call (bench llumlet).
+        if self.watch_parent:
+            self._parent_pid = os.getppid()
         if self.export_from_process and self.config.export_process:
             try:
-                with self.lock:
-                    self._start_exporter()
-                    self.state.changed = False
+                exporter = self._start_exporter()
             except Exception as exc:  # the engine runs on; its writes go out from here instead
                 log.warning(
                     "llumlet %s: could not start the export process (%s); writing from the engine's process",
@@ -264,14 +286,17 @@ class Llumlet:
                     exc,
                 )
             else:
-                self._exporter_checked_s = time.monotonic()
                 self.writer.close()  # the child holds its own connection
+                self._exporter_watch = threading.Thread(
+                    target=self._watch_exporter, name="pilotfish-llumlet-export-watch", daemon=True
+                )
+                self._exporter_watch.start()
                 log.info(
                     "llumlet %s exporting to %s (cluster %s) from process %d, gRPC on %s:%s",
                     self.instance_id,
                     _redacted(self.config.cms_url),
                     self.config.cluster,
-                    self._exporter.process.pid,  # type: ignore[union-attr]
+                    exporter.process.pid,
                     self.config.llumlet_host,
                     self.metadata.llumlet_port or "-",
                 )
@@ -305,10 +330,20 @@ class Llumlet:
     def stop(self, remove: bool = True) -> None:
         """Stop exporting; `remove` deletes the keys so readers drop us now, not after the TTL."""
         if self._exporter is not None:
+            self._stop.set()  # no new export process from here on
+            self._stop_services()  # first: what migration's shutdown changes still goes out
             with self.lock:
                 exporter, self._exporter = self._exporter, None
-            exporter.stop(remove)  # the child logs its own figures
-            self._stop_services()
+            # the child logs its own figures; a dead one cannot delete the keys: done from here then
+            if exporter is not None and not exporter.stop(remove) and remove:
+                try:
+                    self.writer.remove()
+                except Exception as exc:
+                    log.warning("llumlet %s: could not remove CMS keys at shutdown: %s", self.instance_id, exc)
+                self.writer.close()
+            if self._exporter_watch is not None:
+                self._exporter_watch.join(timeout=10)
+                self._exporter_watch = None
             return
         if self._thread is None:
             return

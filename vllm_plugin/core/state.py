@@ -210,6 +210,8 @@ class LoadState:
         """Every request here is a running decode and sampled exactly one token (the adapter checked
         that: no waiting, no running prefill, each one scheduled for one token). O(1): the requests
         are brought up to date when an event next names one (_sync)."""
+        if self.num_waiting or self.num_running_prefill:
+            return  # not all decoding: the caller's check failed; the next visit per request catches up
         self.decode_steps += 1
         self.running_decode_seq_len_sum += self.num_running_decode
         self.changed = True

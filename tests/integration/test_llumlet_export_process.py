@@ -179,13 +179,17 @@ def test_stopping_after_the_export_process_died_still_removes_the_keys(redis_ser
     assert client.exists(keys.status_key("t", "e0"), keys.meta_key("t", "e0")) == 0
 
 
-def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch):
+@pytest.mark.parametrize("how", ["spawn refused", "never ready"])
+def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch, how):
     from pilotfish.vllm_plugin.core import export_process
 
     def refuse(*_args: object, **_kw: object) -> None:
         raise OSError("fork refused")
 
-    monkeypatch.setattr(export_process.ExportProcess, "__init__", refuse)
+    if how == "spawn refused":
+        monkeypatch.setattr(export_process.ExportProcess, "__init__", refuse)
+    else:
+        monkeypatch.setattr(export_process.sys, "executable", "/bin/false")  # a real child that exits at once
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url)
     llumlet.start(serve_grpc=False)
@@ -197,19 +201,3 @@ def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_pro
     finally:
         llumlet.stop()
     assert client.exists(keys.status_key("t", "e0")) == 0
-
-
-def test_an_export_process_that_never_gets_ready_leaves_the_writes_to_the_engine_process(redis_service, monkeypatch):
-    from pilotfish.vllm_plugin.core import export_process
-
-    monkeypatch.setattr(export_process.sys, "executable", "/bin/false")  # a child that exits at once
-    client = redis.Redis.from_url(redis_service.url)
-    llumlet = make_llumlet(redis_service.url)
-    llumlet.start(serve_grpc=False)
-    try:
-        assert llumlet._exporter is None
-        with llumlet.events() as s:
-            s.added("r1", 10)
-        wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="a write from the engine's process")
-    finally:
-        llumlet.stop()

@@ -15,15 +15,7 @@ from pilotfish.vllm_plugin.core import export_process, handoff
 from pilotfish.vllm_plugin.core.export_process import STOP_KEEP, STOP_REMOVE, Exporter, exporter_cpus
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, create_region, map_region
 from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS, LoadState, counter_values
-
-
-def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if value := condition():
-            return value
-        time.sleep(0.005)
-    raise AssertionError(f"timed out waiting for {what}")
+from tests.integration.test_llumlet_cms import wait_for
 
 
 @pytest.fixture

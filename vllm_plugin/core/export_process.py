@@ -36,7 +36,7 @@ from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, Record, create_region, map_region
-from pilotfish.vllm_plugin.core.llumlet_stats import BACKOFF_S, export_summary
+from pilotfish.vllm_plugin.core.llumlet_stats import Outage, export_summary
 from pilotfish.vllm_plugin.core.state import status_record
 
 log = logging.getLogger("pilotfish.llumlet")
@@ -177,9 +177,13 @@ class Exporter:
         self._meta_update_id = 0
         self._dirty_since_ns = 0
         self.exports = 0
-        self.write_failures = 0
+        self._outage = Outage(instance_id)
         self.staleness_us: deque[float] = deque(maxlen=100_000)
         self.terminated = False  # SIGTERM: stop as if told to, removing the keys
+
+    @property
+    def write_failures(self) -> int:
+        return self._outage.total
 
     # ---- the loop -------------------------------------------------------------------------------
 
@@ -194,7 +198,6 @@ class Exporter:
         next_watch = 0.0
         last_change = time.monotonic()
         pending = False
-        failures = 0
         nap_id = 0
         while True:
             now = time.monotonic()
@@ -223,17 +226,11 @@ class Exporter:
                         self._write_status()
                         last_write = time.monotonic()
                     pending = False
-                    if failures:
-                        log.warning("llumlet %s: CMS reachable again after %d failures", self.instance_id, failures)
-                    failures = 0
+                    self._outage.succeeded()
                 except Exception as exc:
-                    self.write_failures += 1
-                    if failures == 0:
-                        log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
-                    failures += 1
                     pending = True
                     next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
-                    if (stop := self._wait(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])) is not None:
+                    if (stop := self._wait(self._outage.failed(exc))) is not None:
                         return self._finish(remove=stop, pending=pending)
                     continue
             if now - last_change < _NAP_AFTER_S:

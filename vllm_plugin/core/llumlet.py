@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
-from pilotfish.vllm_plugin.core.llumlet_stats import BACKOFF_S, export_summary
+from pilotfish.vllm_plugin.core.llumlet_stats import Outage, export_summary
 from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
 from pilotfish.vllm_plugin.core.state import LoadState
 
@@ -123,7 +123,7 @@ class Llumlet:
         # counters, for tests, benchmarks and logs
         self.exports = 0
         self.inline_exports = 0  # of them, written from the engine's thread
-        self.write_failures = 0
+        self._outage = Outage(instance_id)
         self._meta_update_id = 0
         # event -> Redis acknowledged, per write, from the oldest event it carries (µs); a
         # bounded sample, logged at shutdown so any engine reports its own staleness
@@ -137,6 +137,10 @@ class Llumlet:
         self.engine_cpu_start_ns = 0
         self.engine_cpu_ns = 0
         self.export_cpu_ns = 0
+
+    @property
+    def write_failures(self) -> int:
+        return self._outage.total
 
     @property
     def migration_adapter(self) -> MigrationAdapter | None:
@@ -441,7 +445,6 @@ class Llumlet:
         min_gap_s = self.config.min_export_interval_us / 1e6
         next_refresh = 0.0  # metadata first, so a reader never sees status without metadata
         last_write = 0.0
-        failures = 0
         stats_every = self.config.stats_log_s
         next_stats = time.monotonic() + stats_every
         parent = os.getppid()
@@ -486,16 +489,10 @@ class Llumlet:
                         next_stats = time.monotonic() + stats_every
                 self.export_once()
                 last_write = time.monotonic()
-                if failures:
-                    log.warning("llumlet %s: CMS reachable again after %d failed writes", self.instance_id, failures)
-                failures = 0
+                self._outage.succeeded()
             except Exception as exc:
-                self.write_failures += 1
-                if failures == 0:
-                    log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
-                failures += 1
                 next_refresh = 0.0  # re-send metadata too: the keys may have expired meanwhile
-                self._stop.wait(BACKOFF_S[min(failures, len(BACKOFF_S)) - 1])
+                self._stop.wait(self._outage.failed(exc))
 
 
 class _EventBlock:

@@ -2,11 +2,36 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+
+log = logging.getLogger("pilotfish.llumlet")
 
 # Backoff while Redis is unreachable: the state keeps changing meanwhile and only the latest
 # matters, so a short cap gets the CMS current again soon after Redis returns.
 BACKOFF_S = (0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class Outage:
+    """A writer's failed CMS writes: one WARNING as an outage starts and one as it ends, the backoff between."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self.failures = 0  # in a row, the current outage
+        self.total = 0
+
+    def failed(self, exc: Exception) -> float:
+        """Count a failure; the seconds to wait before the next try."""
+        self.total += 1
+        if self.failures == 0:
+            log.warning("llumlet %s: CMS write failed, retrying with backoff: %s", self.instance_id, exc)
+        self.failures += 1
+        return BACKOFF_S[min(self.failures, len(BACKOFF_S)) - 1]
+
+    def succeeded(self) -> None:
+        if self.failures:
+            log.warning("llumlet %s: CMS reachable again after %d failed writes", self.instance_id, self.failures)
+        self.failures = 0
 
 
 def export_summary(

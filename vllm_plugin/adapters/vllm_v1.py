@@ -212,13 +212,18 @@ class _LlumletHooks:
         llumlet = self.llumlet
         cpu0 = time.thread_time_ns() if llumlet.profiling else 0
         self._schedule_t0[id(scheduler_output)] = time.perf_counter()
+        s = llumlet.state
+        if not (s.num_waiting or s.num_running_prefill):
+            # Every request we know decodes: scheduling one moves no load (its token does, in
+            # update_from_output), and the blocks it allocated ride with that hook's write. Read
+            # without the lock: only this thread changes these two counts.
+            if cpu0:
+                llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
+            return
         requests = self.requests  # type: ignore[attr-defined]
         with llumlet.events() as s:
             tracked = s.requests
-            # every request we know is decoding (no waiting, no running prefill): nothing below
-            # would act on any of them, so a decode step skips the loop
-            scheduled = scheduler_output.num_scheduled_tokens if s.num_waiting or s.num_running_prefill else ()
-            for req_id in scheduled:
+            for req_id in scheduler_output.num_scheduled_tokens:
                 t = tracked.get(req_id)
                 if t is None:
                     continue
@@ -260,7 +265,12 @@ class _LlumletHooks:
                 and not s.num_waiting
                 and not s.num_running_prefill  # so every request we track decodes...
                 and tracked
-                and len(scheduled.keys() & tracked.keys()) == len(tracked)  # ...and was scheduled
+                # ...and was scheduled: the same count, when no request finished this step (they
+                # are freed above, so they are in `scheduled` alone), costs no set of the ids
+                and (
+                    (len(scheduled) == len(tracked) and all(map(tracked.__contains__, scheduled)))
+                    or len(scheduled.keys() & tracked.keys()) == len(tracked)
+                )
             ):
                 # the steady decode step: each sampled one token (those that finished were freed
                 # above); O(1) in the batch, where the loop below visits every request

@@ -39,6 +39,9 @@ _HEAD_FIELDS = ("seq", "update_id", "dirty_since_ns", "ring_end", "hook_cpu_ns",
 _BODY = struct.Struct("<" + "q" * (len(_HEAD_FIELDS) + len(COUNTER_FIELDS)))
 _TAIL = struct.Struct("<qI")  # seq again, CRC32 of the body
 RECORD_SIZE = _BODY.size + _TAIL.size
+_TAIL_AT = RECORD_AT + _BODY.size
+_NAPPING = struct.Struct("<Q")
+_NAPPING_AT = _CONTROL.size - _NAPPING.size
 RING_AT = 1024
 RING_SIZE = 1 << 20  # ~20,000 ids of 50 bytes: the exporter drains it every poll
 _ENTRY = struct.Struct("<HI")
@@ -84,6 +87,7 @@ class HandoffWriter:
     def __init__(self, region: mmap.mmap) -> None:
         self._region = region
         self._view = memoryview(region)
+        self._body = self._view[RECORD_AT : RECORD_AT + _BODY.size]
         self._seq = 0
         self._ring_end = 0
         self._pushed = 0  # admitted ids handed over so far (LoadState.admitted_total)
@@ -96,20 +100,24 @@ class HandoffWriter:
         new = state.admitted_total - self._pushed
         if new:
             self._push_ids(state, new)
-        state.trim_admitted()  # GetStatus's window; the exporter keeps its own
-        self._seq += 1
-        body = _BODY.pack(
-            self._seq, state.next_update_id(), dirty_since_ns, self._ring_end, hook_cpu_ns, engine_cpu_ns,
-            *counter_values(state),
+        if state.admitted:
+            state.trim_admitted()  # GetStatus's window; the exporter keeps its own
+        self._seq = seq = self._seq + 1
+        # stored in place, no bytes object between: this runs once a step on the engine's thread
+        region = self._region
+        _BODY.pack_into(
+            region, RECORD_AT, seq, state.next_update_id(), dirty_since_ns, self._ring_end, hook_cpu_ns,
+            engine_cpu_ns, *counter_values(state),
         )  # fmt: skip
-        self._view[RECORD_AT : RECORD_AT + RECORD_SIZE] = body + _TAIL.pack(self._seq, zlib.crc32(body))
-        napping = _CONTROL.unpack_from(self._region, 0)[2]
+        _TAIL.pack_into(region, _TAIL_AT, seq, zlib.crc32(self._body))
+        napping = _NAPPING.unpack_from(region, _NAPPING_AT)[0]
         if napping and napping != self._woken:
             self._woken = napping
             return napping
         return 0
 
     def close(self) -> None:
+        self._body.release()
         self._view.release()
         self._region.close()
 

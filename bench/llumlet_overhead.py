@@ -1,16 +1,20 @@
 """Overhead of the llumlet on real vLLM (CPU): throughput and step time with and without it.
 
 All engines run in the same run, on the same tiny local Llama (dummy weights), with the same
-flags: one with vLLM's default scheduler (baseline), one with the llumlet's scheduler exporting
-to a loopback redis-server (plugin: default settings, its writes made by the export process),
+flags: one with vLLM's own scheduler (baseline, under the probe below), one with the llumlet's
+scheduler exporting to a loopback redis-server (plugin: default settings, its writes made by the
+export process),
 and by default a second plugin engine that writes from vLLM's engine thread, as the llumlet did
 before the export process (`--variant`, which names any other settings to compare). Only one
 engine serves at a time: rounds go A B C C B A ... so drift of the machine (a loaded two-core
 box) falls on all of them.
 
 Per round: --requests streamed completions (fixed prompt, --max-tokens each, ignore_eos) at
---concurrency. Throughput = output tokens / wall time of the round. Step time = the median gap
-between consecutive tokens of a stream (every stream decodes once per engine step).
+--concurrency. Throughput = output tokens / wall time of the round. Step time = vLLM's mean
+inter-token latency (every stream decodes once per engine step). Scheduling CPU = the engine
+thread's CPU in vLLM's scheduler methods per step, timed by the same probe in every engine
+(llumlet_probe.py; the baseline is vLLM's own scheduler under it): the precise measure of what
+the llumlet adds to a step, where throughput on a shared machine moves by more than the goal.
 """
 
 from __future__ import annotations
@@ -34,6 +38,10 @@ from pilotfish.procs import descendants
 
 NAME = "llumlet_overhead"
 DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
+# Every engine runs under the probe (llumlet_probe.py): the engine thread's CPU spent scheduling
+PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
+PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
+PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 _EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
@@ -120,6 +128,27 @@ def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
         before = now
 
 
+PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods the probe times
+
+
+def read_probe(path: Path) -> tuple[int, ...]:
+    """(steps, then CPU ns in each of PROBED) an engine's probe has counted so far; zeros before it wrote any."""
+    try:
+        values = tuple(int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        values = ()
+    return values if len(values) == 1 + len(PROBED) else (0,) * (1 + len(PROBED))
+
+
+def _sched_cpu_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
+    """The probe's CPU per step between two readings, in µs: in all, and in each of PROBED; {} when no step ran."""
+    steps = after[0] - before[0]
+    if steps <= 0:
+        return {}
+    each = {name: (after[i] - before[i]) / steps / 1000 for i, name in enumerate(PROBED, 1)}
+    return {"sched_cpu_us_per_step": sum(each.values()), **{f"{name}_cpu_us_per_step": v for name, v in each.items()}}
+
+
 def _itl_metrics(port: int) -> tuple[float, float]:
     """(sum, count) of vLLM's inter-token latency histogram: the server's view of step time."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
@@ -203,6 +232,24 @@ def _costs(
     paired = [
         p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds, base_rounds, strict=True) if b["tokens_per_s"]
     ]
+    # the probe: the engine thread's scheduling CPU, this engine's round less the baseline's of the cycle
+    added = [
+        p["sched_cpu_us_per_step"] - b["sched_cpu_us_per_step"]
+        for p, b in zip(rounds, base_rounds, strict=True)
+        if p["sched_cpu_us_per_step"] and b["sched_cpu_us_per_step"]  # a round whose probe counted no step: none
+    ]
+    added_us = statistics.fmean(added) if added else None
+    # The same, with the baseline round's CPU first scaled to this round's machine speed, read from
+    # `schedule`: a decode step's schedule hook returns at once, and vLLM's own scheduling CPU moves
+    # with the machine by ±15% between rounds (the plain difference above carries that). Reads low
+    # by about what the llumlet does spend in schedule, times total / schedule.
+    scaled = [
+        p["sched_cpu_us_per_step"]
+        - b["sched_cpu_us_per_step"] * p["schedule_cpu_us_per_step"] / b["schedule_cpu_us_per_step"]
+        for p, b in zip(rounds, base_rounds, strict=True)
+        if p.get("schedule_cpu_us_per_step") and b.get("schedule_cpu_us_per_step")
+    ]
+    scaled_us = statistics.fmean(scaled) if scaled else None
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
     return {
@@ -211,6 +258,16 @@ def _costs(
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
         "export_cpu_us_per_step": _us_per_step(report, "export (?:thread|process)"),
         "inline_write_cpu_us_per_step": _us_per_step(report, "writing"),  # of the hooks' figure
+        "sched_cpu_added_us_per_step": round(added_us, 2) if added_us is not None else None,
+        "sched_cpu_added_ci95_us": round(_ci95(added), 2) if added else None,
+        "sched_cpu_added_pct_of_step": (
+            round(100 * added_us / 1000 / base["step_ms"], 3) if added_us is not None and base["step_ms"] else None
+        ),
+        "sched_cpu_added_at_speed_us_per_step": round(scaled_us, 2) if scaled_us is not None else None,
+        "sched_cpu_added_at_speed_ci95_us": round(_ci95(scaled), 2) if scaled else None,
+        "sched_cpu_added_at_speed_pct_of_step": (
+            round(100 * scaled_us / 1000 / base["step_ms"], 3) if scaled_us is not None and base["step_ms"] else None
+        ),
         "throughput_overhead_pct": (
             round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2) if base["tokens_per_s"] else None
         ),
@@ -231,6 +288,15 @@ def _pct_over(value: float, base: float) -> float | None:
 
 def _shown(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
+
+
+def _split(figures: dict[str, Any]) -> str:
+    """The probe's CPU per step in each scheduler method, 'a + b + c'."""
+    return " + ".join(f"{figures[name + '_cpu_us_per_step']:.1f}" for name in PROBED)
+
+
+def _signed_us(value: float | None, ci95: float | None) -> str:
+    return "-" if value is None else f"{value:+.1f} ± {ci95 or 0:.1f}"
 
 
 def _signed(value: float | None, ci95: float | None = None) -> str:
@@ -343,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
         model = testing.build_tiny_llama(args.model_dir or work / "model")
         redis = services.start_redis(work / "redis")
         engines: dict[str, Any] = {}
+        probes: dict[str, Path] = {}
         # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
         # which a loaded machine inflates far less than wall time)
         common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
@@ -354,9 +421,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             for label, env in settings.items():
                 print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
+                probes[label] = work / label / "probe.txt"
                 with pinned(vllm_cpus):
                     child, url = testing.start_vllm(
-                        model, work / label, llumlet_env=env, with_plugin=env is not None,
+                        model, work / label, llumlet_env={**(env or {}), PROBE_FILE_ENV: str(probes[label])},
+                        scheduler_cls=PROBED_VLLM if env is None else PROBED_LLUMLET,
                         extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
                         worker_cpus=worker_cpus(vllm_cpus),
                     )  # fmt: skip
@@ -369,10 +438,14 @@ def run(args: argparse.Namespace) -> int:
             for i in range(args.rounds * len(labels)):
                 label = order[i % len(order)]
                 child, port = engines[label]
-                rounds[label].append(r := _round(port, args, child.pid))
-                _wait_quiet(child.pid)
+                probe0 = read_probe(probes[label])
+                r = _round(port, args, child.pid)
+                _wait_quiet(child.pid)  # the engine's last step has run: its probe wrote the round's end
+                r.update(_sched_cpu_us(probe0, read_probe(probes[label])) or {"sched_cpu_us_per_step": 0.0})
+                rounds[label].append(r)
                 print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
-                      f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token", flush=True)  # fmt: skip
+                      f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
+                      f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step", flush=True)  # fmt: skip
         finally:
             for child, _ in engines.values():
                 child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
@@ -382,8 +455,9 @@ def run(args: argparse.Namespace) -> int:
     for label, rs in rounds.items():
         summary[label] = {"rounds": rs}
         for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "exporter_cpu_ms_per_token",
-                    "vllm_cpu_ms_per_token"):  # fmt: skip
-            values = [r[key] for r in rs]
+                    "vllm_cpu_ms_per_token", "sched_cpu_us_per_step",
+                    *(f"{name}_cpu_us_per_step" for name in PROBED)):  # fmt: skip
+            values = [r.get(key, 0.0) for r in rs]
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
     base = summary["baseline"]
@@ -411,16 +485,33 @@ def run(args: argparse.Namespace) -> int:
         + ". ± is a 95% interval."
         + "".join(f" `{v}`: {', '.join(f'{k}={x}' for k, x in variants[v].items())}." for v in variants)
         + (f" Every plugin engine: {', '.join(args.llumlet_env)}." if args.llumlet_env else ""), "",
-        "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine-core CPU ms/token "
-        "| export process CPU ms/token | all vLLM CPU ms/token (the export process's too) |",
-        "|---|---|---|---|---|---|",
+        "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine thread's scheduling CPU "
+        f"(µs/step, the probe: {' + '.join(PROBED)}) | engine-core CPU ms/token | export process CPU ms/token "
+        "| all vLLM CPU ms/token (the export process's too) |",
+        "|---|---|---|---|---|---|---|",
         *(
             f"| {names[label]} | {e['tokens_per_s']:.1f} ± {e['tokens_per_s_ci95']:.1f} | {e['step_ms']:.3f} ± "
-            f"{e['step_ms_ci95']:.3f} | {e['engine_core_cpu_ms_per_token']:.4f} ± "
+            f"{e['step_ms_ci95']:.3f} | {e['sched_cpu_us_per_step']:.1f} ± {e['sched_cpu_us_per_step_ci95']:.1f} "
+            f"({_split(e)}) | "
+            f"{e['engine_core_cpu_ms_per_token']:.4f} ± "
             f"{e['engine_core_cpu_ms_per_token_ci95']:.4f} | {e['exporter_cpu_ms_per_token']:.4f} | "
             f"{e['vllm_cpu_ms_per_token']:.4f} ± "
             f"{e['vllm_cpu_ms_per_token_ci95']:.4f} |"
             for label, e in summary.items()
+        ),
+        "",
+        "What the llumlet adds to the engine thread's CPU in vLLM's scheduler (add_request, schedule, "
+        "update_from_output, timed by the same probe in every engine; paired: each round less the baseline "
+        "round of its cycle), and that as a share of vLLM's step (goal <= 1%):", "",
+        "| engine | scheduling CPU added (µs/step) | of vLLM's step | the same, the baseline scaled to each round's "
+        "speed (by `schedule`'s CPU) | of vLLM's step | the llumlet's own account of its hooks (µs/step) |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {names[label]} | {_signed_us(c['sched_cpu_added_us_per_step'], c['sched_cpu_added_ci95_us'])} | "
+            f"{_signed(c['sched_cpu_added_pct_of_step'])} | "
+            f"{_signed_us(c['sched_cpu_added_at_speed_us_per_step'], c['sched_cpu_added_at_speed_ci95_us'])} | "
+            f"{_signed(c['sched_cpu_added_at_speed_pct_of_step'])} | {_shown(c['hook_cpu_us_per_step'])} |"
+            for label, c in costs.items()
         ),
         "",
         "Cost against vLLM alone (goal <= 1%). Paired: each round against the baseline round of the same "

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import statistics
+from pathlib import Path
 
 import pytest
 
@@ -44,8 +46,16 @@ def test_every_engine_serves_as_many_rounds_and_each_cycle_mirrors(rounds: int) 
 
 
 def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
-    base_rounds = [{"tokens_per_s": 100.0}, {"tokens_per_s": 200.0}]
-    plug_rounds = [{"tokens_per_s": 95.0}, {"tokens_per_s": 190.0}]  # 5% slower in each cycle
+    base_rounds = [
+        {"tokens_per_s": 100.0, "sched_cpu_us_per_step": 400.0, "schedule_cpu_us_per_step": 250.0},
+        {"tokens_per_s": 200.0, "sched_cpu_us_per_step": 600.0, "schedule_cpu_us_per_step": 250.0},
+    ]
+    # 5% slower in each cycle; the scheduling CPU 30 and 50 us more than the same cycle's baseline;
+    # in the second cycle the machine ran the plugin's round 10% slower (schedule 275 against 250)
+    plug_rounds = [
+        {"tokens_per_s": 95.0, "sched_cpu_us_per_step": 430.0, "schedule_cpu_us_per_step": 250.0},
+        {"tokens_per_s": 190.0, "sched_cpu_us_per_step": 650.0, "schedule_cpu_us_per_step": 275.0},
+    ]
     base = {"tokens_per_s": 150.0, "step_ms": 4.0, "engine_core_cpu_ms_per_token": 0.05, "vllm_cpu_ms_per_token": 0.3}
     plug = {"tokens_per_s": 142.5, "step_ms": 4.2, "engine_core_cpu_ms_per_token": 0.06, "vllm_cpu_ms_per_token": 0.3}
     report = (
@@ -54,6 +64,11 @@ def test_costs_are_paired_by_round_and_read_the_llumlets_report() -> None:
         "of the hooks, writing 21.5 us (1.10 writes)"
     )
     costs = bench._costs(plug_rounds, base_rounds, plug, base, report)
+    assert costs["sched_cpu_added_us_per_step"] == pytest.approx(40.0)
+    assert costs["sched_cpu_added_ci95_us"] == pytest.approx(1.96 * statistics.stdev([30.0, 50.0]) / 2**0.5, abs=0.01)
+    assert costs["sched_cpu_added_pct_of_step"] == pytest.approx(1.0)  # 40 us of a 4 ms step
+    # at the machine's speed: 430 - 400 and 650 - 600 * 1.1
+    assert costs["sched_cpu_added_at_speed_us_per_step"] == pytest.approx((30.0 - 10.0) / 2)
     assert costs["paired_throughput_overhead_pct"] == pytest.approx(5.0)
     assert costs["paired_throughput_overhead_ci95_pct"] == pytest.approx(0.0)
     assert costs["step_time_overhead_pct"] == pytest.approx(5.0)
@@ -84,7 +99,34 @@ def test_a_llumlet_setting_keeps_the_commas_in_its_value() -> None:
 def test_a_baseline_that_measured_nothing_gives_no_figure_not_a_crash() -> None:
     zero = {"tokens_per_s": 0.0, "step_ms": 0.0, "engine_core_cpu_ms_per_token": 0.0, "vllm_cpu_ms_per_token": 0.0}
     plug = {"tokens_per_s": 90.0, "step_ms": 4.0, "engine_core_cpu_ms_per_token": 0.05, "vllm_cpu_ms_per_token": 0.3}
-    costs = bench._costs([{"tokens_per_s": 90.0}], [{"tokens_per_s": 0.0}], plug, zero, "hooks 4.0 us")
+    costs = bench._costs(
+        [{"tokens_per_s": 90.0, "sched_cpu_us_per_step": 400.0}],
+        [{"tokens_per_s": 0.0, "sched_cpu_us_per_step": 0.0}],
+        plug,
+        zero,
+        "hooks 4.0 us",
+    )
     assert costs["throughput_overhead_pct"] is None and costs["paired_throughput_overhead_pct"] is None
+    assert costs["sched_cpu_added_us_per_step"] is None and costs["sched_cpu_added_pct_of_step"] is None
     assert costs["step_time_overhead_pct"] is None and costs["hook_cpu_pct_of_step"] is None
     assert bench._signed(costs["paired_throughput_overhead_pct"], costs["paired_throughput_overhead_ci95_pct"]) == "-"
+
+
+def test_the_probe_is_read_as_cpu_per_step_between_two_readings(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.txt"
+    assert bench.read_probe(probe) == (0, 0, 0, 0)  # the engine has not written it yet
+    probe.write_text("not a probe\n")
+    assert bench.read_probe(probe) == (0, 0, 0, 0)
+    probe.write_text("120 1000000 2000000 3000000\n")
+    before = bench.read_probe(probe)
+    # 400 steps later: 0.4 ms more in add_request, 8 ms in schedule, 12 ms in update_from_output
+    probe.write_text("520 1400000 10000000 15000000\n")
+    assert bench._sched_cpu_us(before, bench.read_probe(probe)) == pytest.approx(
+        {
+            "sched_cpu_us_per_step": 51.0,
+            "add_request_cpu_us_per_step": 1.0,
+            "schedule_cpu_us_per_step": 20.0,
+            "update_from_output_cpu_us_per_step": 30.0,
+        }
+    )
+    assert bench._sched_cpu_us(before, before) == {}  # no step ran

@@ -1,0 +1,81 @@
+"""bench llumlet's probe inside vLLM: the engine thread's CPU spent scheduling, per step.
+
+Throughput on a shared two-core machine moves between rounds by ten times the 1% goal. What
+the llumlet adds to a step is CPU on vLLM's engine-core thread, inside the scheduler methods
+its hooks run in: `add_request`, `schedule` (which calls `_update_after_schedule`) and
+`update_from_output` (which calls `_free_request`). The probe times those with the thread's CPU
+clock, which leaves out the wait for the model (the worker runs in another process) and time
+the thread spent preempted by other processes. Both arms of the benchmark run under the same
+probe (`ProbedScheduler`: vLLM's own scheduler; `ProbedLlumletScheduler`: the llumlet's), so the
+difference per step is the llumlet's cost on the step's critical path, the probe's own two clock
+reads a call falling on both.
+
+The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE ("steps add_request_ns
+schedule_ns update_from_output_ns"),
+replaced every 32 steps and whenever the engine has no request left, so the benchmark reads
+them between rounds. Only the synchronous scheduler is probed: vLLM on CPU runs no other.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from time import thread_time_ns
+from typing import Any
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from pilotfish.bench.llumlet_overhead import PROBE_FILE_ENV
+from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
+
+_FLUSH_EVERY = 32  # steps
+
+
+class _Probe:
+    """Mixed in before the scheduler class it times; `self` is that scheduler."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        path = os.environ.get(PROBE_FILE_ENV)
+        self._probe_file = Path(path) if path else None
+        self._probe_steps = 0
+        self._probe_add_ns = self._probe_schedule_ns = self._probe_update_ns = 0
+        self._probe_flush()
+
+    def add_request(self, request: Any) -> None:
+        t0 = thread_time_ns()
+        super().add_request(request)  # type: ignore[misc]
+        self._probe_add_ns += thread_time_ns() - t0
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = thread_time_ns()
+        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        self._probe_schedule_ns += thread_time_ns() - t0
+        return output
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        t0 = thread_time_ns()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self._probe_update_ns += thread_time_ns() - t0
+        if scheduler_output.total_num_scheduled_tokens:
+            self._probe_steps += 1
+            if self._probe_steps % _FLUSH_EVERY == 0 or not self.requests:  # type: ignore[attr-defined]
+                self._probe_flush()
+        return outputs
+
+    def _probe_flush(self) -> None:
+        if self._probe_file is None:
+            return
+        staged = self._probe_file.with_suffix(".tmp")
+        staged.write_text(
+            f"{self._probe_steps} {self._probe_add_ns} {self._probe_schedule_ns} {self._probe_update_ns}\n"
+        )
+        os.replace(staged, self._probe_file)  # whole, for a reader in another process
+
+
+class ProbedScheduler(_Probe, Scheduler):
+    """vLLM's scheduler, probed: the benchmark's baseline."""
+
+
+class ProbedLlumletScheduler(_Probe, LlumletSyncScheduler):
+    """The llumlet's scheduler, probed."""

@@ -166,12 +166,16 @@ class _LlumletHooks:
         sched: Any = self
         is_new = request.request_id not in sched.requests
         super().add_request(request)  # type: ignore[misc]
-        if self.llumlet is not None and is_new and request.request_id in sched.requests:
+        llumlet = self.llumlet
+        if llumlet is not None and is_new and request.request_id in sched.requests:
+            cpu0 = time.thread_time_ns() if llumlet.profiling else 0
             exported = external_id(request, self._randomized_ids)
             self._internal_ids[exported] = request.request_id
             # vLLM schedules right after admitting (it has a request now): that hook writes both
-            with self.llumlet.events(write=False) as s:
+            with llumlet.events(write=False) as s:
                 s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens, exported)
+            if cpu0:
+                llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
 
     def finish_requests(self, request_ids: Any, finished_status: RequestStatus) -> list[Request]:
         if self.migration is not None:
@@ -188,20 +192,28 @@ class _LlumletHooks:
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
         result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
-        if self.llumlet is not None:
+        llumlet = self.llumlet
+        if llumlet is not None:
+            cpu0 = time.thread_time_ns() if llumlet.profiling else 0
             self._internal_ids.pop(external_id(request, self._randomized_ids), None)
             # inside a step's output handling, our update_from_output block follows and writes it
-            with self.llumlet.events(write=not self._in_update) as s:
+            with llumlet.events(write=not self._in_update) as s:
                 s.finished(request.request_id)
                 s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+            if cpu0:
+                llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
         return result
 
     def _preempt_request(self, request: Request, timestamp: float, *args: Any, **kwargs: Any) -> None:
         super()._preempt_request(request, timestamp, *args, **kwargs)  # type: ignore[misc]
-        if self.llumlet is not None:
-            with self.llumlet.events() as s:
+        llumlet = self.llumlet
+        if llumlet is not None:
+            cpu0 = time.thread_time_ns() if llumlet.profiling else 0
+            with llumlet.events() as s:
                 s.preempted(request.request_id)
                 s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+            if cpu0:
+                llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
 
     # ---- one step -------------------------------------------------------------------------
 

@@ -29,6 +29,8 @@ from pilotfish.scheduler.session_frames import HELLO, FrameError, FrameReader, f
 
 log = logging.getLogger(__name__)
 
+_CLOSE_WAIT_S = 1.0  # how long a closing Session waits for the scheduler to read what was written
+
 # Scheduler answers that are the client's fault, not the scheduler's: passed on, never retried.
 _CLIENT_ERRORS = {
     grpc.StatusCode.NOT_FOUND: 404,
@@ -168,6 +170,15 @@ class _Session(_SessionBase):
             self._end(reason)
 
     async def close(self) -> None:
+        """Half-close, so the scheduler reads every message written (a report or release written
+        just before would otherwise race the cancel and be lost), wait a moment for it to end
+        the call, then cancel whatever is left."""
+        if self.up:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(_CLOSE_WAIT_S):
+                    async with self._lock:  # after any write in progress
+                        await self._call.done_writing()
+                    await asyncio.shield(self._reader)  # the scheduler's end of the call: EOF
         self._call.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader

@@ -42,6 +42,7 @@ DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
 PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
+PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order
 _EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
@@ -128,9 +129,6 @@ def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
         before = now
 
 
-PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods the probe times
-
-
 def read_probe(path: Path) -> tuple[int, ...]:
     """(steps, then CPU ns in each of PROBED) an engine's probe has counted so far; zeros before it wrote any."""
     try:
@@ -141,11 +139,9 @@ def read_probe(path: Path) -> tuple[int, ...]:
 
 
 def _sched_cpu_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
-    """The probe's CPU per step between two readings, in µs: in all, and in each of PROBED; {} when no step ran."""
+    """The probe's CPU per step between two readings, in µs: in all, and in each of PROBED; zeros when no step ran."""
     steps = after[0] - before[0]
-    if steps <= 0:
-        return {}
-    each = {name: (after[i] - before[i]) / steps / 1000 for i, name in enumerate(PROBED, 1)}
+    each = {name: (after[i] - before[i]) / steps / 1000 if steps > 0 else 0.0 for i, name in enumerate(PROBED, 1)}
     return {"sched_cpu_us_per_step": sum(each.values()), **{f"{name}_cpu_us_per_step": v for name, v in each.items()}}
 
 
@@ -232,24 +228,23 @@ def _costs(
     paired = [
         p["tokens_per_s"] / b["tokens_per_s"] for p, b in zip(rounds, base_rounds, strict=True) if b["tokens_per_s"]
     ]
-    # the probe: the engine thread's scheduling CPU, this engine's round less the baseline's of the cycle
-    added = [
-        p["sched_cpu_us_per_step"] - b["sched_cpu_us_per_step"]
+    # the probe: the engine thread's scheduling CPU, this engine's round less the baseline's of the
+    # cycle; a round whose probe counted no step has none. "at_speed": the baseline round's CPU first
+    # scaled to this round's machine speed, read from `schedule` (a decode step's schedule hook
+    # returns at once, and vLLM's own scheduling CPU moves with the machine by ±15% between rounds,
+    # which the plain difference carries); it reads low by about what the llumlet does spend in
+    # schedule, times total / schedule.
+    pairs = [
+        (p, b)
         for p, b in zip(rounds, base_rounds, strict=True)
-        if p["sched_cpu_us_per_step"] and b["sched_cpu_us_per_step"]  # a round whose probe counted no step: none
+        if p["schedule_cpu_us_per_step"] and b["schedule_cpu_us_per_step"]
     ]
-    added_us = statistics.fmean(added) if added else None
-    # The same, with the baseline round's CPU first scaled to this round's machine speed, read from
-    # `schedule`: a decode step's schedule hook returns at once, and vLLM's own scheduling CPU moves
-    # with the machine by ±15% between rounds (the plain difference above carries that). Reads low
-    # by about what the llumlet does spend in schedule, times total / schedule.
-    scaled = [
+    added = [p["sched_cpu_us_per_step"] - b["sched_cpu_us_per_step"] for p, b in pairs]
+    at_speed = [
         p["sched_cpu_us_per_step"]
         - b["sched_cpu_us_per_step"] * p["schedule_cpu_us_per_step"] / b["schedule_cpu_us_per_step"]
-        for p, b in zip(rounds, base_rounds, strict=True)
-        if p.get("schedule_cpu_us_per_step") and b.get("schedule_cpu_us_per_step")
+        for p, b in pairs
     ]
-    scaled_us = statistics.fmean(scaled) if scaled else None
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
     return {
@@ -258,16 +253,8 @@ def _costs(
         "hook_cpu_pct_of_step": round(hook_pct, 3) if hook_pct is not None else None,
         "export_cpu_us_per_step": _us_per_step(report, "export (?:thread|process)"),
         "inline_write_cpu_us_per_step": _us_per_step(report, "writing"),  # of the hooks' figure
-        "sched_cpu_added_us_per_step": round(added_us, 2) if added_us is not None else None,
-        "sched_cpu_added_ci95_us": round(_ci95(added), 2) if added else None,
-        "sched_cpu_added_pct_of_step": (
-            round(100 * added_us / 1000 / base["step_ms"], 3) if added_us is not None and base["step_ms"] else None
-        ),
-        "sched_cpu_added_at_speed_us_per_step": round(scaled_us, 2) if scaled_us is not None else None,
-        "sched_cpu_added_at_speed_ci95_us": round(_ci95(scaled), 2) if scaled else None,
-        "sched_cpu_added_at_speed_pct_of_step": (
-            round(100 * scaled_us / 1000 / base["step_ms"], 3) if scaled_us is not None and base["step_ms"] else None
-        ),
+        **_added_figures("sched_cpu_added", added, base["step_ms"]),
+        **_added_figures("sched_cpu_added_at_speed", at_speed, base["step_ms"]),
         "throughput_overhead_pct": (
             round(100 * (1 - plug["tokens_per_s"] / base["tokens_per_s"]), 2) if base["tokens_per_s"] else None
         ),
@@ -278,6 +265,16 @@ def _costs(
             plug["engine_core_cpu_ms_per_token"], base["engine_core_cpu_ms_per_token"]
         ),
         "vllm_cpu_overhead_pct": _pct_over(plug["vllm_cpu_ms_per_token"], base["vllm_cpu_ms_per_token"]),
+    }
+
+
+def _added_figures(name: str, added: list[float], step_ms: float) -> dict[str, float | None]:
+    """Per-round µs added a step: their mean, its 95% interval, and the mean as a share of the step."""
+    mean = statistics.fmean(added) if added else None
+    return {
+        f"{name}_us_per_step": round(mean, 2) if mean is not None else None,
+        f"{name}_ci95_us": round(_ci95(added), 2) if added else None,
+        f"{name}_pct_of_step": round(100 * mean / 1000 / step_ms, 3) if mean is not None and step_ms else None,
     }
 
 
@@ -441,7 +438,7 @@ def run(args: argparse.Namespace) -> int:
                 probe0 = read_probe(probes[label])
                 r = _round(port, args, child.pid)
                 _wait_quiet(child.pid)  # the engine's last step has run: its probe wrote the round's end
-                r.update(_sched_cpu_us(probe0, read_probe(probes[label])) or {"sched_cpu_us_per_step": 0.0})
+                r.update(_sched_cpu_us(probe0, read_probe(probes[label])))
                 rounds[label].append(r)
                 print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
                       f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
@@ -457,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
         for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "exporter_cpu_ms_per_token",
                     "vllm_cpu_ms_per_token", "sched_cpu_us_per_step",
                     *(f"{name}_cpu_us_per_step" for name in PROBED)):  # fmt: skip
-            values = [r.get(key, 0.0) for r in rs]
+            values = [r[key] for r in rs]
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
     base = summary["baseline"]

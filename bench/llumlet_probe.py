@@ -10,10 +10,10 @@ probe (`ProbedScheduler`: vLLM's own scheduler; `ProbedLlumletScheduler`: the ll
 difference per step is the llumlet's cost on the step's critical path, the probe's own two clock
 reads a call falling on both.
 
-The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE ("steps add_request_ns
-schedule_ns update_from_output_ns"),
-replaced every 32 steps and whenever the engine has no request left, so the benchmark reads
-them between rounds. Only the synchronous scheduler is probed: vLLM on CPU runs no other.
+The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
+ns in each method of llumlet_overhead.PROBED), replaced every 32 steps and whenever the engine
+has no request left, so the benchmark reads them between rounds. Only the synchronous scheduler
+is probed: vLLM on CPU runs no other.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pilotfish.bench.llumlet_overhead import PROBE_FILE_ENV
+from pilotfish.bench.llumlet_overhead import PROBE_FILE_ENV, PROBED
 from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
 
 _FLUSH_EVERY = 32  # steps
@@ -39,24 +39,24 @@ class _Probe:
         path = os.environ.get(PROBE_FILE_ENV)
         self._probe_file = Path(path) if path else None
         self._probe_steps = 0
-        self._probe_add_ns = self._probe_schedule_ns = self._probe_update_ns = 0
+        self._probe_ns = dict.fromkeys(PROBED, 0)  # CPU in each probed method
         self._probe_flush()
 
     def add_request(self, request: Any) -> None:
         t0 = thread_time_ns()
         super().add_request(request)  # type: ignore[misc]
-        self._probe_add_ns += thread_time_ns() - t0
+        self._probe_ns["add_request"] += thread_time_ns() - t0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         t0 = thread_time_ns()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        self._probe_schedule_ns += thread_time_ns() - t0
+        self._probe_ns["schedule"] += thread_time_ns() - t0
         return output
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t0 = thread_time_ns()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        self._probe_update_ns += thread_time_ns() - t0
+        self._probe_ns["update_from_output"] += thread_time_ns() - t0
         if scheduler_output.total_num_scheduled_tokens:
             self._probe_steps += 1
             if self._probe_steps % _FLUSH_EVERY == 0 or not self.requests:  # type: ignore[attr-defined]
@@ -67,9 +67,7 @@ class _Probe:
         if self._probe_file is None:
             return
         staged = self._probe_file.with_suffix(".tmp")
-        staged.write_text(
-            f"{self._probe_steps} {self._probe_add_ns} {self._probe_schedule_ns} {self._probe_update_ns}\n"
-        )
+        staged.write_text(" ".join(map(str, (self._probe_steps, *self._probe_ns.values()))) + "\n")
         os.replace(staged, self._probe_file)  # whole, for a reader in another process
 
 

@@ -277,12 +277,7 @@ class _LlumletHooks:
                 and not s.num_waiting
                 and not s.num_running_prefill  # so every request we track decodes...
                 and tracked
-                # ...and was scheduled: the same count, when no request finished this step (they
-                # are freed above, so they are in `scheduled` alone), costs no set of the ids
-                and (
-                    (len(scheduled) == len(tracked) and all(map(tracked.__contains__, scheduled)))
-                    or len(scheduled.keys() & tracked.keys()) == len(tracked)
-                )
+                and tracked.keys() <= scheduled.keys()  # ...and was scheduled (no set of the ids built)
             ):
                 # the steady decode step: each sampled one token (those that finished were freed
                 # above); O(1) in the batch, where the loop below visits every request

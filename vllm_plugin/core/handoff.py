@@ -209,4 +209,4 @@ class HandoffReader:
         return raw
 
     def set_napping(self, nap_id: int) -> None:
-        struct.pack_into("<Q", self._region, 8, nap_id)
+        _NAPPING.pack_into(self._region, _NAPPING_AT, nap_id)

@@ -41,6 +41,13 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     )
     llumlet_port: Annotated[int, _doc("llumlet gRPC port; 0: any free port", ge=0, le=65535)] = 0
     llumlet_token: Annotated[str, _doc("if set, gRPC callers must send 'authorization: Bearer <token>'")] = ""
+    serve_grpc: Annotated[
+        bool,
+        _doc(
+            "serve the llumlet gRPC API; false: none (no thread of it in the engine's process, and the "
+            "rescheduler cannot migrate or abort this engine's requests)"
+        ),
+    ] = True
     infer_type: Annotated[str, _doc("neutral, prefill or decode (PD disaggregation role)")] = "neutral"
     node_id: Annotated[str, _doc("the machine this engine runs on; empty: the hostname")] = ""
     unit_id: Annotated[str, _doc("the deployment unit (PD group) this engine belongs to")] = ""

@@ -409,3 +409,25 @@ def test_cli_shows_the_cms_and_calls_the_llumlet(redis_service, capsys):
         assert json.loads(capsys.readouterr().out) == {"aborted_request_ids": ["r1"]}
     finally:
         llumlet.stop()
+
+
+@pytest.mark.parametrize("serve_grpc", [True, False])
+def test_an_engine_without_the_grpc_server_advertises_no_llumlet_port(redis_service, serve_grpc):
+    """PILOTFISH_SERVE_GRPC=false: no server, so the metadata names no port the rescheduler could call."""
+    from pilotfish.simulator.config import EngineConfig
+    from pilotfish.simulator.engine.scheduler import V1Engine
+    from pilotfish.simulator.engine.step_time import load_profile
+    from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+
+    engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16,
+                                 num_gpu_blocks=32)  # fmt: skip
+    config = LlumletConfig(cms_url=redis_service.url, cluster="t", serve_grpc=serve_grpc)
+    llumlet = attach_llumlet(V1Engine(engine_config, load_profile("cpu-tiny")), engine_config, config, "e0",
+                             "127.0.0.1", 8000)  # fmt: skip
+    try:
+        client = redis.Redis.from_url(redis_service.url)
+        meta = decode_metadata(wait_for(lambda: client.get(keys.meta_key("t", "e0")), what="metadata"), "e0")
+        assert (meta.llumlet_port > 0) is serve_grpc
+        assert (llumlet._server is not None) is serve_grpc
+    finally:
+        llumlet.stop()

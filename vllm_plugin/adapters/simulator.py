@@ -150,5 +150,5 @@ def attach_llumlet(
         migration.llumlet = llumlet
         core.add_observer(migration)
     if start:
-        llumlet.start(serve_grpc=serve_grpc)
+        llumlet.start(serve_grpc=serve_grpc and config.serve_grpc)
     return llumlet

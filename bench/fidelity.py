@@ -257,7 +257,13 @@ def _ratio(sim: float, real: float) -> float:
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from pilotfish.bench.fidelity_steps import SimStepRecorder, read_steps, steps_table, summarize_steps
+    from pilotfish.bench.fidelity_steps import (
+        PER_SECOND_MIN_CYCLES,
+        SimStepRecorder,
+        read_steps,
+        steps_table,
+        summarize_steps,
+    )
     from pilotfish.bench.report import write_report
     from pilotfish.simulator.config import EngineConfig, ServeConfig
     from pilotfish.simulator.engine.step_time import load_profile
@@ -509,7 +515,9 @@ def run(args: argparse.Namespace) -> int:
                "the cycles (one step's start to the next's) where requests were left; / profile: that time over "
                "what the calibrated profile predicts for the same steps (P, D and C), overall and by kind of "
                "step; in step: the part of the cycles inside schedule() .. update_from_output() (vLLM) or the "
-               "step itself (simulator).", "", *steps_table(step_rows)]
+               "step itself (simulator); per second: the lowest and highest busy / profile of the run's whole "
+               f"seconds with {PER_SECOND_MIN_CYCLES} cycles or more (how the machine's speed moved inside "
+               "the run).", "", *steps_table(step_rows)]
     write_report(args.out, "fidelity", result, "\n".join(md))
     print("\n".join(md))
     return 0

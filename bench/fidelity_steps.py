@@ -21,6 +21,7 @@ from pilotfish.simulator.engine.events import EngineObserver
 
 STEP_LOG_ENV = "PILOTFISH_BENCH_STEP_LOG"
 STEP_LOG_SCHEDULER = "pilotfish.bench.fidelity_step_log.StepLoggedScheduler"
+PER_SECOND_MIN_CYCLES = 20  # a second with fewer busy cycles says little about the speed
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +84,7 @@ def summarize_steps(steps: Iterable[Step], window: tuple[float, float], profile:
                                      "with_arrivals": [0.0, 0.0, 0], "no_arrivals": [0.0, 0.0, 0]}  # fmt: skip
     cycle_s = predicted_s = in_step_s = 0.0
     cycles = 0
+    seconds: dict[int, list[float]] = {}  # whole seconds since the first step -> [busy, predicted, cycles]
     for step, after in itertools.pairwise(inside):
         if not step.busy_after:
             continue
@@ -92,12 +94,18 @@ def summarize_steps(steps: Iterable[Step], window: tuple[float, float], profile:
         cycle_s += cycle
         predicted_s += predicted
         in_step_s += step.end_s - step.start_s
+        second = seconds.setdefault(int(step.start_s - inside[0].start_s), [0.0, 0.0, 0])
+        second[0] += cycle
+        second[1] += predicted
+        second[2] += 1
         for kind in ("with_prefill" if step.prefill_tokens else "decode_only",
                      "with_arrivals" if step.arrivals else "no_arrivals"):  # fmt: skip
             kinds[kind][0] += cycle
             kinds[kind][1] += predicted
             kinds[kind][2] += 1
     n = len(inside) or 1
+    # how the machine's speed moved inside the run: busy over predicted, second by second
+    per_second = [b / p for b, p, c in seconds.values() if c >= PER_SECOND_MIN_CYCLES and p]
     return {
         "steps": len(inside),
         "busy_cycles": cycles,
@@ -109,6 +117,7 @@ def summarize_steps(steps: Iterable[Step], window: tuple[float, float], profile:
         "predicted_s": predicted_s,
         "busy_over_predicted": cycle_s / predicted_s if predicted_s else None,
         "in_step_fraction": in_step_s / cycle_s if cycle_s else None,
+        "per_second_over_predicted": [min(per_second), max(per_second)] if per_second else None,
         "by_kind": {k: {"cycles": c, "busy_s": b, "over_predicted": b / p if p else None}
                     for k, (b, p, c) in kinds.items()},
     }
@@ -122,13 +131,15 @@ def steps_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
 
     out = ["| run | steps | decodes / step | prefill tokens / step | steps with prefill | busy s | "
            "busy / profile | decode-only / profile | with prefill / profile | with arrivals / profile | "
-           "in step |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "in step | per second |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for label, s in rows:
         k = s["by_kind"]
+        per_second = s.get("per_second_over_predicted")
+        spread = f"{per_second[0]:.2f}-{per_second[1]:.2f}" if per_second else "-"
         out.append(
             f"| {label} | {s['steps']} | {s['mean_decodes']:.2f} | {s['mean_prefill_tokens']:.1f} | "
             f"{s['steps_with_prefill']} | {s['busy_s']:.3f} | {ratio(s['busy_over_predicted'])} | "
             f"{ratio(k['decode_only']['over_predicted'])} | {ratio(k['with_prefill']['over_predicted'])} | "
-            f"{ratio(k['with_arrivals']['over_predicted'])} | {ratio(s['in_step_fraction'])} |"
+            f"{ratio(k['with_arrivals']['over_predicted'])} | {ratio(s['in_step_fraction'])} | {spread} |"
         )
     return out

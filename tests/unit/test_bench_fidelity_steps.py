@@ -66,3 +66,16 @@ def test_the_simulator_steps_match_its_profile_but_for_what_arrivals_take() -> N
     stolen = s["busy_s"] - s["predicted_s"]
     busy_arrivals = sum(st.arrivals for st, _ in itertools.pairwise(recorder.steps) if st.busy_after)
     assert 0 < stolen <= busy_arrivals * 0.0025 + 1e-9
+
+
+def test_the_speed_inside_a_run_is_read_second_by_second() -> None:
+    """A run whose first second went at the profile's speed and whose second went 1.5x slower."""
+    flat = StepTimeProfile(name="flat", base_ms=10.0, prefill_ms_per_token=0.0, decode_ms_per_token=0.0)
+    steps, t = [], 0.0
+    while t < 2.0:
+        cycle = 0.010 if t < 1.0 else 0.015
+        steps.append(Step(t, t + cycle, 0, 1, 10, 0, True))
+        t += cycle
+    s = summarize_steps(steps, (0.0, 2.0), flat)
+    low, high = s["per_second_over_predicted"]
+    assert low == pytest.approx(1.0) and high == pytest.approx(1.5)

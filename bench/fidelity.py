@@ -132,10 +132,11 @@ async def _engine_shape(url: str) -> dict[str, Any]:
 async def _run_target(
     url: str, model: str, traces: list[list[Any]], vocab: int, salt: int = 0,
     steps_of: Callable[[tuple[float, float]], dict[str, Any]] | None = None,
+    started: Callable[[float], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Replay each trace; `salt` shifts every token id, so the same trace shares no prefix with
     a run under another salt, and keeps its own sharing exactly. `steps_of` sums the engine's
-    steps over a run's window (monotonic seconds)."""
+    steps over a run's window (monotonic seconds); `started` hears when each replay starts."""
     from pilotfish.simulator.cluster.metrics import summarize
     from pilotfish.simulator.replay import ReplayConfig, replay
 
@@ -144,6 +145,8 @@ async def _run_target(
     for trace in traces:
         before = await _counters(url)
         t0 = time.monotonic()
+        if started is not None:
+            started(t0)
         records = await replay(trace, [url], lambda r: 0, config)
         window = (t0, time.monotonic())
         after = await _counters(url)
@@ -260,7 +263,9 @@ def run(args: argparse.Namespace) -> int:
     from pilotfish.bench.fidelity_steps import (
         PER_SECOND_MIN_CYCLES,
         SimStepRecorder,
+        TimedProfile,
         read_steps,
+        speed_timeline,
         steps_table,
         summarize_steps,
     )
@@ -351,15 +356,23 @@ def run(args: argparse.Namespace) -> int:
         num_gpu_blocks=(shape["num_gpu_blocks"] or args.num_gpu_blocks) - 1, profile=profile_path,
     )
 
-    async def simulate(engine: EngineConfig, which: list[list[Any]]) -> list[dict[str, Any]]:
+    async def simulate(
+        engine: EngineConfig, which: list[list[Any]], timeline: list[float] | None = None
+    ) -> list[dict[str, Any]]:
+        """`timeline`: the engine's speed second by second from each replay's start (TimedProfile)."""
         serve = ServeConfig(engines=1, base_port=0, model=shape["model"])
         async with serve_engines(serve, engine) as fleet:
             core = fleet.engines[0].core
             recorder = SimStepRecorder(lambda: bool(core.running or core.waiting))  # type: ignore[attr-defined]
             core.add_observer(recorder)
+            timed = None
+            if timeline is not None:
+                timed = TimedProfile(core.profile, timeline)  # type: ignore[attr-defined]
+                core.profile = timed  # type: ignore[attr-defined]
             # against the calibrated profile, as vLLM's steps are: the tracked runs' steps read their speed
             return await _run_target(fleet.urls[0], shape["model"], which, args.vocab_size,
-                                     steps_of=lambda w: summarize_steps(recorder.steps, w, profile))
+                                     steps_of=lambda w: summarize_steps(recorder.steps, w, profile),
+                                     started=timed.start if timed is not None else None)  # fmt: skip
 
     def simulate_with(profile_file: str, trace: list[Any]) -> list[dict[str, Any]]:
         return asyncio.run(simulate(msgspec.structs.replace(engine, profile=profile_file), [trace]))
@@ -399,6 +412,19 @@ def run(args: argparse.Namespace) -> int:
                 step_speeds.append(factor)
                 at = _profile_at(profile, factor, args.out, f"run{k + 1}-{rate:g}-steps")
                 steps_tracked[-1] += simulate_with(at, trace)
+    # and at the speed vLLM's steps ran second by second (its step log over each run's window): the
+    # engine model given the machine's speed as it moved, which a constant factor cannot follow
+    real_log = (args.reuse_real if args.reuse_real is not None else Path(args.out)) / "vllm-steps.txt"
+    timelines: list[list[float]] = []
+    timeline_tracked: list[list[dict[str, Any]]] = []
+    if steps_tracked and real_log.is_file() and all("window_s" in r for run in real_runs for r in run):
+        logged = read_steps(real_log)
+        for real_run in real_runs:
+            timeline_tracked.append([])
+            for i, trace in enumerate(traces):
+                baseline = sim[i]["steps"]["busy_over_predicted"] or 1.0
+                timelines.append(speed_timeline(logged, tuple(real_run[i]["window_s"]), profile, baseline))
+                timeline_tracked[-1] += asyncio.run(simulate(engine, [trace], timelines[-1]))
     rows = []
     for i, (rate, s) in enumerate(zip(rates, sim, strict=True)):
         runs = [run[i] for run in real_runs]
@@ -410,7 +436,8 @@ def run(args: argparse.Namespace) -> int:
                 row[f"{metric}_{q}"] = {"real": real, "sim": s[metric][q], "ratio": _ratio(s[metric][q], real),
                                         "real_runs": values, "real_spread": _ratio(max(values), min(values))}
                 for name, runs_of in (("tracked", tracked), ("tracked_arrivals", tracked_arrivals),
-                                      ("steps_tracked", steps_tracked)):  # fmt: skip
+                                      ("steps_tracked", steps_tracked),
+                                      ("timeline_tracked", timeline_tracked)):  # fmt: skip
                     if runs_of:
                         values = [t[i][metric][q] for t in runs_of]
                         row[f"{metric}_{q}"].update({f"sim_{name}_runs": values,
@@ -430,6 +457,7 @@ def run(args: argparse.Namespace) -> int:
     tracked_ok = bool(tracked) and latency_met("ratio_tracked")
     arrivals_ok = bool(tracked_arrivals) and latency_met("ratio_tracked_arrivals")
     steps_ok = bool(steps_tracked) and latency_met("ratio_steps_tracked")
+    timeline_ok = bool(timeline_tracked) and latency_met("ratio_timeline_tracked")
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
@@ -443,7 +471,9 @@ def run(args: argparse.Namespace) -> int:
               if calibrated_s else None,
               "sim_tracked": tracked, "sim_tracked_arrivals": tracked_arrivals,
               "steps_tracked": {"speeds": step_speeds, "sim": steps_tracked, "latency_goal_met": steps_ok}
-              if steps_tracked else None}
+              if steps_tracked else None,
+              "timeline_tracked": {"speeds": timelines, "sim": timeline_tracked, "latency_goal_met": timeline_ok}
+              if timeline_tracked else None}
     md = [
         "# Simulator fidelity against real vLLM (CPU)",
         "",
@@ -502,6 +532,16 @@ def run(args: argparse.Namespace) -> int:
                *(f"| {row['rate']:g}/s | " + " | ".join(
                    f"**{row[k]['ratio_steps_tracked']:.2f}**" for k in latencies) + " |" for row in rows),
                "", f"Latency goal at the speed of vLLM's own steps: **{'met' if steps_ok else 'missed'}**."]
+    if timeline_tracked:
+        md += ["", "## At the speed vLLM's steps ran, second by second", "",
+               "Each run simulated with its step times scaled, in each whole second since the replay began, by "
+               "vLLM's busy time in that second of its run over what the profile predicts for its steps (over the "
+               "simulated engine's own ratio); a second where vLLM's engine idled takes the run's mean. The "
+               "speeds per run ranged " + ", ".join(f"{min(t):.2f}-{max(t):.2f}" for t in timelines) + ":", "",
+               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
+               *(f"| {row['rate']:g}/s | " + " | ".join(
+                   f"**{row[k]['ratio_timeline_tracked']:.2f}**" for k in latencies) + " |" for row in rows),
+               "", f"Latency goal at vLLM's speed second by second: **{'met' if timeline_ok else 'missed'}**."]
     step_rows = [(f"{rate:g}/s {label}", runs[i]["steps"])
                  for i, rate in enumerate(rates)
                  for label, runs in [*((f"vLLM run {k + 1}", r) for k, r in enumerate(real_runs)), ("simulated", sim),

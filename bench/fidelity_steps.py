@@ -12,6 +12,7 @@ is not the steps but the schedule (more, emptier steps: requests reached the eng
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,3 +144,48 @@ def steps_table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
             f"{ratio(k['with_arrivals']['over_predicted'])} | {ratio(s['in_step_fraction'])} | {spread} |"
         )
     return out
+
+
+def speed_timeline(steps: Iterable[Step], window: tuple[float, float], profile: Any, baseline: float) -> list[float]:
+    """vLLM's speed in each whole second of a run's window: its busy time over what the profile
+    predicts for those steps, over `baseline` (the simulated engine's own ratio for the workload,
+    above 1 by its busy-arrival cost). A second with too few busy cycles (an idle engine) takes the
+    run's mean."""
+    t0, t1 = window
+    inside = [s for s in steps if t0 <= s.start_s <= t1]
+    seconds = [[0.0, 0.0, 0] for _ in range(int(t1 - t0) + 1)]
+    for step, after in itertools.pairwise(inside):
+        if step.busy_after:
+            second = seconds[int(step.start_s - t0)]
+            second[0] += after.start_s - step.start_s
+            second[1] += profile.step_seconds(step.prefill_tokens, step.decodes, step.context_tokens)
+            second[2] += 1
+    busy, predicted = sum(s[0] for s in seconds), sum(s[1] for s in seconds)
+    mean = busy / predicted if predicted else baseline
+    return [(b / p if c >= PER_SECOND_MIN_CYCLES and p else mean) / baseline for b, p, c in seconds]
+
+
+class TimedProfile:
+    """A profile whose step times follow a timeline of speeds, one factor per whole second since
+    `start()` was called (the replay's start, on the monotonic clock the timeline was read on).
+    The busy-arrival cost a simulated engine reads once at its start stays unscaled."""
+
+    def __init__(self, profile: Any, speeds: list[float]) -> None:
+        self._profile = profile
+        self._speeds = speeds or [1.0]
+        self._start: float | None = None
+
+    def start(self, at: float) -> None:
+        self._start = at
+
+    def speed(self, now: float) -> float:
+        if self._start is None:
+            return self._speeds[0]
+        return self._speeds[min(max(0, int(now - self._start)), len(self._speeds) - 1)]
+
+    def step_seconds(self, prefill_tokens: int, decode_requests: int, context_tokens: int) -> float:
+        speed = self.speed(time.monotonic())
+        return self._profile.step_seconds(prefill_tokens, decode_requests, context_tokens) * speed
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._profile, name)

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import pytest
 
 from pilotfish.bench import fidelity
-from pilotfish.bench.fidelity_steps import SimStepRecorder, Step, parse_steps, summarize_steps
+from pilotfish.bench.fidelity_steps import (
+    SimStepRecorder,
+    Step,
+    TimedProfile,
+    parse_steps,
+    speed_timeline,
+    summarize_steps,
+)
 from pilotfish.simulator.calibrate import arrivals
 from pilotfish.simulator.calibrate.probes import VirtualProber
 from pilotfish.simulator.config import EngineConfig
@@ -79,3 +87,28 @@ def test_the_speed_inside_a_run_is_read_second_by_second() -> None:
     s = summarize_steps(steps, (0.0, 2.0), flat)
     low, high = s["per_second_over_predicted"]
     assert low == pytest.approx(1.0) and high == pytest.approx(1.5)
+
+
+def test_the_speed_timeline_is_vllms_speed_each_second_over_the_simulators_own_ratio() -> None:
+    flat = StepTimeProfile(name="flat", base_ms=10.0, prefill_ms_per_token=0.0, decode_ms_per_token=0.0)
+    steps, t = [], 0.0
+    while t < 2.0:  # a second at the profile's speed, a second 1.5x slower, then idle
+        cycle = 0.010 if t < 1.0 else 0.015
+        steps.append(Step(t, t + cycle, 0, 1, 10, 0, True))
+        t += cycle
+    steps.append(Step(t, t + 0.01, 0, 1, 10, 0, False))
+    line = speed_timeline(steps, (0.0, 2.5), flat, baseline=1.25)
+    busy = sum(b.start_s - a.start_s for a, b in itertools.pairwise(steps))
+    mean = busy / (0.010 * (len(steps) - 1))
+    assert line == pytest.approx([1.0 / 1.25, 1.5 / 1.25, mean / 1.25])
+
+
+def test_a_timed_profile_scales_its_steps_by_the_second_it_is_in() -> None:
+    timed = TimedProfile(PROFILE, [1.0, 2.0])
+    plain = PROFILE.step_seconds(100, 4, 1000)
+    assert timed.step_seconds(100, 4, 1000) == pytest.approx(plain)  # not started: the first second's
+    timed.start(time.monotonic() - 1.5)
+    assert timed.step_seconds(100, 4, 1000) == pytest.approx(2 * plain)
+    timed.start(time.monotonic() - 60)  # past the timeline: its last second holds
+    assert timed.step_seconds(100, 4, 1000) == pytest.approx(2 * plain)
+    assert timed.busy_arrival_seconds == PROFILE.busy_arrival_seconds and timed.name == "fit"

@@ -40,6 +40,7 @@ NAME = "llumlet_overhead"
 DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
 # Every engine runs under the probe (llumlet_probe.py): the engine thread's CPU spent scheduling
 PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
+BURN_US_ENV = "PILOTFISH_BENCH_BURN_US"  # the probe spends this much CPU a step (a control arm)
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order

@@ -10,6 +10,10 @@ probe (`ProbedScheduler`: vLLM's own scheduler; `ProbedLlumletScheduler`: the ll
 difference per step is the llumlet's cost on the step's critical path, the probe's own two clock
 reads a call falling on both.
 
+$PILOTFISH_BENCH_BURN_US (bench llumlet's control arm, `--variant burn:...`) makes every step
+spend that much more of the engine thread's CPU, in `update_from_output`, doing nothing: what
+any added CPU of that size costs vLLM's step on this machine, beside what the llumlet costs.
+
 The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
 ns in each method of llumlet_overhead.PROBED), replaced every 32 steps and whenever the engine
 has no request left, so the benchmark reads them between rounds. Only the synchronous scheduler
@@ -25,7 +29,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pilotfish.bench.llumlet_overhead import PROBE_FILE_ENV, PROBED
+from pilotfish.bench.llumlet_overhead import BURN_US_ENV, PROBE_FILE_ENV, PROBED
 from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
 
 _FLUSH_EVERY = 32  # steps
@@ -40,6 +44,7 @@ class _Probe:
         self._probe_file = Path(path) if path else None
         self._probe_steps = 0
         self._probe_ns = dict.fromkeys(PROBED, 0)  # CPU in each probed method
+        self._burn_ns = int(float(os.environ.get(BURN_US_ENV) or 0) * 1000)
         self._probe_flush()
 
     def add_request(self, request: Any) -> None:
@@ -56,6 +61,10 @@ class _Probe:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t0 = thread_time_ns()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        if self._burn_ns and scheduler_output.total_num_scheduled_tokens:
+            until = thread_time_ns() + self._burn_ns
+            while thread_time_ns() < until:
+                pass
         self._probe_ns["update_from_output"] += thread_time_ns() - t0
         if scheduler_output.total_num_scheduled_tokens:
             self._probe_steps += 1

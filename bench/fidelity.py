@@ -44,6 +44,7 @@ from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
 
 LATENCY_GOAL = 0.15
 COUNT_GOAL = 0.10
+LATENCIES = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")  # the four cells of every ratio table
 CALIBRATED_PROMPT_TOKENS = 512  # the calibration's longest prompt; its saturated phase follows from it
 
 
@@ -253,6 +254,13 @@ def _profile_at(profile: Any, slowdown: float, out: Path, label: str, refitted: 
     return str(path)
 
 
+def _ratio_table(rows: list[dict[str, Any]], ratio: str) -> list[str]:
+    """Markdown: one row per rate, the four latency cells' `ratio` (a key of each cell)."""
+    return ["| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
+            *(f"| {row['rate']:g}/s | " + " | ".join(f"**{row[k][ratio]:.2f}**" for k in LATENCIES) + " |"
+              for row in rows)]  # fmt: skip
+
+
 def _ratio(sim: float, real: float) -> float:
     return sim / real if real else (1.0 if sim == real else math.inf)
 
@@ -448,10 +456,9 @@ def run(args: argparse.Namespace) -> int:
             row[count] = {"real": real, "sim": s[count], "ratio": _ratio(s[count], real), "real_runs": values,
                           "real_spread": _ratio(max(values), min(values))}
         rows.append(row)
-    latencies = ("ttft_p50", "ttft_p99", "e2e_p50", "e2e_p99")
 
     def latency_met(ratio: str) -> bool:
-        return all(abs(row[k][ratio] - 1) <= LATENCY_GOAL for row in rows for k in latencies)
+        return all(abs(row[k][ratio] - 1) <= LATENCY_GOAL for row in rows for k in LATENCIES)
 
     latency_ok = latency_met("ratio")
     tracked_ok = bool(tracked) and latency_met("ratio_tracked")
@@ -460,7 +467,7 @@ def run(args: argparse.Namespace) -> int:
     timeline_ok = bool(timeline_tracked) and latency_met("ratio_timeline_tracked")
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
-    real_spread = max(row[k]["real_spread"] for row in rows for k in latencies)
+    real_spread = max(row[k]["real_spread"] for row in rows for k in LATENCIES)
     result = {"engine": shape, "profile": msgspec.to_builtins(profile), "rates": rates,
               "requests_per_rate": len(traces[0]), "rows": rows, "real": real_runs[0], "real_runs": real_runs,
               "sim": sim, "latency_goal_met": latency_ok, "count_goal_met": count_ok,
@@ -488,7 +495,7 @@ def run(args: argparse.Namespace) -> int:
     ]
     for row in rows:
         cells = [f"{row[k]['sim']:.3f} / {row[k]['real']:.3f} s = **{row[k]['ratio']:.2f}**"
-                 f" ({row[k]['real_spread']:.2f})" for k in latencies]
+                 f" ({row[k]['real_spread']:.2f})" for k in LATENCIES]
         cells += [f"{row[k]['sim']:.0f} / {row[k]['real']:.0f} = **{row[k]['ratio']:.2f}**"
                   for k in ("num_preemptions_total", "prefix_cache_hits_total")]
         md.append(f"| {row['rate']:g}/s | " + " | ".join(cells) + " |")
@@ -504,9 +511,7 @@ def run(args: argparse.Namespace) -> int:
                f"after the last), so the runs went at {', '.join(f'{x:.2f}x' for x in speeds)} the calibration's "
                "step times. Each run simulated with the profile at its speed (`profile-runK-RATE.yaml`); "
                "ratio = mean simulated / mean real:", "",
-               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
-               *(f"| {row['rate']:g}/s | " + " | ".join(f"**{row[k]['ratio_tracked']:.2f}**" for k in latencies)
-                 + " |" for row in rows),
+               *_ratio_table(rows, "ratio_tracked"),
                "", f"Latency goal at the tracked speed: **{'met' if tracked_ok else 'missed'}**."]
     if tracked_arrivals:
         md += ["", "## At the speed and the arrival cost found around each run", "",
@@ -517,9 +522,7 @@ def run(args: argparse.Namespace) -> int:
                f"{', '.join(f'{x:.2f}' for x in busy)} ms per busy arrival (calibration: "
                f"{profile.busy_arrival_ms:.2f} ms). Each run simulated at its speed with those "
                "(`profile-runK-RATE-arrivals.yaml`):", "",
-               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
-               *(f"| {row['rate']:g}/s | " + " | ".join(
-                   f"**{row[k]['ratio_tracked_arrivals']:.2f}**" for k in latencies) + " |" for row in rows),
+               *_ratio_table(rows, "ratio_tracked_arrivals"),
                "", f"Latency goal so tracked: **{'met' if arrivals_ok else 'missed'}**."]
     if steps_tracked:
         md += ["", "## At the speed vLLM's own steps ran", "",
@@ -528,9 +531,7 @@ def run(args: argparse.Namespace) -> int:
                f"and fill): {', '.join(f'{x:.2f}x' for x in step_speeds)} (runs in order, each rate). This "
                "reads the machine's speed over the run itself, where the probes around it cannot see a slowdown "
                "of seconds inside it (`profile-runK-RATE-steps.yaml`):", "",
-               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
-               *(f"| {row['rate']:g}/s | " + " | ".join(
-                   f"**{row[k]['ratio_steps_tracked']:.2f}**" for k in latencies) + " |" for row in rows),
+               *_ratio_table(rows, "ratio_steps_tracked"),
                "", f"Latency goal at the speed of vLLM's own steps: **{'met' if steps_ok else 'missed'}**."]
     if timeline_tracked:
         md += ["", "## At the speed vLLM's steps ran, second by second", "",
@@ -538,9 +539,7 @@ def run(args: argparse.Namespace) -> int:
                "vLLM's busy time in that second of its run over what the profile predicts for its steps (over the "
                "simulated engine's own ratio); a second where vLLM's engine idled takes the run's mean. The "
                "speeds per run ranged " + ", ".join(f"{min(t):.2f}-{max(t):.2f}" for t in timelines) + ":", "",
-               "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
-               *(f"| {row['rate']:g}/s | " + " | ".join(
-                   f"**{row[k]['ratio_timeline_tracked']:.2f}**" for k in latencies) + " |" for row in rows),
+               *_ratio_table(rows, "ratio_timeline_tracked"),
                "", f"Latency goal at vLLM's speed second by second: **{'met' if timeline_ok else 'missed'}**."]
     step_rows = [(f"{rate:g}/s {label}", runs[i]["steps"])
                  for i, rate in enumerate(rates)

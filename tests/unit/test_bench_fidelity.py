@@ -62,3 +62,14 @@ def test_a_run_is_refitted_to_the_arrival_cost_and_decode_level_the_probes_aroun
     assert refitted.base_ms == pytest.approx(real.base_ms)
     written = load_profile(fidelity._profile_at(fitted, 1.2, tmp_path, "run1-80-arrivals", refitted))
     assert written == refitted
+
+
+def test_a_ratio_table_has_a_row_per_rate_with_the_four_latency_cells() -> None:
+    rows = [{"rate": rate, **{k: {"ratio_x": r + i / 100} for i, k in enumerate(fidelity.LATENCIES)}}
+            for rate, r in ((4.0, 1.0), (80.0, 0.5))]  # fmt: skip
+    assert fidelity._ratio_table(rows, "ratio_x") == [
+        "| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |",
+        "|---|---|---|---|---|",
+        "| 4/s | **1.00** | **1.01** | **1.02** | **1.03** |",
+        "| 80/s | **0.50** | **0.51** | **0.52** | **0.53** |",
+    ]

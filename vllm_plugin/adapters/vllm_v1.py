@@ -57,6 +57,16 @@ def external_id(request: Request, randomized: bool) -> str:
     return rid
 
 
+def _nothing_entered(scheduler_output: Any, num_waiting: int) -> bool:
+    """No request joined the running batch in this schedule: none new, none resumed from
+    preemption. A vLLM without `resumed_req_ids` (before 0.32) is answered by our own count: no
+    request waiting, so none could have joined."""
+    if scheduler_output.scheduled_new_reqs:
+        return False
+    resumed = getattr(scheduler_output.scheduled_cached_reqs, "resumed_req_ids", None)
+    return not num_waiting if resumed is None else not resumed
+
+
 def _argv_value(flag: str) -> str | None:
     """`--flag V` or `--flag=V` from the command line vLLM was started with (the API server's,
     which multiprocessing hands down to the engine-core process)."""
@@ -225,10 +235,10 @@ class _LlumletHooks:
         cpu0 = time.thread_time_ns() if llumlet.profiling else 0
         self._schedule_t0[id(scheduler_output)] = time.perf_counter()
         s = llumlet.state
-        if not (s.num_waiting or s.num_running_prefill):
-            # Every request we know decodes: scheduling one moves no load (its token does, in
-            # update_from_output), and the blocks it allocated ride with that hook's write. Read
-            # without the lock: only this thread changes these two counts.
+        if not s.num_running_prefill and _nothing_entered(scheduler_output, s.num_waiting):
+            # Every running request decodes and none joined them: scheduling one moves no load
+            # (its token does, in update_from_output), and the blocks it allocated ride with that
+            # hook's write. Read without the lock: only this thread changes these counts.
             if cpu0:
                 llumlet.hook_cpu_ns += time.thread_time_ns() - cpu0
             return
@@ -274,14 +284,16 @@ class _LlumletHooks:
             tracked = s.requests
             if (
                 scheduler_output.total_num_scheduled_tokens == len(scheduled)  # one token each
-                and not s.num_waiting
-                and not s.num_running_prefill  # so every request we track decodes...
-                and tracked
-                and tracked.keys() <= scheduled.keys()  # ...and was scheduled (no set of the ids built)
+                and not s.num_running_prefill  # so every running request we track decodes...
+                and len(scheduled) == s.num_running  # ...and, as many as were scheduled,
+                and scheduled.keys() <= tracked.keys()  # are the ones scheduled (no set of the ids built)
+                and scheduled
             ):
-                # the steady decode step: each sampled one token (those that finished were freed
-                # above); O(1) in the batch, where the loop below visits every request
-                decodes = len(tracked)
+                # the steady decode step: each running request sampled one token (those that
+                # finished were freed above, so a finishing step goes the long way; waiting ones
+                # are not scheduled: a waiting one that was would be running, from the schedule
+                # hook). O(1) in the batch, where the loop below visits every request
+                decodes = len(scheduled)
                 s.decoded_all()
                 seq_len_sum = s.running_decode_seq_len_sum - decodes  # computed = tokens - 1
             else:

@@ -207,18 +207,22 @@ class LoadState:
         self._apply(r, +1)
 
     def decoded_all(self) -> None:
-        """Every request here is a running decode and sampled exactly one token (the adapter checked
-        that: no waiting, no running prefill, each one scheduled for one token). O(1): the requests
-        are brought up to date when an event next names one (_sync)."""
-        if self.num_waiting or self.num_running_prefill:
+        """Every running request is a decode and sampled exactly one token (the adapter checked
+        that: no running prefill, each running one scheduled for one token); waiting ones did not
+        move. O(1): the requests are brought up to date when an event next names one (_sync)."""
+        if self.num_running_prefill:
             return  # not all decoding: the caller's check failed; the next visit per request catches up
         self.decode_steps += 1
         self.running_decode_seq_len_sum += self.num_running_decode
         self.changed = True
 
     def _sync(self, r: _Request) -> None:
-        # Only decodes are ever moved by decoded_all (it requires that all requests are), and a
-        # request stops decoding only through an event, which syncs it first: so the lag is theirs.
+        # Only decodes are ever moved by decoded_all (it requires that all running requests are),
+        # and a request stops decoding only through an event, which syncs it first: so the lag of
+        # a running request is its own. A waiting one sat those steps out.
+        if not r.running:
+            r.decode_mark = self.decode_steps
+            return
         lag = self.decode_steps - r.decode_mark
         if lag:
             r.num_output += lag

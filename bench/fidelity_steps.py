@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,31 +74,46 @@ class SimStepRecorder(EngineObserver):
                                before, self._has_requests()))  # fmt: skip
 
 
+def _inside(steps: Iterable[Step], window: tuple[float, float]) -> list[Step]:
+    t0, t1 = window
+    return [s for s in steps if t0 <= s.start_s <= t1]
+
+
+def _cycles(inside: list[Step], profile: Any) -> Iterator[tuple[Step, float, float]]:
+    """(step, cycle, predicted) for each step with requests left after it: its start to the next
+    step's, and what the profile predicts for what it computed."""
+    for step, after in itertools.pairwise(inside):
+        if step.busy_after:
+            predicted = profile.step_seconds(step.prefill_tokens, step.decodes, step.context_tokens)
+            yield step, after.start_s - step.start_s, predicted
+
+
+def _by_second(inside: list[Step], profile: Any, origin: float) -> dict[int, list[float]]:
+    """Whole seconds since `origin` -> [busy, predicted, cycles] of the cycles that started in it."""
+    seconds: dict[int, list[float]] = {}
+    for step, cycle, predicted in _cycles(inside, profile):
+        second = seconds.setdefault(int(step.start_s - origin), [0.0, 0.0, 0])
+        second[0] += cycle
+        second[1] += predicted
+        second[2] += 1
+    return seconds
+
+
 def summarize_steps(steps: Iterable[Step], window: tuple[float, float], profile: Any) -> dict[str, Any]:
     """The steps that started in `window`: counts, fill, and busy time against the profile's
     prediction, overall and by kind. A cycle is one step's start to the next's, where the engine
     had requests left (so the next step followed at once): the time the engine spent on it,
     including its work between steps (inputs, outputs) and CPU the frontend took from it."""
-    t0, t1 = window
-    inside = [s for s in steps if t0 <= s.start_s <= t1]
+    inside = _inside(steps, window)
     kinds: dict[str, list[float]] = {"decode_only": [0.0, 0.0, 0], "with_prefill": [0.0, 0.0, 0],
                                      "with_arrivals": [0.0, 0.0, 0], "no_arrivals": [0.0, 0.0, 0]}  # fmt: skip
     cycle_s = predicted_s = in_step_s = 0.0
     cycles = 0
-    seconds: dict[int, list[float]] = {}  # whole seconds since the first step -> [busy, predicted, cycles]
-    for step, after in itertools.pairwise(inside):
-        if not step.busy_after:
-            continue
-        cycle = after.start_s - step.start_s
-        predicted = profile.step_seconds(step.prefill_tokens, step.decodes, step.context_tokens)
+    for step, cycle, predicted in _cycles(inside, profile):
         cycles += 1
         cycle_s += cycle
         predicted_s += predicted
         in_step_s += step.end_s - step.start_s
-        second = seconds.setdefault(int(step.start_s - inside[0].start_s), [0.0, 0.0, 0])
-        second[0] += cycle
-        second[1] += predicted
-        second[2] += 1
         for kind in ("with_prefill" if step.prefill_tokens else "decode_only",
                      "with_arrivals" if step.arrivals else "no_arrivals"):  # fmt: skip
             kinds[kind][0] += cycle
@@ -106,6 +121,7 @@ def summarize_steps(steps: Iterable[Step], window: tuple[float, float], profile:
             kinds[kind][2] += 1
     n = len(inside) or 1
     # how the machine's speed moved inside the run: busy over predicted, second by second
+    seconds = _by_second(inside, profile, inside[0].start_s) if inside else {}
     per_second = [b / p for b, p, c in seconds.values() if c >= PER_SECOND_MIN_CYCLES and p]
     return {
         "steps": len(inside),
@@ -152,17 +168,11 @@ def speed_timeline(steps: Iterable[Step], window: tuple[float, float], profile: 
     above 1 by its busy-arrival cost). A second with too few busy cycles (an idle engine) takes the
     run's mean."""
     t0, t1 = window
-    inside = [s for s in steps if t0 <= s.start_s <= t1]
-    seconds = [[0.0, 0.0, 0] for _ in range(int(t1 - t0) + 1)]
-    for step, after in itertools.pairwise(inside):
-        if step.busy_after:
-            second = seconds[int(step.start_s - t0)]
-            second[0] += after.start_s - step.start_s
-            second[1] += profile.step_seconds(step.prefill_tokens, step.decodes, step.context_tokens)
-            second[2] += 1
-    busy, predicted = sum(s[0] for s in seconds), sum(s[1] for s in seconds)
+    seconds = _by_second(_inside(steps, window), profile, t0)
+    busy, predicted = sum(s[0] for s in seconds.values()), sum(s[1] for s in seconds.values())
     mean = busy / predicted if predicted else baseline
-    return [(b / p if c >= PER_SECOND_MIN_CYCLES and p else mean) / baseline for b, p, c in seconds]
+    timeline = [seconds.get(k, [0.0, 0.0, 0]) for k in range(int(t1 - t0) + 1)]
+    return [(b / p if c >= PER_SECOND_MIN_CYCLES and p else mean) / baseline for b, p, c in timeline]
 
 
 class TimedProfile:

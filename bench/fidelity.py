@@ -254,6 +254,16 @@ def _profile_at(profile: Any, slowdown: float, out: Path, label: str, refitted: 
     return str(path)
 
 
+def _latency_met(rows: list[dict[str, Any]], ratio: str) -> bool:
+    return all(abs(row[k][ratio] - 1) <= LATENCY_GOAL for row in rows for k in LATENCIES)
+
+
+def _ratio_section(title: str, prose: str, rows: list[dict[str, Any]], ratio: str, goal: str) -> list[str]:
+    """Markdown: a report section of one set of ratios, its table and whether the goal held."""
+    met = "met" if _latency_met(rows, ratio) else "missed"
+    return ["", f"## {title}", "", prose, "", *_ratio_table(rows, ratio), "", f"Latency goal {goal}: **{met}**."]
+
+
 def _ratio_table(rows: list[dict[str, Any]], ratio: str) -> list[str]:
     """Markdown: one row per rate, the four latency cells' `ratio` (a key of each cell)."""
     return ["| rate | TTFT p50 | TTFT p99 | e2e p50 | e2e p99 |", "|---|---|---|---|---|",
@@ -457,14 +467,11 @@ def run(args: argparse.Namespace) -> int:
                           "real_spread": _ratio(max(values), min(values))}
         rows.append(row)
 
-    def latency_met(ratio: str) -> bool:
-        return all(abs(row[k][ratio] - 1) <= LATENCY_GOAL for row in rows for k in LATENCIES)
-
-    latency_ok = latency_met("ratio")
-    tracked_ok = bool(tracked) and latency_met("ratio_tracked")
-    arrivals_ok = bool(tracked_arrivals) and latency_met("ratio_tracked_arrivals")
-    steps_ok = bool(steps_tracked) and latency_met("ratio_steps_tracked")
-    timeline_ok = bool(timeline_tracked) and latency_met("ratio_timeline_tracked")
+    latency_ok = _latency_met(rows, "ratio")
+    tracked_ok = bool(tracked) and _latency_met(rows, "ratio_tracked")
+    arrivals_ok = bool(tracked_arrivals) and _latency_met(rows, "ratio_tracked_arrivals")
+    steps_ok = bool(steps_tracked) and _latency_met(rows, "ratio_steps_tracked")
+    timeline_ok = bool(timeline_tracked) and _latency_met(rows, "ratio_timeline_tracked")
     count_ok = all(abs(row[k]["ratio"] - 1) <= COUNT_GOAL or row[k]["real"] == row[k]["sim"] for row in rows
                    for k in ("num_preemptions_total", "prefix_cache_hits_total"))
     real_spread = max(row[k]["real_spread"] for row in rows for k in LATENCIES)
@@ -505,42 +512,46 @@ def run(args: argparse.Namespace) -> int:
            f"Latency goal (+-{LATENCY_GOAL:.0%}): **{'met' if latency_ok else 'missed'}**; "
            f"count goal (+-{COUNT_GOAL:.0%}): **{'met' if count_ok else 'missed'}**."]
     if tracked:
-        md += ["", "## At the speed vLLM ran", "",
-               f"The calibration's saturated phase took {calibrated_s:.3f} s; timed again around vLLM's runs it "
-               f"took {', '.join(f'{x:.3f}' for x in probes)} s (before each run of each rate, in order, and "
-               f"after the last), so the runs went at {', '.join(f'{x:.2f}x' for x in speeds)} the calibration's "
-               "step times. Each run simulated with the profile at its speed (`profile-runK-RATE.yaml`); "
-               "ratio = mean simulated / mean real:", "",
-               *_ratio_table(rows, "ratio_tracked"),
-               "", f"Latency goal at the tracked speed: **{'met' if tracked_ok else 'missed'}**."]
+        md += _ratio_section(
+            "At the speed vLLM ran",
+            f"The calibration's saturated phase took {calibrated_s:.3f} s; timed again around vLLM's runs it "
+            f"took {', '.join(f'{x:.3f}' for x in probes)} s (before each run of each rate, in order, and "
+            f"after the last), so the runs went at {', '.join(f'{x:.2f}x' for x in speeds)} the calibration's "
+            "step times. Each run simulated with the profile at its speed (`profile-runK-RATE.yaml`); "
+            "ratio = mean simulated / mean real:",
+            rows, "ratio_tracked", "at the tracked speed",
+        )
     if tracked_arrivals:
-        md += ["", "## At the speed and the arrival cost found around each run", "",
-               "The calibration's arrivals phase (its decoding batch's steps while requests arrive, over its "
-               "steps before and after) was timed beside each speed probe: "
-               f"x{', x'.join(f'{x:.3f}' for x in arrival_probes)}; "
-               f"fitted per run, with the decode factor, to both probes around it: "
-               f"{', '.join(f'{x:.2f}' for x in busy)} ms per busy arrival (calibration: "
-               f"{profile.busy_arrival_ms:.2f} ms). Each run simulated at its speed with those "
-               "(`profile-runK-RATE-arrivals.yaml`):", "",
-               *_ratio_table(rows, "ratio_tracked_arrivals"),
-               "", f"Latency goal so tracked: **{'met' if arrivals_ok else 'missed'}**."]
+        md += _ratio_section(
+            "At the speed and the arrival cost found around each run",
+            "The calibration's arrivals phase (its decoding batch's steps while requests arrive, over its "
+            "steps before and after) was timed beside each speed probe: "
+            f"x{', x'.join(f'{x:.3f}' for x in arrival_probes)}; "
+            f"fitted per run, with the decode factor, to both probes around it: "
+            f"{', '.join(f'{x:.2f}' for x in busy)} ms per busy arrival (calibration: "
+            f"{profile.busy_arrival_ms:.2f} ms). Each run simulated at its speed with those "
+            "(`profile-runK-RATE-arrivals.yaml`):",
+            rows, "ratio_tracked_arrivals", "so tracked",
+        )
     if steps_tracked:
-        md += ["", "## At the speed vLLM's own steps ran", "",
-               "Each run simulated at one factor on every time term: vLLM's busy time in that run over the "
-               "simulated engine's for the same workload (the step table below; their steps match in number "
-               f"and fill): {', '.join(f'{x:.2f}x' for x in step_speeds)} (runs in order, each rate). This "
-               "reads the machine's speed over the run itself, where the probes around it cannot see a slowdown "
-               "of seconds inside it (`profile-runK-RATE-steps.yaml`):", "",
-               *_ratio_table(rows, "ratio_steps_tracked"),
-               "", f"Latency goal at the speed of vLLM's own steps: **{'met' if steps_ok else 'missed'}**."]
+        md += _ratio_section(
+            "At the speed vLLM's own steps ran",
+            "Each run simulated at one factor on every time term: vLLM's busy time in that run over the "
+            "simulated engine's for the same workload (the step table below; their steps match in number "
+            f"and fill): {', '.join(f'{x:.2f}x' for x in step_speeds)} (runs in order, each rate). This "
+            "reads the machine's speed over the run itself, where the probes around it cannot see a slowdown "
+            "of seconds inside it (`profile-runK-RATE-steps.yaml`):",
+            rows, "ratio_steps_tracked", "at the speed of vLLM's own steps",
+        )
     if timeline_tracked:
-        md += ["", "## At the speed vLLM's steps ran, second by second", "",
-               "Each run simulated with its step times scaled, in each whole second since the replay began, by "
-               "vLLM's busy time in that second of its run over what the profile predicts for its steps (over the "
-               "simulated engine's own ratio); a second where vLLM's engine idled takes the run's mean. The "
-               "speeds per run ranged " + ", ".join(f"{min(t):.2f}-{max(t):.2f}" for t in timelines) + ":", "",
-               *_ratio_table(rows, "ratio_timeline_tracked"),
-               "", f"Latency goal at vLLM's speed second by second: **{'met' if timeline_ok else 'missed'}**."]
+        md += _ratio_section(
+            "At the speed vLLM's steps ran, second by second",
+            "Each run simulated with its step times scaled, in each whole second since the replay began, by "
+            "vLLM's busy time in that second of its run over what the profile predicts for its steps (over the "
+            "simulated engine's own ratio); a second where vLLM's engine idled takes the run's mean. The "
+            "speeds per run ranged " + ", ".join(f"{min(t):.2f}-{max(t):.2f}" for t in timelines) + ":",
+            rows, "ratio_timeline_tracked", "at vLLM's speed second by second",
+        )
     step_rows = [(f"{rate:g}/s {label}", runs[i]["steps"])
                  for i, rate in enumerate(rates)
                  for label, runs in [*((f"vLLM run {k + 1}", r) for k, r in enumerate(real_runs)), ("simulated", sim),

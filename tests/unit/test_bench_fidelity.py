@@ -73,3 +73,12 @@ def test_a_ratio_table_has_a_row_per_rate_with_the_four_latency_cells() -> None:
         "| 4/s | **1.00** | **1.01** | **1.02** | **1.03** |",
         "| 80/s | **0.50** | **0.51** | **0.52** | **0.53** |",
     ]
+
+
+def test_a_ratio_section_says_whether_its_ratios_met_the_goal() -> None:
+    rows = [{"rate": 80.0, **{k: {"ratio_x": 1.1, "ratio_y": 0.8} for k in fidelity.LATENCIES}}]
+    section = fidelity._ratio_section("At some speed", "Prose:", rows, "ratio_x", "at some speed")
+    assert section[:5] == ["", "## At some speed", "", "Prose:", ""]
+    assert section[5:-2] == fidelity._ratio_table(rows, "ratio_x")
+    assert section[-1] == "Latency goal at some speed: **met**."
+    assert fidelity._ratio_section("T", "P", rows, "ratio_y", "so")[-1] == "Latency goal so: **missed**."

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import redis
@@ -74,6 +75,37 @@ def test_the_export_process_writes_every_change_and_removes_the_keys(redis_servi
         llumlet.stop()
     assert client.exists(keys.meta_key("t", "e0"), keys.status_key("t", "e0")) == 0
     assert gone(child)
+
+
+def test_steady_decode_steps_reach_redis_as_the_state_they_make(redis_service):
+    """LoadState.decode_step goes to the export process as a tick (two words in shared memory);
+    the status in Redis is the full state all the same."""
+    client = redis.Redis.from_url(redis_service.url)
+    llumlet = make_llumlet(redis_service.url)
+    llumlet.start(serve_grpc=False)
+    try:
+        with llumlet.events() as s:
+            s.kv_usage(4, 100, 16)
+            for i in range(3):
+                s.added(f"r{i}", 40)
+                s.scheduled(f"r{i}", 40)
+                s.progressed(f"r{i}", 40, 1)
+        for step in range(1, 21):
+            llumlet.decode_step(7_000 + step, 4 + step, (4 + step) * 16, time.monotonic_ns())
+        got = wait_for(lambda: (st := status_of(client)) and st.step_id == 20 and st, what="twenty steady steps")
+        assert (got.num_running_decode, got.running_decode_seq_len_sum) == (3, 3 * (41 + 20))
+        assert (got.last_step_duration_us, got.last_step_decode_batch, got.last_step_seq_len_sum) == (
+            7_020,
+            3,
+            3 * (41 + 20) - 3,
+        )
+        assert (got.used_kv_tokens, got.last_step_prefill_tokens) == (24 * 16, 0)
+        with llumlet.events() as s:
+            s.finished("r0")
+        got = wait_for(lambda: (st := status_of(client)) and st.num_running == 2 and st, what="a finish")
+        assert (got.step_id, got.running_decode_seq_len_sum) == (20, 2 * (41 + 20))
+    finally:
+        llumlet.stop()
 
 
 def test_the_engine_process_dying_removes_its_keys_at_once(redis_service, tmp_path):

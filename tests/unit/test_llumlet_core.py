@@ -550,3 +550,108 @@ def test_decoded_all_keeps_the_same_status_as_visiting_every_request(seed, num_r
         for s in (bulk, visit):
             s.finished(rid)
     assert bulk.running_decode_seq_len_sum == bulk.uncomputed_prefill_tokens == bulk.num_running == 0
+
+
+def test_decode_step_is_decoded_all_step_finished_and_kv_usage_in_one():
+    one, three = LoadState("e"), LoadState("e")
+    for s in (one, three):
+        for rid in ("a", "b", "c"):
+            s.added(rid, 10)
+            s.scheduled(rid, 0)
+            s.progressed(rid, 10, 1)
+        s.kv_usage(5, 100, 16)
+        s.changed = False
+    one.decode_step(6_500, 7 * 16)
+    three.decoded_all()
+    three.step_finished(0.0065, 0, 3, three.running_decode_seq_len_sum - 3)
+    three.kv_usage(7, 100, 16)
+    assert counter_values(one) == counter_values(three)
+    assert one.decode_steps == three.decode_steps == 1
+    assert not one.changed  # the caller stores the step (Llumlet.decode_step)
+    assert (one.last_step_decode_batch, one.last_step_seq_len_sum, one.used_kv_tokens) == (3, 3 * 11, 112)
+
+
+def test_running_prefills_sit_a_bulk_decode_step_out():
+    """decoded_all with a request in prefill: the decodes move by one token, the prefill does not,
+    and its own visit afterwards (its chunk done, its first token sampled) counts it exactly once."""
+    s = LoadState("e")
+    s.added("d", 10)
+    s.scheduled("d", 0)
+    s.progressed("d", 10, 1)
+    s.added("p", 30)
+    s.scheduled("p", 16)  # the first chunk of its prompt
+    assert s.prefilling == {"p"} and s.num_running_prefill == 1
+    for _ in range(3):
+        s.decoded_all()
+    assert s.running_decode_seq_len_sum == 10 + 1 + 3 and s.requests["p"].num_output == 0
+    s.progressed("p", 30, 1)  # the last chunk: prefilled, one token sampled
+    assert s.prefilling == set() and (s.num_running_decode, s.running_decode_seq_len_sum) == (2, 14 + 31)
+    s.decoded_all()
+    s.finished("d")
+    s.finished("p")
+    assert (s.running_decode_seq_len_sum, s.num_running, s.uncomputed_prefill_tokens) == (0, 0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32), num_requests=st.integers(1, 12))
+def test_bulk_steps_with_prefills_keep_the_same_status_as_visiting_every_request(seed, num_requests):
+    """The vLLM adapter's mixed step (decoded_all, then a visit per request in prefill) against
+    the per-request path, over chunked prefills, decode steps where some requests sit out
+    (visited then), requests left waiting, preemptions and finishes."""
+    rng = random.Random(seed)
+    bulk, visit = LoadState("e"), LoadState("e")
+    truth: dict[str, list[int]] = {}  # id -> [prompt, output, max output, running, computed]
+    for step in range(200):
+        if len(truth) < num_requests and rng.random() < 0.3:
+            rid = f"r{step}"
+            truth[rid] = [rng.randint(1, 50), 0, rng.randint(1, 30), 0, 0]
+            for s in (bulk, visit):
+                s.added(rid, truth[rid][0])
+        for rid, t in truth.items():
+            if not t[3] and rng.random() < 0.5:  # scheduled from waiting: a first chunk
+                t[3], t[4] = 1, min(t[0] + t[1], rng.randint(1, 40))
+                for s in (bulk, visit):
+                    s.scheduled(rid, t[4])
+        # this step: every request in prefill takes a chunk (sampling once its prompt is done)
+        # unless it sits out; every decode samples one token unless it sits out
+        moved: dict[str, tuple[int, int]] = {}  # id -> (computed, output) after the step
+        sits_out = set()
+        for rid, t in truth.items():
+            if not t[3] or rng.random() < 0.1:
+                sits_out.add(rid)
+                continue
+            if t[4] < t[0] + t[1]:  # in prefill: a chunk (it ran at schedule, as vLLM counts)
+                if t[4] + 1 >= t[0] + t[1] or rng.random() < 0.5:
+                    t[4] = t[0] + t[1]
+                    t[1] += 1  # prefilled: a token sampled
+                else:
+                    t[4] = min(t[0] + t[1], t[4] + rng.randint(1, 20))
+            else:
+                t[1] += 1
+                t[4] += 1
+            moved[rid] = (t[4] if t[4] < t[0] + t[1] else t[0] + t[1] - 1, t[1])
+        in_prefill = set(bulk.prefilling)
+        decodes_moved = all(rid in moved for rid in visit.requests if visit.requests[rid].decoding)
+        if decodes_moved:
+            bulk.decoded_all()
+        for rid, (computed, output) in moved.items():
+            if not decodes_moved or rid in in_prefill:
+                bulk.progressed(rid, computed, output)
+            visit.progressed(rid, computed, output)
+        for rid in list(truth):
+            t = truth[rid]
+            if t[3] and t[4] >= t[0] + t[1] - 1 and (t[1] >= t[2] or rng.random() < 0.02):
+                del truth[rid]
+                for s in (bulk, visit):
+                    s.finished(rid)
+            elif t[3] and rng.random() < 0.02:
+                t[3], t[4] = 0, 0
+                for s in (bulk, visit):
+                    s.preempted(rid)
+        assert counter_values(bulk) == counter_values(visit), f"step {step}"
+        assert bulk.prefilling == {rid for rid, r in bulk.requests.items() if r.running and not r.decoding}
+    for rid in list(truth):
+        for s in (bulk, visit):
+            s.finished(rid)
+    assert bulk.running_decode_seq_len_sum == bulk.uncomputed_prefill_tokens == bulk.num_running == 0
+    assert bulk.prefilling == set()

@@ -12,8 +12,10 @@ import pytest
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core import export_process, handoff
+from pilotfish.vllm_plugin.core import llumlet as llumlet_module
 from pilotfish.vllm_plugin.core.export_process import STOP_KEEP, STOP_REMOVE, Exporter, exporter_cpus
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, create_region, map_region
+from pilotfish.vllm_plugin.core.llumlet import Llumlet
 from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS, LoadState, counter_values
 from tests.integration.test_llumlet_cms import wait_for
 
@@ -89,7 +91,7 @@ def test_a_torn_record_is_not_taken(region):
     state.added("a", 5)
     writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
     writer.publish(state, 0)
-    # a copy caught mid-write: the body's bytes changed under the CRC
+    # a copy caught mid-write: the body's bytes changed under the checksum
     mapped[handoff.RECORD_AT + 40] ^= 0xFF
     assert reader.poll() is None
     mapped[handoff.RECORD_AT + 40] ^= 0xFF
@@ -300,11 +302,179 @@ def test_stop_keeping_the_keys_writes_a_state_held_back_by_the_interval():
 def test_zeroed_or_stale_ring_bytes_are_not_ids(region):
     _, mapped = region
     reader = HandoffReader(mapped)
-    # a fresh ring is zeros: length 0 with CRC 0 must not read as empty ids
+    # a fresh ring is zeros: length 0 with checksum 0 must not read as empty ids
     assert reader.ids_until(18) == [] and reader.ids_until(18) == []
     assert reader.ids_until(18) == [] and reader.lost_ids == 1  # the third look gives up, counted once
     # an intact entry written at another position does not pass here
     raw = b"old-id"
-    entry = handoff._ENTRY.pack(len(raw), zlib.crc32(raw, 12345)) + raw
+    entry = handoff._ENTRY.pack(len(raw), zlib.adler32(raw, 12345)) + raw
     mapped[handoff.RING_AT + 18 : handoff.RING_AT + 18 + len(entry)] = entry
     assert HandoffReader(mapped).ids_until(len(entry)) == []
+
+
+def _decoding(n: int, prompt: int = 40) -> LoadState:
+    state = LoadState("e0")
+    for i in range(n):
+        state.added(f"r{i}", prompt)
+        state.scheduled(f"r{i}", prompt)
+        state.progressed(f"r{i}", prompt, 1)
+    state.kv_usage(12, 100, 16)
+    state.step_finished(0.02, n * prompt, 0, n * prompt)
+    return state
+
+
+def test_every_counter_reads_back_in_its_own_place(region):
+    """The record's fields are named one by one where it is packed: each goes where COUNTER_FIELDS says."""
+    _, mapped = region
+    state = LoadState("e0")
+    for i, name in enumerate(COUNTER_FIELDS):
+        setattr(state, name, 1000 + i)
+    state.decode_steps = 77
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped)
+    writer.publish(state, 5)
+    record = reader.poll()
+    assert record is not None and record.decode_steps == 77
+    assert record.counters == {name: 1000 + i for i, name in enumerate(COUNTER_FIELDS)}
+
+
+def test_steady_steps_stored_as_ticks_read_back_as_the_full_state(region):
+    _, mapped = region
+    state = _decoding(3)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
+    writer.publish(state, 0)
+    assert reader.poll() is not None
+    for k in range(1, 6):
+        state.decode_step(6_000 + k, (12 + k) * 16)
+        end = time.monotonic_ns()
+        assert writer.tick(state.decode_steps, 6_000 + k, 12 + k, end) == 0
+        assert reader.changed()
+        record = reader.poll()
+        assert record is not None, f"tick {k}"
+        assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+        assert abs(record.dirty_since_ns - end) < 2_000  # the step's end, to the microsecond
+        assert reader.poll() is None and not reader.changed()  # read once
+    # a full record after the ticks is the state again, and the last tick lies behind it
+    state.finished("r0")
+    writer.publish(state, 0)
+    record = reader.poll()
+    assert record is not None and record.counters["num_running"] == 2
+    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+
+
+def test_a_tick_the_record_already_holds_counts_once(region):
+    """Another thread stored a full record between the engine's step and its tick: the record
+    holds the step already, and the tick, naming the same count, adds nothing."""
+    _, mapped = region
+    state = _decoding(2)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
+    state.decode_step(5_000, 13 * 16)
+    writer.publish(state, 0)  # (from another thread, under the lock)
+    writer.tick(state.decode_steps, 5_000, 13, time.monotonic_ns())
+    record = reader.poll()
+    assert record is not None
+    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+
+
+def test_a_tick_whose_words_disagree_is_not_taken(region):
+    _, mapped = region
+    state = _decoding(2)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
+    writer.publish(state, 0)
+    reader.poll()
+    state.decode_step(5_000, 13 * 16)
+    writer.tick(state.decode_steps, 5_000, 13, time.monotonic_ns())
+    second = handoff.TICK_AT + 8
+    mapped[second + 7] ^= 0x01  # the second word's tag, as a copy caught between the two stores sees it
+    assert reader.poll() is None
+    mapped[second + 7] ^= 0x01
+    record = reader.poll()
+    assert record is not None and record.counters["step_id"] == state.step_id
+
+
+def test_a_tick_past_the_span_is_not_read_as_new(region):
+    _, mapped = region
+    state = _decoding(1)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
+    writer.publish(state, 0)
+    reader.poll()
+    writer.tick(state.decode_steps - 1 + 2**16, 5_000, 13, time.monotonic_ns())  # "one behind", mod 2**16
+    record = reader.poll()
+    assert record is not None and record.counters["step_id"] == state.step_id  # the record as it is
+
+
+class _Exporter:
+    """What Llumlet reads of an ExportProcess: its hand-off, and a wake-up it counts."""
+
+    def __init__(self, region: object) -> None:
+        self.handoff = HandoffWriter(region)  # type: ignore[arg-type]
+        self.woken = 0
+
+    def wake(self) -> None:
+        self.woken += 1
+
+
+def _llumlet_with(region: object, **config: object) -> tuple[Llumlet, _Exporter]:
+    cfg = LlumletConfig(cms_url="redis://unused", **config)  # type: ignore[arg-type]
+    llumlet = Llumlet(cfg, "e0", cms_pb2.InstanceMetadata(block_size=16), writer=FakeWriter())  # type: ignore[arg-type]
+    exporter = _Exporter(region)
+    llumlet._exporter = exporter  # type: ignore[assignment]
+    return llumlet, exporter
+
+
+def test_llumlet_decode_step_goes_as_a_tick_only_when_nothing_else_waits(region):
+    _, mapped = region
+    llumlet, exporter = _llumlet_with(mapped)
+    reader = HandoffReader(mapped, block_size=16)
+    with llumlet.events() as s:
+        s.kv_usage(10, 100, 16)
+        for i in range(2):
+            s.added(f"r{i}", 40)
+            s.scheduled(f"r{i}", 40)
+            s.progressed(f"r{i}", 40, 1)
+    seq = exporter.handoff._seq
+    llumlet.decode_step(5_000, 13, 13 * 16, time.monotonic_ns())
+    assert exporter.handoff._seq == seq  # a tick, no full record
+    record = reader.poll()
+    assert record is not None and record.counters["step_id"] == 1 and record.counters["used_kv_tokens"] == 208
+    # an event held back for the next block (vLLM's admissions): the step goes as a full record with it
+    with llumlet.events(write=False) as s:
+        s.added("late", 10)
+    llumlet.decode_step(5_000, 13, 13 * 16, time.monotonic_ns())
+    assert exporter.handoff._seq == seq + 1
+    record = reader.poll()
+    assert record is not None and (record.counters["num_waiting"], record.counters["step_id"]) == (1, 2)
+    assert not llumlet.state.changed
+
+
+def test_llumlet_decode_step_stores_a_full_record_every_tick_span(region, monkeypatch):
+    _, mapped = region
+    monkeypatch.setattr(llumlet_module, "TICK_SPAN", 4)
+    llumlet, exporter = _llumlet_with(mapped)
+    reader = HandoffReader(mapped, block_size=16)
+    with llumlet.events() as s:
+        s.added("r", 40)
+        s.scheduled("r", 40)
+        s.progressed("r", 40, 1)
+    records = []
+    for _ in range(9):
+        seq = exporter.handoff._seq
+        llumlet.decode_step(5_000, 3, 48, time.monotonic_ns())
+        records.append(exporter.handoff._seq != seq)
+        record = reader.poll()
+        assert record is not None and record.counters["step_id"] == llumlet.state.step_id
+    assert records == [False, False, False, True] * 2 + [False]  # a full record every TICK_SPAN steps
+
+
+def test_llumlet_decode_step_goes_whole_while_profiling_or_beyond_a_ticks_range(region):
+    _, mapped = region
+    llumlet, exporter = _llumlet_with(mapped, stats_log_s=5)
+    seq = exporter.handoff._seq
+    llumlet.decode_step(5_000, 3, 48, time.monotonic_ns())
+    assert exporter.handoff._seq == seq + 1  # profiling: the CPU figures ride in full records
+    llumlet, exporter = _llumlet_with(mapped)
+    for duration_us, blocks in ((handoff.TICK_MAX_US, 3), (5_000, handoff.TICK_MAX_BLOCKS)):
+        seq = exporter.handoff._seq
+        llumlet.decode_step(duration_us, blocks, blocks * 16, time.monotonic_ns())
+        assert exporter.handoff._seq == seq + 1
+        record = HandoffReader(mapped, block_size=16).poll()
+        assert record is not None and record.counters["last_step_duration_us"] == duration_us

@@ -166,7 +166,7 @@ class Exporter:
         self.config = config
         self.instance_id = instance_id
         self.metadata = metadata
-        self.reader = HandoffReader(region)
+        self.reader = HandoffReader(region, max(int(metadata.block_size), 1))
         self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
         self.pipe_fd = pipe_fd
         self.engine_pid = engine_pid

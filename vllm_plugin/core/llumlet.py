@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.handoff import TICK_MAX_BLOCKS, TICK_MAX_US, TICK_SPAN
 from pilotfish.vllm_plugin.core.llumlet_stats import Outage, export_summary
 from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
 from pilotfish.vllm_plugin.core.state import LoadState
@@ -169,6 +170,37 @@ class Llumlet:
         that next block.
         """
         return self._write_block if write else self._hold_block
+
+    def decode_step(self, duration_us: int, used_blocks: int, used_kv_tokens: int, now_ns: int) -> None:
+        """A steady decode step (LoadState.decode_step; the adapter checked that it is one) that
+        ended at monotonic `now_ns`, with `used_blocks` KV blocks (`used_kv_tokens` tokens) in use.
+
+        With an export process, and nothing else waiting to be stored, it goes out as a tick
+        (HandoffWriter.tick) and without the lock, which vLLM's engine thread would otherwise take
+        every step (a cache simulation of the hooks counted ~100 misses a step for it). That is
+        safe: only this thread writes the tick; LoadState.decode_step makes no call, so Python
+        cannot switch threads inside it and a reader under the lock sees the step whole or not
+        at all; and the tick names the step by the state's own count, so a full record that
+        another thread stores meanwhile, holding the step already, does not count it twice
+        (handoff.steady_figures). Otherwise it is an event block's change."""
+        state = self.state
+        exporter = self._exporter
+        if (
+            exporter is not None
+            and not state.changed  # nothing waits to be stored with it (nor from another thread)
+            and not self.profiling  # the CPU figures ride in full records
+            and duration_us < TICK_MAX_US
+            and used_blocks < TICK_MAX_BLOCKS
+            and state.decode_steps - exporter.handoff.record_decode_steps < TICK_SPAN - 1
+        ):
+            state.decode_step(duration_us, used_kv_tokens)
+            if exporter.handoff.tick(state.decode_steps, duration_us, used_blocks, now_ns):
+                exporter.wake()
+            self.exports += 1
+            return
+        with self._write_block:
+            state.decode_step(duration_us, used_kv_tokens)
+            state.changed = True
 
     def _settle(self, write: bool) -> bool:
         """Under `lock`, after a block of events: store or write the change; True: wake the export thread."""

@@ -60,8 +60,12 @@ def status_record(
     )
 
 
+MAX_DURATION_US = 2**32 - 1  # the record's field is 32 bits
+
+
 @dataclass(slots=True)
 class _Request:
+    request_id: str
     num_prompt: int
     num_output: int = 0
     num_computed: int = 0
@@ -94,6 +98,7 @@ class LoadState:
         self.admitted_window_ns = admitted_window_ms * 1_000_000
         self.max_admitted_ids = max_admitted_ids
         self.requests: dict[str, _Request] = {}
+        self.prefilling: set[str] = set()  # the running requests in prefill (num_running_prefill of them)
         self.schedulable = True
         # aggregates, kept equal to what summing over self.requests would give
         self.num_waiting = 0
@@ -125,19 +130,29 @@ class LoadState:
     # ---- contributions ----------------------------------------------------------------------
 
     def _apply(self, r: _Request, sign: int) -> None:
+        # _Request's properties, inlined, and no min() or max(): engines call this a few times
+        # per event, on cold caches inside vLLM (bench llumlet)
         self.changed = True
+        tokens = r.num_prompt + r.num_output
+        computed = r.num_computed
+        if r.running and r.num_output > 0 and computed >= tokens - 1:  # decoding
+            self.num_running += sign
+            self.num_running_decode += sign
+            self.running_decode_seq_len_sum += sign * tokens
+            return
+        done = computed if computed > r.num_cached else r.num_cached
+        uncomputed = tokens - done if tokens > done else 0
+        self.uncomputed_prefill_tokens += sign * uncomputed
         if not r.running:
             self.num_waiting += sign
-            self.uncomputed_prefill_tokens += sign * r.uncomputed
-            self.unallocated_tokens += sign * r.uncomputed
+            self.unallocated_tokens += sign * uncomputed
             return
         self.num_running += sign
-        if r.decoding:
-            self.num_running_decode += sign
-            self.running_decode_seq_len_sum += sign * r.num_tokens
+        self.num_running_prefill += sign
+        if sign > 0:
+            self.prefilling.add(r.request_id)
         else:
-            self.num_running_prefill += sign
-            self.uncomputed_prefill_tokens += sign * r.uncomputed
+            self.prefilling.discard(r.request_id)
 
     # ---- events -----------------------------------------------------------------------------
 
@@ -150,7 +165,7 @@ class LoadState:
         """
         if request_id in self.requests:
             return
-        r = _Request(num_prompt_tokens, num_output_tokens, decode_mark=self.decode_steps)
+        r = _Request(request_id, num_prompt_tokens, num_output_tokens, decode_mark=self.decode_steps)
         self.requests[request_id] = r
         self._apply(r, +1)
         self.admitted.append((time.monotonic_ns(), exported_id or request_id))
@@ -207,19 +222,41 @@ class LoadState:
         self._apply(r, +1)
 
     def decoded_all(self) -> None:
-        """Every running request is a decode and sampled exactly one token (the adapter checked
-        that: no running prefill, each running one scheduled for one token); waiting ones did not
-        move. O(1): the requests are brought up to date when an event next names one (_sync)."""
-        if self.num_running_prefill:
-            return  # not all decoding: the caller's check failed; the next visit per request catches up
+        """Every running decode sampled exactly one token (the adapter checked that); waiting
+        requests and running prefills did not move by it (the adapter visits the prefills it
+        scheduled next, with their own counts). O(running prefills): the decodes are brought up
+        to date when an event next names one (_sync)."""
         self.decode_steps += 1
         self.running_decode_seq_len_sum += self.num_running_decode
         self.changed = True
+        if self.prefilling:
+            requests, mark = self.requests, self.decode_steps
+            for request_id in self.prefilling:
+                requests[request_id].decode_mark = mark  # sat this one out
+
+    def decode_step(self, duration_us: int, used_kv_tokens: int) -> None:
+        """A whole steady decode step: what decoded_all, step_finished and kv_usage would do, in
+        one call and without setting `changed` (the caller stores the step: Llumlet.decode_step).
+
+        The adapter checked what decoded_all needs, and that no request is in prefill. One call,
+        not three: vLLM runs this once a step on caches its model just evicted, where each Python
+        call costs microseconds (bench llumlet). No call inside either: Python switches threads
+        only at calls and loops, so a reader on another thread sees this step whole or not at all.
+        """
+        n = self.num_running_decode
+        self.decode_steps += 1
+        self.step_id += 1
+        self.running_decode_seq_len_sum = seq_len_sum = self.running_decode_seq_len_sum + n
+        self.used_kv_tokens = used_kv_tokens
+        self.last_step_duration_us = duration_us
+        self.last_step_prefill_tokens = 0
+        self.last_step_decode_batch = n
+        self.last_step_seq_len_sum = seq_len_sum - n
 
     def _sync(self, r: _Request) -> None:
-        # Only decodes are ever moved by decoded_all (it requires that all running requests are),
-        # and a request stops decoding only through an event, which syncs it first: so the lag of
-        # a running request is its own. A waiting one sat those steps out.
+        # Only decodes are ever moved by decoded_all (running prefills sit it out: it moves their
+        # mark), and a request stops decoding only through an event, which syncs it first: so the
+        # lag of a running request is its own. A waiting one sat those steps out.
         if not r.running:
             r.decode_mark = self.decode_steps
             return
@@ -263,7 +300,7 @@ class LoadState:
         allocating a block would otherwise cost a write of its own, a step ahead of its token.
         Blocks freed are a reason: vLLM can free them with no event of ours (delay_free_blocks,
         once a KV transfer is done), and room freed is what a scheduler waits to see."""
-        used = min(used_blocks, total_blocks) * block_size
+        used = (used_blocks if used_blocks < total_blocks else total_blocks) * block_size
         if used < self.used_kv_tokens:
             self.changed = True
         self.used_kv_tokens = used
@@ -272,7 +309,8 @@ class LoadState:
     def step_finished(self, duration_s: float, prefill_tokens: int, decode_batch: int, seq_len_sum: int) -> None:
         self.step_id += 1
         self.changed = True
-        self.last_step_duration_us = min(int(duration_s * 1e6), 2**32 - 1)
+        duration_us = int(duration_s * 1e6)
+        self.last_step_duration_us = duration_us if duration_us < MAX_DURATION_US else MAX_DURATION_US
         self.last_step_prefill_tokens = prefill_tokens
         self.last_step_decode_batch = decode_batch
         self.last_step_seq_len_sum = seq_len_sum
@@ -287,8 +325,9 @@ class LoadState:
     def next_update_id(self) -> int:
         # Microseconds of wall time as a floor: a restarted llumlet continues above its last
         # record instead of at 1, which a reader holding that record would drop as stale.
-        self.update_id = max(self.update_id + 1, time.time_ns() // 1000)
-        return self.update_id
+        floor = time.time_ns() // 1000
+        self.update_id = update_id = self.update_id + 1 if self.update_id >= floor else floor  # no max(): hot
+        return update_id
 
     def trim_admitted(self) -> None:
         """Drop admitted ids older than the window, and the oldest beyond the cap."""

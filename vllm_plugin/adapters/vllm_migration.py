@@ -148,7 +148,7 @@ class VllmMigrationAdapter:
         self._away: dict[str, _Away] = {}  # exported id ->
         self._incoming: dict[str, _Incoming] = {}  # internal id ->
         self._max_model_len = int(sched.max_model_len)
-        self._unflushed: list[_Away] = []  # detached in the current step (engine thread only)
+        self.unflushed: list[_Away] = []  # detached in the current step (engine thread only)
         self._engine_thread: int | None = None  # set by the first apply
         # the engine core's (client index, EngineCoreOutputs) queue to the frontend; None in-process
         self._output_queue: Any = getattr(engine_core, "output_queue", None)
@@ -186,10 +186,10 @@ class VllmMigrationAdapter:
     def step_done(self) -> None:
         """The engine core asks has_requests() after putting a step's outputs in its output queue:
         requests detached in that step may now relay straight into it."""
-        if self._unflushed and threading.get_ident() == self._engine_thread:
-            for away in self._unflushed:
+        if self.unflushed and threading.get_ident() == self._engine_thread:
+            for away in self.unflushed:
                 away.flushed.set()
-            self._unflushed.clear()
+            self.unflushed.clear()
 
     def reattach(self, request: MigratingRequest) -> None:
         self._call(lambda outputs: self._reattach(request.request_id, outputs))
@@ -231,9 +231,11 @@ class VllmMigrationAdapter:
 
     def apply(self, outputs: Outputs) -> None:
         """Run queued calls, then move migrated-in requests' outputs from the frontend to their relays."""
+        if not self._pending and not self._incoming:
+            return  # the usual step: two reads, on the engine thread's critical path
         self._engine_thread = threading.get_ident()
         ops = self._ops
-        while not ops.empty():  # once a step: an empty check is cheaper than get_nowait's exception
+        while not ops.empty():  # an empty check is cheaper than get_nowait's exception
             fn, done = ops.get()
             with self._lock:
                 self._pending -= 1
@@ -319,7 +321,7 @@ class VllmMigrationAdapter:
         away = _Away(internal, request, list(sent))
         with self._lock:
             self._away[exported] = away
-        self._unflushed.append(away)
+        self.unflushed.append(away)
         return MigratingRequest(
             request_id=exported,
             prompt_token_ids=list(request.prompt_token_ids),

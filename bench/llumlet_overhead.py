@@ -41,9 +41,13 @@ DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
 # Every engine runs under the probe (llumlet_probe.py): the engine thread's CPU spent scheduling
 PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
 BURN_US_ENV = "PILOTFISH_BENCH_BURN_US"  # the probe spends this much CPU a step (a control arm)
+BURN_AT_ENV = "PILOTFISH_BENCH_BURN_AT"  # where: update (update_from_output) or dispatch (while the model runs)
+BURN_EVERY_ENV = "PILOTFISH_BENCH_BURN_EVERY"  # burn every Nth step only; the probe times cycles with and without
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order
+# the probe's file: steps, the CPU ns in each of PROBED, then cycles with the burn, their ns, cycles without, theirs
+_PROBE_WIDTH = 1 + len(PROBED) + 4
 _EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
@@ -131,12 +135,24 @@ def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
 
 
 def read_probe(path: Path) -> tuple[int, ...]:
-    """(steps, then CPU ns in each of PROBED) an engine's probe has counted so far; zeros before it wrote any."""
+    """(steps, CPU ns in each of PROBED, then the cycle counts and ns with and without the burn) an
+    engine's probe has counted so far; zeros before it wrote any."""
     try:
         values = tuple(int(v) for v in path.read_text().split())
     except (OSError, ValueError):
         values = ()
-    return values if len(values) == 1 + len(PROBED) else (0,) * (1 + len(PROBED))
+    return values if len(values) == _PROBE_WIDTH else (0,) * _PROBE_WIDTH
+
+
+def _cycles_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
+    """The probe's mean step cycle (wall, µs) between two readings, of the steps that burned and of
+    those that did not (PILOTFISH_BENCH_BURN_EVERY); 0.0 where it timed none."""
+    at = 1 + len(PROBED)
+    burned, burned_ns, plain, plain_ns = (after[at + i] - before[at + i] for i in range(4))
+    return {
+        "burn_cycle_us": burned_ns / burned / 1000 if burned > 0 else 0.0,
+        "plain_cycle_us": plain_ns / plain / 1000 if plain > 0 else 0.0,
+    }
 
 
 def _sched_cpu_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
@@ -248,6 +264,11 @@ def _costs(
     ]
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
+    # an interleaved control (PILOTFISH_BENCH_BURN_EVERY): within each round, the cycles of steps
+    # that burned less those of steps that did not
+    interleaved = [
+        r["burn_cycle_us"] - r["plain_cycle_us"] for r in rounds if r.get("burn_cycle_us") and r.get("plain_cycle_us")
+    ]
     return {
         "llumlet_self_report": report,
         "hook_cpu_us_per_step": hook_us,
@@ -266,7 +287,27 @@ def _costs(
             plug["engine_core_cpu_ms_per_token"], base["engine_core_cpu_ms_per_token"]
         ),
         "vllm_cpu_overhead_pct": _pct_over(plug["vllm_cpu_ms_per_token"], base["vllm_cpu_ms_per_token"]),
+        "burn_cycle_added_us": round(statistics.fmean(interleaved), 2) if interleaved else None,
+        "burn_cycle_added_ci95_us": round(_ci95(interleaved), 2) if interleaved else None,
     }
+
+
+def exchange_rate(costs: dict[str, Any], settings: dict[str, str]) -> tuple[float, float] | None:
+    """(step time per µs of engine-thread CPU, its 95% interval) from an interleaved control's
+    cycles: the burn's cost to the step over the burn; None for any other engine."""
+    burn_us = float(settings.get(BURN_US_ENV) or 0)
+    if not burn_us or costs.get("burn_cycle_added_us") is None or settings.get(BURN_AT_ENV, "update") != "update":
+        return None
+    return costs["burn_cycle_added_us"] / burn_us, (costs["burn_cycle_added_ci95_us"] or 0.0) / burn_us
+
+
+def implied_cost_pct(cpu_us: float, cpu_ci: float, rate: tuple[float, float], step_ms: float) -> tuple[float, float]:
+    """The llumlet's cost to vLLM's step in percent, from the engine-thread CPU it adds and what a
+    µs of that CPU costs the step (exchange_rate), with an interval from both intervals."""
+    (r, r_ci), step_us = rate, step_ms * 1000
+    pct = 100 * cpu_us * r / step_us
+    ci = 100 * ((cpu_ci * r) ** 2 + (cpu_us * r_ci) ** 2) ** 0.5 / step_us
+    return round(pct, 3), round(ci, 3)
 
 
 def _added_figures(name: str, added: list[float], step_ms: float) -> dict[str, float | None]:
@@ -408,9 +449,10 @@ def run(args: argparse.Namespace) -> int:
         redis = services.start_redis(work / "redis")
         engines: dict[str, Any] = {}
         probes: dict[str, Path] = {}
-        # stats: the llumlet logs its staleness and the CPU its hooks cost (thread CPU time,
-        # which a loaded machine inflates far less than wall time)
-        common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench", "PILOTFISH_STATS_LOG_S": "5"}
+        # production's settings: the llumlet accounts its hooks' CPU (thread CPU time) only with
+        # PILOTFISH_STATS_LOG_S, which costs two clock reads a hook and stores every step whole
+        # (--llumlet-env or a --variant turns it on); it logs its staleness at shutdown either way
+        common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench"}
         common.update(extra_env)
         settings: dict[str, dict[str, str] | None] = {"plugin": common}
         settings.update({label: {**common, **extra} for label, extra in variants.items()})
@@ -439,11 +481,15 @@ def run(args: argparse.Namespace) -> int:
                 probe0 = read_probe(probes[label])
                 r = _round(port, args, child.pid)
                 _wait_quiet(child.pid)  # the engine's last step has run: its probe wrote the round's end
-                r.update(_sched_cpu_us(probe0, read_probe(probes[label])))
+                probe1 = read_probe(probes[label])
+                r.update(_sched_cpu_us(probe0, probe1))
+                r.update(_cycles_us(probe0, probe1))
                 rounds[label].append(r)
                 print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
                       f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
-                      f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step", flush=True)  # fmt: skip
+                      f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step"
+                      + (f"  cycle {r['burn_cycle_us']:.0f} us burnt, {r['plain_cycle_us']:.0f} not"
+                         if r["burn_cycle_us"] else ""), flush=True)  # fmt: skip
         finally:
             for child, _ in engines.values():
                 child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
@@ -462,8 +508,28 @@ def run(args: argparse.Namespace) -> int:
     costs = {
         label: _costs(rounds[label], rounds["baseline"], summary[label], base, reports[label]) for label in reports
     }
+    control = next(
+        (
+            (label, rate)
+            for label in variants
+            if (rate := exchange_rate(costs[label], {**extra_env, **variants[label]})) is not None
+        ),
+        None,
+    )
+    implied: dict[str, Any] = {}
+    plugin_cpu = costs["plugin"]["sched_cpu_added_at_speed_us_per_step"]
+    if control is not None and plugin_cpu is not None and base["step_ms"]:
+        pct, ci = implied_cost_pct(
+            plugin_cpu, costs["plugin"]["sched_cpu_added_at_speed_ci95_us"] or 0.0, control[1], base["step_ms"]
+        )
+        implied = {
+            "exchange_rate": {"control": control[0], "rate": round(control[1][0], 3), "ci95": round(control[1][1], 3)},
+            "implied_step_cost_pct": pct,
+            "implied_step_cost_ci95_pct": ci,
+        }
     result = {
         **costs["plugin"],
+        **implied,
         "variants": {label: {"settings": variants[label], **costs[label]} for label in variants},
         "goal_pct": 1.0,
         "cpus": os.cpu_count(),
@@ -527,6 +593,22 @@ def run(args: argparse.Namespace) -> int:
             for label, c in costs.items()
         ),
         "",
+        *(
+            [
+                f"What engine-thread CPU costs vLLM's step here: the control `{control[0]}` burns "
+                f"{float({**extra_env, **variants[control[0]]}[BURN_US_ENV]):.0f} µs of it every other step, at the "
+                "end of update_from_output; within each round, the cycles (one step's end to the next's) of the "
+                "steps that burned less those of the steps that did not: "
+                f"{_signed_us(costs[control[0]]['burn_cycle_added_us'], costs[control[0]]['burn_cycle_added_ci95_us'])}"
+                f" µs, {control[1][0]:.2f} ± {control[1][1]:.2f} µs of step per µs of CPU. At that rate the "
+                "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "
+                f"{_signed(implied['implied_step_cost_pct'], implied['implied_step_cost_ci95_pct'])} "
+                "(goal <= 1%).",
+                "",
+            ]
+            if implied
+            else []
+        ),
         "Each llumlet's own report (its last log line):", "",
         *(f"- {names[label]}: {reports[label] or 'none logged'}." for label in reports),
         "",

@@ -13,9 +13,17 @@ reads a call falling on both.
 $PILOTFISH_BENCH_BURN_US (bench llumlet's control arm, `--variant burn:...`) makes every step
 spend that much more of the engine thread's CPU, in `update_from_output`, doing nothing: what
 any added CPU of that size costs vLLM's step on this machine, beside what the llumlet costs.
+With $PILOTFISH_BENCH_BURN_AT=dispatch it burns in `get_grammar_bitmask` instead, which vLLM
+calls once it has handed the step to the model and before it waits for the result: what the
+same CPU costs while the model runs. With $PILOTFISH_BENCH_BURN_EVERY=2 it burns every other
+step only, and the probe times each step's cycle (one step's end to the next's, wall clock) with
+and without the burn: steps a few milliseconds apart see the same machine, so the difference is
+what that CPU costs a step here, free of the drift between rounds (seconds apart) that swamps a
+throughput comparison.
 
 The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
-ns in each method of llumlet_overhead.PROBED), replaced every 32 steps and whenever the engine
+ns in each method of llumlet_overhead.PROBED, then the cycles timed with the burn and their ns,
+and without it and theirs), replaced every 32 steps and whenever the engine
 has no request left, so the benchmark reads them between rounds. Only the synchronous scheduler
 is probed: vLLM on CPU runs no other.
 """
@@ -24,15 +32,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from time import thread_time_ns
+from time import perf_counter_ns, thread_time_ns
 from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pilotfish.bench.llumlet_overhead import BURN_US_ENV, PROBE_FILE_ENV, PROBED
+from pilotfish.bench.llumlet_overhead import BURN_AT_ENV, BURN_EVERY_ENV, BURN_US_ENV, PROBE_FILE_ENV, PROBED
 from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
 
 _FLUSH_EVERY = 32  # steps
+_CYCLE_GAP_NS = 1_000_000_000  # a longer cycle spans an idle engine: not a step's
 
 
 class _Probe:
@@ -45,6 +54,11 @@ class _Probe:
         self._probe_steps = 0
         self._probe_ns = dict.fromkeys(PROBED, 0)  # CPU in each probed method
         self._burn_ns = int(float(os.environ.get(BURN_US_ENV) or 0) * 1000)
+        self._burn_at_dispatch = os.environ.get(BURN_AT_ENV, "update") == "dispatch"
+        self._burn_every = max(int(os.environ.get(BURN_EVERY_ENV) or 1), 1)
+        self._burn_now = False  # this step burns
+        self._cycle_end = 0  # perf_counter_ns at the end of the last step
+        self._cycles = [0, 0, 0, 0]  # steps that burned, their cycles' ns; steps that did not, theirs
         self._probe_flush()
 
     def add_request(self, request: Any) -> None:
@@ -53,6 +67,7 @@ class _Probe:
         self._probe_ns["add_request"] += thread_time_ns() - t0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._burn_now = bool(self._burn_ns) and self._probe_steps % self._burn_every == self._burn_every - 1
         t0 = thread_time_ns()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._probe_ns["schedule"] += thread_time_ns() - t0
@@ -61,22 +76,37 @@ class _Probe:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         t0 = thread_time_ns()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        if self._burn_ns and scheduler_output.total_num_scheduled_tokens:
-            until = thread_time_ns() + self._burn_ns
-            while thread_time_ns() < until:
-                pass
+        if self._burn_now and not self._burn_at_dispatch and scheduler_output.total_num_scheduled_tokens:
+            self._burn()
         self._probe_ns["update_from_output"] += thread_time_ns() - t0
         if scheduler_output.total_num_scheduled_tokens:
+            end = perf_counter_ns()
+            if self._cycle_end and end - self._cycle_end < _CYCLE_GAP_NS:
+                at = 0 if self._burn_now else 2
+                self._cycles[at] += 1
+                self._cycles[at + 1] += end - self._cycle_end
+            self._cycle_end = end
             self._probe_steps += 1
             if self._probe_steps % _FLUSH_EVERY == 0 or not self.requests:  # type: ignore[attr-defined]
                 self._probe_flush()
         return outputs
 
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        grammar = super().get_grammar_bitmask(scheduler_output)  # type: ignore[misc]
+        if self._burn_now and self._burn_at_dispatch and scheduler_output.total_num_scheduled_tokens:
+            self._burn()
+        return grammar
+
+    def _burn(self) -> None:
+        until = thread_time_ns() + self._burn_ns
+        while thread_time_ns() < until:
+            pass
+
     def _probe_flush(self) -> None:
         if self._probe_file is None:
             return
         staged = self._probe_file.with_suffix(".tmp")
-        staged.write_text(" ".join(map(str, (self._probe_steps, *self._probe_ns.values()))) + "\n")
+        staged.write_text(" ".join(map(str, (self._probe_steps, *self._probe_ns.values(), *self._cycles))) + "\n")
         os.replace(staged, self._probe_file)  # whole, for a reader in another process
 
 

@@ -114,14 +114,19 @@ def test_a_baseline_that_measured_nothing_gives_no_figure_not_a_crash() -> None:
 
 def test_the_probe_is_read_as_cpu_per_step_between_two_readings(tmp_path: Path) -> None:
     probe = tmp_path / "probe.txt"
-    assert bench.read_probe(probe) == (0, 0, 0, 0)  # the engine has not written it yet
+    zeros = (0,) * 8
+    assert bench.read_probe(probe) == zeros  # the engine has not written it yet
     probe.write_text("not a probe\n")
-    assert bench.read_probe(probe) == (0, 0, 0, 0)
-    probe.write_text("120 1000000 2000000 3000000\n")
+    assert bench.read_probe(probe) == zeros
+    probe.write_text("120 1000000 2000000 3000000\n")  # a probe without the cycle counts: not this one's
+    assert bench.read_probe(probe) == zeros
+    probe.write_text("120 1000000 2000000 3000000 0 0 119 700000000\n")
     before = bench.read_probe(probe)
-    # 400 steps later: 0.4 ms more in add_request, 8 ms in schedule, 12 ms in update_from_output
-    probe.write_text("520 1400000 10000000 15000000\n")
-    assert bench._sched_cpu_us(before, bench.read_probe(probe)) == pytest.approx(
+    # 400 steps later: 0.4 ms more in add_request, 8 ms in schedule, 12 ms in update_from_output;
+    # 200 of the cycles burned (6.1 ms each), 200 did not (6.0 ms each)
+    probe.write_text("520 1400000 10000000 15000000 200 1220000000 319 1900000000\n")
+    after = bench.read_probe(probe)
+    assert bench._sched_cpu_us(before, after) == pytest.approx(
         {
             "sched_cpu_us_per_step": 51.0,
             "add_request_cpu_us_per_step": 1.0,
@@ -129,4 +134,31 @@ def test_the_probe_is_read_as_cpu_per_step_between_two_readings(tmp_path: Path) 
             "update_from_output_cpu_us_per_step": 30.0,
         }
     )
+    assert bench._cycles_us(before, after) == pytest.approx({"burn_cycle_us": 6100.0, "plain_cycle_us": 6000.0})
     assert set(bench._sched_cpu_us(before, before).values()) == {0.0}  # no step ran: nothing counted
+    assert set(bench._cycles_us(before, before).values()) == {0.0}
+
+
+def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> None:
+    rounds = [
+        {"tokens_per_s": 100.0, "sched_cpu_us_per_step": 500.0, "schedule_cpu_us_per_step": 250.0,
+         "burn_cycle_us": 6100.0 + d, "plain_cycle_us": 6000.0}
+        for d in (-10.0, 0.0, 10.0)
+    ]  # fmt: skip
+    base_rounds = [
+        {"tokens_per_s": 100.0, "sched_cpu_us_per_step": 400.0, "schedule_cpu_us_per_step": 250.0} for _ in range(3)
+    ]
+    figures = {"tokens_per_s": 100.0, "step_ms": 6.0, "engine_core_cpu_ms_per_token": 0.05}
+    figures["vllm_cpu_ms_per_token"] = 0.3
+    costs = bench._costs(rounds, base_rounds, figures, figures, "")
+    assert costs["burn_cycle_added_us"] == pytest.approx(100.0)
+    settings = {bench.BURN_US_ENV: "50", bench.BURN_EVERY_ENV: "2"}
+    rate = bench.exchange_rate(costs, settings)
+    assert rate is not None and rate[0] == pytest.approx(2.0) and rate[1] > 0
+    assert bench.exchange_rate(costs, {**settings, bench.BURN_AT_ENV: "dispatch"}) is None  # not at the step's end
+    assert bench.exchange_rate(bench._costs(base_rounds, base_rounds, figures, figures, ""), settings) is None
+    # 30 µs of CPU at 2 µs of step each, of a 6 ms step: 1%
+    pct, ci = bench.implied_cost_pct(30.0, 0.0, (2.0, 0.0), 6.0)
+    assert (pct, ci) == (1.0, 0.0)
+    # either interval alone: 3 µs of CPU at 2, or 30 at 0.2, both 6 µs of step
+    assert bench.implied_cost_pct(30.0, 3.0, (2.0, 0.2), 6.0)[1] == pytest.approx(100 * 72**0.5 / 6000, abs=1e-3)

@@ -13,7 +13,7 @@ import importlib
 import random
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -126,6 +126,7 @@ class FakeEngine(_Scheduler):
         self.cache_config = types.SimpleNamespace(block_size=BLOCK)
         self.max_model_len = 4096
         self.steps = 0
+        self.used_at_step_end = 0
 
     # vLLM's side of each overridden method
     def add_request(self, request: _Request) -> None:
@@ -159,6 +160,9 @@ class FakeEngine(_Scheduler):
 
     def has_requests(self) -> bool:
         return bool(self.requests)
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> None:
+        return None
 
     def finish_requests(self, request_ids: Any, finished_status: Any) -> list[_Request]:
         return []
@@ -194,11 +198,16 @@ class FakeEngine(_Scheduler):
         self._update_after_schedule(output)
         return output
 
-    def step(self) -> None:
+    def step(self, dispatched: Callable[[], None] = lambda: None) -> None:
+        """One engine step as vLLM's EngineCore.step takes it; `dispatched` runs where vLLM waits
+        for the model (after get_grammar_bitmask)."""
         if self.has_requests():
             output = self.schedule()
+            self.get_grammar_bitmask(output)
+            dispatched()
             self.update_from_output(output, None)
             self.steps += output.total_num_scheduled_tokens > 0  # what the llumlet counts as a step
+            self.used_at_step_end = self.used_kv_tokens()
 
     def truth(self) -> dict[str, int]:
         """The figures the requests make: what the llumlet's status must say."""
@@ -221,10 +230,11 @@ class FakeEngine(_Scheduler):
                 figures["num_running_prefill"] += 1
                 uncomputed += tokens - r.num_computed_tokens
         figures["uncomputed_prefill_tokens"] = uncomputed
-        figures["used_kv_tokens"] = (self.kv_cache_manager.block_pool.num_gpu_blocks - 1) * BLOCK - (
-            self.kv_cache_manager.block_pool.get_num_free_blocks() * BLOCK
-        )
         return figures
+
+    def used_kv_tokens(self) -> int:
+        pool = self.kv_cache_manager.block_pool
+        return (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks()) * BLOCK
 
 
 class _Exporter:
@@ -258,18 +268,29 @@ def test_the_hooks_keep_the_status_the_requests_make(adapter, seed, max_seqs, bu
     rng = random.Random(seed)
     engine, reader = hooked(adapter, rng, max_seqs, budget)
     exported: dict[str, int] = {}
+
+    def check() -> None:
+        """While the model computes a step: the last one ended and this one scheduled, in the
+        state and in what the export process reads."""
+        nonlocal exported
+        state = engine.llumlet.state
+        truth = engine.truth()
+        assert {name: getattr(state, name) for name in truth} == truth, f"step {engine.steps}"
+        if (record := reader.poll()) is not None:
+            exported = record.counters
+        # KV blocks allocated ride with the next change (LoadState.kv_usage), so may lag here
+        now = dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+        assert {**exported, "used_kv_tokens": 0} == {**now, "used_kv_tokens": 0}
+        assert exported["step_id"] == engine.steps
+
     for i in range(150):
         for _ in range(rng.choice((0, 0, 0, 1, 3))):
             engine.add_request(_Request(f"q{i}-{rng.random()}", rng.randint(1, 60), rng.randint(1, 40)))
-        engine.step()
-        state = engine.llumlet.state
-        truth = engine.truth()
-        assert {name: getattr(state, name) for name in truth} == truth, f"step {i}"
-        if (record := reader.poll()) is not None:
-            exported = record.counters
-        if engine.steps:
-            assert exported == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
-            assert exported["step_id"] == engine.steps
+        engine.step(check)
+    while engine.has_requests():
+        engine.step(check)
+    # idle: the last step is stored too
+    assert engine.llumlet.state.step_id == engine.steps and engine.llumlet.state.num_running == 0
 
 
 def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
@@ -278,12 +299,16 @@ def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
         engine.add_request(_Request(f"r{i}", 20, 10 + i))
     handoff = engine.llumlet._exporter.handoff
     full: list[bool] = []
-    while engine.has_requests():
-        seq = handoff._seq
-        engine.step()
-        full.append(handoff._seq != seq)
+    def dispatched() -> None:
         record = reader.poll()
         assert record is not None and record.counters["step_id"] == engine.steps
+        if full and not full[-1]:  # after a steady step: its tick carried the blocks in use at its end
+            assert record.counters["used_kv_tokens"] == engine.used_at_step_end
+
+    while engine.has_requests():
+        seq = handoff._seq
+        engine.step(dispatched)
+        full.append(handoff._seq != seq)
     # admission and prefill (the schedule hook's record and the step's), then ticks, and a full
     # record for each step where a request finished (the stand-in leaves some out at random)
     assert full[0] and not all(full[1:9]) and sum(full) >= 1 + 4

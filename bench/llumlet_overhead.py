@@ -42,7 +42,7 @@ DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
 PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
 BURN_US_ENV = "PILOTFISH_BENCH_BURN_US"  # the probe spends this much CPU a step (a control arm)
 BURN_AT_ENV = "PILOTFISH_BENCH_BURN_AT"  # where: update (update_from_output) or dispatch (while the model runs)
-BURN_EVERY_ENV = "PILOTFISH_BENCH_BURN_EVERY"  # burn every Nth step only; the probe times cycles with and without
+BURN_BLOCK_ENV = "PILOTFISH_BENCH_BURN_BLOCK"  # burn in blocks of k steps on, k off; the probe times both
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order
@@ -146,7 +146,7 @@ def read_probe(path: Path) -> tuple[int, ...]:
 
 def _cycles_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
     """The probe's mean step cycle (wall, µs) between two readings, of the steps that burned and of
-    those that did not (PILOTFISH_BENCH_BURN_EVERY); 0.0 where it timed none."""
+    those that did not (PILOTFISH_BENCH_BURN_BLOCK); 0.0 where it timed none."""
     at = 1 + len(PROBED)
     burned, burned_ns, plain, plain_ns = (after[at + i] - before[at + i] for i in range(4))
     return {
@@ -264,7 +264,7 @@ def _costs(
     ]
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
-    # an interleaved control (PILOTFISH_BENCH_BURN_EVERY): within each round, the cycles of steps
+    # an interleaved control (PILOTFISH_BENCH_BURN_BLOCK): within each round, the cycles of steps
     # that burned less those of steps that did not
     interleaved = [
         r["burn_cycle_us"] - r["plain_cycle_us"] for r in rounds if r.get("burn_cycle_us") and r.get("plain_cycle_us")
@@ -517,6 +517,7 @@ def run(args: argparse.Namespace) -> int:
         None,
     )
     implied: dict[str, Any] = {}
+    control_settings = {**extra_env, **variants[control[0]]} if control is not None else {}
     plugin_cpu = costs["plugin"]["sched_cpu_added_at_speed_us_per_step"]
     if control is not None and plugin_cpu is not None and base["step_ms"]:
         pct, ci = implied_cost_pct(
@@ -596,9 +597,10 @@ def run(args: argparse.Namespace) -> int:
         *(
             [
                 f"What engine-thread CPU costs vLLM's step here: the control `{control[0]}` burns "
-                f"{float({**extra_env, **variants[control[0]]}[BURN_US_ENV]):.0f} µs of it every other step, at the "
-                "end of update_from_output; within each round, the cycles (one step's end to the next's) of the "
-                "steps that burned less those of the steps that did not: "
+                f"{float(control_settings[BURN_US_ENV]):.0f} µs of it a step, at the end of "
+                f"update_from_output, in blocks of {control_settings.get(BURN_BLOCK_ENV)} steps on "
+                "and off; within each round, the mean cycle (one step's end to the next's) of its decode steps "
+                "that burned less that of those that did not: "
                 f"{_signed_us(costs[control[0]]['burn_cycle_added_us'], costs[control[0]]['burn_cycle_added_ci95_us'])}"
                 f" µs, {control[1][0]:.2f} ± {control[1][1]:.2f} µs of step per µs of CPU. At that rate the "
                 "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "

@@ -15,11 +15,13 @@ spend that much more of the engine thread's CPU, in `update_from_output`, doing 
 any added CPU of that size costs vLLM's step on this machine, beside what the llumlet costs.
 With $PILOTFISH_BENCH_BURN_AT=dispatch it burns in `get_grammar_bitmask` instead, which vLLM
 calls once it has handed the step to the model and before it waits for the result: what the
-same CPU costs while the model runs. With $PILOTFISH_BENCH_BURN_EVERY=2 it burns every other
-step only, and the probe times each step's cycle (one step's end to the next's, wall clock) with
-and without the burn: steps a few milliseconds apart see the same machine, so the difference is
-what that CPU costs a step here, free of the drift between rounds (seconds apart) that swamps a
-throughput comparison.
+same CPU costs while the model runs. With $PILOTFISH_BENCH_BURN_BLOCK=k it burns in blocks of k
+steps, k on and k off, and the probe times each step's cycle (one step's end to the next's, wall
+clock) in both: steps milliseconds apart see the same machine, so the difference is what that CPU
+costs a step here, free of the drift between rounds (seconds apart) that swamps a throughput
+comparison. Only decode steps count (one token each, as many as the step before: a step with a
+prefill is milliseconds longer, and would land in either set by chance), and not the first of a
+block (a burn's cost may spill into the step after it).
 
 The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
 ns in each method of llumlet_overhead.PROBED, then the cycles timed with the burn and their ns,
@@ -37,7 +39,7 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pilotfish.bench.llumlet_overhead import BURN_AT_ENV, BURN_EVERY_ENV, BURN_US_ENV, PROBE_FILE_ENV, PROBED
+from pilotfish.bench.llumlet_overhead import BURN_AT_ENV, BURN_BLOCK_ENV, BURN_US_ENV, PROBE_FILE_ENV, PROBED
 from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
 
 _FLUSH_EVERY = 32  # steps
@@ -55,9 +57,11 @@ class _Probe:
         self._probe_ns = dict.fromkeys(PROBED, 0)  # CPU in each probed method
         self._burn_ns = int(float(os.environ.get(BURN_US_ENV) or 0) * 1000)
         self._burn_at_dispatch = os.environ.get(BURN_AT_ENV, "update") == "dispatch"
-        self._burn_every = max(int(os.environ.get(BURN_EVERY_ENV) or 1), 1)
+        self._burn_block = max(int(os.environ.get(BURN_BLOCK_ENV) or 0), 0)
         self._burn_now = False  # this step burns
+        self._burnt_last = False  # the step before did
         self._cycle_end = 0  # perf_counter_ns at the end of the last step
+        self._last_batch = 0  # requests the step before scheduled
         self._cycles = [0, 0, 0, 0]  # steps that burned, their cycles' ns; steps that did not, theirs
         self._probe_flush()
 
@@ -67,7 +71,8 @@ class _Probe:
         self._probe_ns["add_request"] += thread_time_ns() - t0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        self._burn_now = bool(self._burn_ns) and self._probe_steps % self._burn_every == self._burn_every - 1
+        block = self._burn_block
+        self._burn_now = bool(self._burn_ns) and (not block or self._probe_steps // block % 2 == 1)
         t0 = thread_time_ns()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._probe_ns["schedule"] += thread_time_ns() - t0
@@ -81,11 +86,18 @@ class _Probe:
         self._probe_ns["update_from_output"] += thread_time_ns() - t0
         if scheduler_output.total_num_scheduled_tokens:
             end = perf_counter_ns()
-            if self._cycle_end and end - self._cycle_end < _CYCLE_GAP_NS:
+            batch = len(scheduler_output.num_scheduled_tokens)
+            if (
+                self._burn_block
+                and self._cycle_end
+                and end - self._cycle_end < _CYCLE_GAP_NS
+                and scheduler_output.total_num_scheduled_tokens == batch == self._last_batch  # decodes alike
+                and self._burn_now == self._burnt_last  # not the first of a block
+            ):
                 at = 0 if self._burn_now else 2
                 self._cycles[at] += 1
                 self._cycles[at + 1] += end - self._cycle_end
-            self._cycle_end = end
+            self._cycle_end, self._last_batch, self._burnt_last = end, batch, self._burn_now
             self._probe_steps += 1
             if self._probe_steps % _FLUSH_EVERY == 0 or not self.requests:  # type: ignore[attr-defined]
                 self._probe_flush()

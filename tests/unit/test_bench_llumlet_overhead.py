@@ -162,3 +162,14 @@ def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> N
     assert (pct, ci) == (1.0, 0.0)
     # either interval alone: 3 µs of CPU at 2, or 30 at 0.2, both 6 µs of step
     assert bench.implied_cost_pct(30.0, 3.0, (2.0, 0.2), 6.0)[1] == pytest.approx(100 * 72**0.5 / 6000, abs=1e-3)
+
+
+def test_the_llumlets_own_report_is_read_from_its_periodic_or_its_last_line(tmp_path: Path) -> None:
+    log = tmp_path / "plugin.log"
+    assert bench._logged_staleness(log) == ""  # no log yet
+    report = "812 status writes (from the export process); event -> Redis staleness p50 410 us, p99 1200 us"
+    log.write_text(f"INFO llumlet host-8000: {report}\nINFO other\n")
+    assert bench._logged_staleness(log) == report
+    last = f"INFO [pilotfish export process] llumlet host-8000 stopping: {report}"
+    log.write_text(f"INFO llumlet host-8000: older\n{last}\n")
+    assert bench._logged_staleness(log) == report

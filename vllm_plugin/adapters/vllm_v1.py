@@ -21,7 +21,7 @@ abort of a request migrated away), and its calls run in update_from_output after
 
 The hooks run once or twice a step on vLLM's engine thread, after the model has evicted the
 caches, where each Python call, lock and C routine touched costs microseconds (bench llumlet;
-a cache simulation of the hooks counted the misses). So a step costs as little as its kind
+bench llumlet-cachesim counts the misses). So a step costs as little as its kind
 allows: the steady decode step (every running request decoded one token, nothing else moved) is
 O(1) and goes to the export process as a tick, without the lock (Llumlet.decode_step); a step
 where requests are in prefill or finish moves the decodes in bulk and visits only the others;

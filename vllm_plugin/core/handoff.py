@@ -11,7 +11,7 @@ else moved) changes the figures in a way the last full record already fixes, but
 duration and the KV blocks in use. So the engine stores only those, with the step's time, in two
 64-bit words (the tick), and the reader derives the rest from the record (`steady_figures`).
 Inside vLLM, where the hooks run once a step on caches the model just evicted, the full store
-(struct) cost about twice as much: bench llumlet, and a cache simulation of the hooks.
+(struct) cost about twice as much (bench llumlet-cachesim counts such costs).
 
 Layout (one memfd, both processes map it):
   [0, 64)        control: magic, layout version, `napping` (set by the exporter while it sleeps

@@ -177,7 +177,7 @@ class Llumlet:
 
         With an export process, and nothing else waiting to be stored, it goes out as a tick
         (HandoffWriter.tick) and without the lock, which vLLM's engine thread would otherwise take
-        every step (a cache simulation of the hooks counted ~100 misses a step for it). That is
+        every step (~100 cache misses a step for it, by a cache simulation of the hooks). That is
         safe: only this thread writes the tick; LoadState.decode_step makes no call, so Python
         cannot switch threads inside it and a reader under the lock sees the step whole or not
         at all; and the tick names the step by the state's own count, so a full record that

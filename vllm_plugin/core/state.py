@@ -131,7 +131,7 @@ class LoadState:
 
     def _apply(self, r: _Request, sign: int) -> None:
         # _Request's properties, inlined, and no min() or max(): engines call this a few times
-        # per event, on cold caches inside vLLM (bench llumlet)
+        # per event, on cold caches inside vLLM (bench llumlet-cachesim)
         self.changed = True
         tokens = r.num_prompt + r.num_output
         computed = r.num_computed
@@ -240,7 +240,7 @@ class LoadState:
 
         The adapter checked what decoded_all needs, and that no request is in prefill. One call,
         not three: vLLM runs this once a step on caches its model just evicted, where each Python
-        call costs microseconds (bench llumlet). No call inside either: Python switches threads
+        call costs microseconds (bench llumlet-cachesim). No call inside either: Python switches threads
         only at calls and loops, so a reader on another thread sees this step whole or not at all.
         """
         n = self.num_running_decode

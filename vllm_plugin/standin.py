@@ -104,13 +104,16 @@ class StandinRequest:
 
 
 class _Pool:
-    def __init__(self, engine: StandinEngine) -> None:
-        self.engine = engine
+    """vLLM's block pool as the hooks read it: the free count is O(1), as vLLM's is (a queue's
+    length), so bench llumlet-cachesim charges the hooks only for reading it. The engine counts
+    it again (its side of the cost) wherever it moves tokens."""
+
+    def __init__(self) -> None:
         self.num_gpu_blocks = 4096
+        self.free = self.num_gpu_blocks - 1  # block 0 is vLLM's null block
 
     def get_num_free_blocks(self) -> int:
-        used = sum(-(-r.num_computed_tokens // BLOCK) for r in self.engine.requests.values())
-        return self.num_gpu_blocks - 1 - used
+        return self.free
 
 
 class StandinEngine(_Scheduler):
@@ -127,7 +130,7 @@ class StandinEngine(_Scheduler):
         self.requests: dict[str, StandinRequest] = {}
         self.waiting: list[StandinRequest] = []
         self.running: list[StandinRequest] = []
-        self.kv_cache_manager = types.SimpleNamespace(block_pool=_Pool(self))
+        self.kv_cache_manager = types.SimpleNamespace(block_pool=_Pool())
         self.cache_config = types.SimpleNamespace(block_size=BLOCK)
         self.max_model_len = 4096
         self.steps = 0
@@ -141,6 +144,7 @@ class StandinEngine(_Scheduler):
     def _update_after_schedule(self, scheduler_output: Any) -> None:
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
+        self._count_blocks()
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> dict[int, Any]:
         for rid in scheduler_output.num_scheduled_tokens:
@@ -152,6 +156,7 @@ class StandinEngine(_Scheduler):
                 if r.num_output_tokens >= r.max_tokens:
                     self.running.remove(r)
                     del self.requests[rid]
+                    self._count_blocks()
                     self._free_request(r)
         return {}
 
@@ -162,6 +167,11 @@ class StandinEngine(_Scheduler):
         self.running.remove(request)
         request.status, request.num_computed_tokens = _Status.PREEMPTED, 0
         self.waiting.insert(0, request)
+        self._count_blocks()
+
+    def _count_blocks(self) -> None:
+        pool = self.kv_cache_manager.block_pool
+        pool.free = pool.num_gpu_blocks - 1 - sum(-(-r.num_computed_tokens // BLOCK) for r in self.requests.values())
 
     def has_requests(self) -> bool:
         return bool(self.requests)

@@ -34,7 +34,7 @@ from typing import Any
 
 from pilotfish.bench.cpus import add_argument as add_cpus_argument
 from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
-from pilotfish.procs import descendants
+from pilotfish.procs import group_members
 
 NAME = "llumlet_overhead"
 DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
@@ -99,7 +99,7 @@ def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
 
 def _cpu_seconds(pids: list[int]) -> dict[str, float]:
     """CPU time (user + system) of vLLM's processes by role: engine core, the llumlet's export
-    process (a child of the engine core), and all of them."""
+    process (started by the engine core, in vLLM's process group), and all of them."""
     tick = os.sysconf("SC_CLK_TCK")
     engine = exporter = total = 0.0
     for pid in pids:
@@ -124,7 +124,7 @@ def _wait_quiet(pid: int, timeout: float = 30.0) -> None:
     (sched_yield) for a second after their last step, and sharing a CPU with the next round's
     engine that halved its throughput (rounds alternated 2,200 and 4,400 tok/s)."""
     deadline = time.monotonic() + timeout
-    pids = descendants(pid)
+    pids = group_members(pid)
     before = _cpu_seconds(pids)["all"]
     while time.monotonic() < deadline:
         time.sleep(0.2)  # the sampling window of the condition, not a wait in its place
@@ -195,7 +195,7 @@ def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float
                 tokens += n
                 gaps.extend(g)
 
-    pids = descendants(pid) if pid else []
+    pids = group_members(pid) if pid else []
     cpu0, itl0 = _cpu_seconds(pids), _itl_metrics(port)
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]

@@ -108,6 +108,19 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def group_members(pgid: int) -> list[int]:
+    """The processes of process group `pgid`, from /proc (Linux): a `Child`'s group holds what
+    it started, and what left its tree (vLLM's llumlet export process); [pgid] without /proc."""
+    if not Path("/proc/self/stat").exists():
+        return [pgid]
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int(stat.read_bytes().rsplit(b")", 1)[1].split()[2]) == pgid:
+                out.append(int(stat.parent.name))
+    return out
+
+
 class Child:
     """One child process, in its own process group, stopped by PID."""
 

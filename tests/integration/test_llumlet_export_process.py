@@ -1,5 +1,6 @@
-"""The llumlet's export process against a real redis-server: a real child of the engine's process,
-fed through shared memory, writing the CMS; its stop, the engine's death, Redis restarts, its own death."""
+"""The llumlet's export process against a real redis-server: a real process the engine's starts,
+fed through shared memory, writing the CMS; its stop, the engine's death (alone, with its process
+tree as vLLM's shutdown kills it, with its process group), Redis restarts, its own death."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import redis
 from pilotfish import services
 from pilotfish.cms import keys
 from pilotfish.cms.records import decode_metadata, decode_status
-from pilotfish.procs import free_port
+from pilotfish.procs import descendants, free_port
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.export_process import can_detach
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 from tests.integration.test_llumlet_cms import wait_for
 
@@ -46,16 +48,19 @@ def gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    # a zombie (ours, not yet reaped) is gone too
-    with open(f"/proc/{pid}/stat", "rb") as handle:
-        return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    # a zombie (not yet reaped: ours, or init's once detached) is gone too
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except FileNotFoundError:  # reaped since
+        return True
 
 
 def test_the_export_process_writes_every_change_and_removes_the_keys(redis_service):
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url)
     llumlet.start(serve_grpc=False)
-    child = llumlet._exporter.process.pid  # type: ignore[union-attr]
+    child = llumlet._exporter.pid  # type: ignore[union-attr]
     try:
         assert child != os.getpid()
         meta = wait_for(lambda: client.get(keys.meta_key("t", "e0")), what="metadata")
@@ -108,35 +113,97 @@ def test_steady_decode_steps_reach_redis_as_the_state_they_make(redis_service):
         llumlet.stop()
 
 
-def test_the_engine_process_dying_removes_its_keys_at_once(redis_service, tmp_path):
-    """SIGKILL to the engine's process: its child sees the pipe close and deletes the keys, long before the TTL."""
+def start_engine(url: str, instance: str, **popen: object) -> tuple[subprocess.Popen[str], int]:
+    """An engine process (a llumlet with an export process, one request waiting, a TTL no test
+    waits for) and its export process's pid, once the request is in Redis."""
     engine_code = textwrap.dedent(f"""
         import sys, time
         from pilotfish.protos import cms_pb2
         from pilotfish.vllm_plugin.config import LlumletConfig
         from pilotfish.vllm_plugin.core.llumlet import Llumlet
-        cfg = LlumletConfig(cms_url={redis_service.url!r}, cluster="t", ttl_ms=120_000, refresh_ms=500)
-        llumlet = Llumlet(cfg, "dying", cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1))
+        cfg = LlumletConfig(cms_url={url!r}, cluster="t", ttl_ms=120_000, refresh_ms=500)
+        llumlet = Llumlet(cfg, {instance!r}, cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1))
         llumlet.export_from_process = True
         llumlet.start(serve_grpc=False)
         with llumlet.events() as s:
             s.added("r1", 10)
-        print(llumlet._exporter.process.pid, flush=True)
+        print(llumlet._exporter.pid, flush=True)
         time.sleep(600)
     """)
-    engine = subprocess.Popen([sys.executable, "-c", engine_code], stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", engine_code]
+    engine = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, **popen)  # type: ignore[call-overload]
     try:
         child = int(engine.stdout.readline())  # type: ignore[union-attr]
+        client = redis.Redis.from_url(url)
+        wait_for(lambda: (st := status_of(client, instance)) and st.num_waiting == 1, what="the engine's status")
+    except BaseException:
+        engine.kill()
+        engine.wait()
+        raise
+    return engine, child
+
+
+def instance_keys(instance: str) -> tuple[str, str]:
+    return keys.meta_key("t", instance), keys.status_key("t", instance)
+
+
+def test_the_engine_process_dying_removes_its_keys_at_once(redis_service):
+    """SIGKILL to the engine's process: its export process sees the pipe close and deletes the
+    keys, long before the TTL."""
+    engine, child = start_engine(redis_service.url, "dying")
+    try:
         client = redis.Redis.from_url(redis_service.url)
-        wait_for(lambda: (st := status_of(client, "dying")) and st.num_waiting == 1, what="the engine's status")
         engine.send_signal(signal.SIGKILL)
         engine.wait(timeout=10)
         wait_for(
-            lambda: client.exists(keys.meta_key("t", "dying"), keys.status_key("t", "dying")) == 0,
+            lambda: client.exists(*instance_keys("dying")) == 0,
             timeout=20,
             what="the keys removed after the engine died",
         )
         wait_for(lambda: gone(child), what="the export process to exit")
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+@pytest.mark.skipif(not can_detach(), reason="needs pidfd_open (Linux 5.3+): the export process stays a plain child")
+def test_vllms_shutdown_killing_the_engines_process_tree_leaves_the_keys_to_the_export_process(redis_service):
+    """vLLM's shutdown SIGKILLs every descendant of its engine core, then the engine core
+    (vllm.utils.system_utils.kill_process_tree, at once under --shutdown-timeout 0). The export
+    process is not among them, stays in the engine's process group, and removes the keys."""
+    engine, child = start_engine(redis_service.url, "shutdown")
+    try:
+        tree = descendants(engine.pid)
+        assert child not in tree
+        assert os.getpgid(child) == os.getpgid(engine.pid)
+        for pid in [*tree[1:], engine.pid]:  # as vLLM does: the descendants first
+            os.kill(pid, signal.SIGKILL)
+        engine.wait(timeout=10)
+        client = redis.Redis.from_url(redis_service.url)
+        wait_for(
+            lambda: client.exists(*instance_keys("shutdown")) == 0,
+            timeout=20,
+            what="the keys removed after the engine's tree was killed",
+        )
+        wait_for(lambda: gone(child), what="the export process to exit")
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
+
+
+def test_killing_the_engines_process_group_leaves_the_keys_to_their_ttl(redis_service):
+    """SIGKILL to the whole process group takes the export process too: nothing removes the keys,
+    which keep their TTL (the backstop for a dead engine)."""
+    engine, child = start_engine(redis_service.url, "group", start_new_session=True)
+    try:
+        os.killpg(engine.pid, signal.SIGKILL)  # the group we started
+        engine.wait(timeout=10)
+        wait_for(lambda: gone(child), what="the export process killed with its group")
+        client = redis.Redis.from_url(redis_service.url)
+        assert client.exists(*instance_keys("group")) == 2
+        assert all(client.pttl(key) > 0 for key in instance_keys("group"))
     finally:
         if engine.poll() is None:
             engine.kill()
@@ -172,16 +239,17 @@ def test_a_dead_export_process_is_replaced_on_an_idle_engine(redis_service):
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url, **LONG_TTL)
     llumlet.start(serve_grpc=False)
-    first = llumlet._exporter.process  # type: ignore[union-attr]
+    first = llumlet._exporter
+    assert first is not None
     try:
         with llumlet.events() as s:
             s.added("r0", 10)
         wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="first status")
         first.kill()
-        first.wait()
+        first.wait_exit()
         client.delete(keys.status_key("t", "e0"), keys.meta_key("t", "e0"))  # as if they had expired meanwhile
         wait_for(
-            lambda: (e := llumlet._exporter) is not None and e.process.pid != first.pid and e.process.poll() is None,
+            lambda: (e := llumlet._exporter) is not None and e.pid != first.pid and not e.wait_exit(0),
             timeout=30,
             what="a new export process",
         )
@@ -203,10 +271,11 @@ def test_stopping_after_the_export_process_died_still_removes_the_keys(redis_ser
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url, **LONG_TTL)
     llumlet.start(serve_grpc=False)
-    child = llumlet._exporter.process  # type: ignore[union-attr]
+    child = llumlet._exporter
+    assert child is not None
     wait_for(lambda: status_of(client), what="first status")
     child.kill()
-    child.wait()
+    child.wait_exit()
     llumlet.stop()
     assert client.exists(keys.status_key("t", "e0"), keys.meta_key("t", "e0")) == 0
 

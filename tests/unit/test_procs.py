@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import socket
 import sys
@@ -13,8 +15,10 @@ from pilotfish.procs import (
     Child,
     ChildGroup,
     StartError,
+    descendants,
     free_port,
     free_port_block,
+    group_members,
     port_answers,
     port_is_free,
     wait_until,
@@ -130,3 +134,34 @@ def test_free_port_block_returns_consecutive_ports_that_bind() -> None:
     finally:
         for s in held:
             s.close()
+
+
+# Starts a grandchild that leaves its tree (its parent exits) and prints its pid, then sleeps.
+_DETACHING = """
+import os, sys, time
+if os.fork() == 0:
+    if os.fork():
+        os._exit(0)
+    print(os.getpid(), flush=True)
+    time.sleep(60)
+    os._exit(0)
+time.sleep(60)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_group_members_finds_what_left_the_tree(tmp_path: Path) -> None:
+    log = tmp_path / "out.log"
+    child = Child("detaching", [sys.executable, "-c", _DETACHING], log_path=log)
+    orphan = 0
+    try:
+        wait_until(lambda: log.exists() and log.read_text().strip(), READY_TIMEOUT, "the grandchild's pid")
+        orphan = int(log.read_text().split()[0])
+        assert orphan not in descendants(child.pid)
+        assert set(group_members(child.pid)) >= {child.pid, orphan}
+        assert orphan not in group_members(os.getpgid(0))  # our own group: not theirs
+    finally:
+        if orphan:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(orphan, signal.SIGKILL)  # the grandchild we started, by PID
+        child.stop()

@@ -1,7 +1,7 @@
 """The llumlet's export process: writes the engine's status to the CMS from outside the engine.
 
 The engine's process stores each change in shared memory (core/handoff.py) and goes on; this
-process, a child of the engine's, polls that record and writes it to Redis (SET with TTL and a
+process, started by the engine's, polls that record and writes it to Redis (SET with TTL and a
 PUBLISH, as the export thread would), refreshes metadata and status every `refresh_ms`, and
 retries with backoff while Redis is away. It never touches the engine's GIL or CPU time: it runs
 on `exporter_cpus` ("auto": off the engine's CPUs when the engine is pinned to some).
@@ -10,6 +10,13 @@ Polling: every `exporter_poll_us` while the engine changed its state in the last
 `_NAP_AFTER_S`; then it sleeps on a pipe, and the engine's next change writes one byte to wake
 it. The pipe also carries stop ("s": remove the keys, "k": keep them) and, closing, the engine's
 death: the keys are removed at once rather than at the TTL.
+
+It leaves the engine's process tree (a double fork; it stays in the engine's process group):
+vLLM's shutdown SIGKILLs every descendant of its engine core before the engine core itself
+(`--shutdown-timeout 0`, the default, kills at once), so a child would die with the keys still
+in place. Outside the tree it sees the engine die (the pipe closes) and removes them. Where
+Linux cannot hand out a pidfd (before 5.3), it stays a plain child and vLLM's shutdown leaves
+the keys to their TTL.
 
 Engine side: `ExportProcess` (spawn, wake, stop). Child side: `python -m` this module, its
 settings on stdin (the CMS URL may hold a password: not on the command line).
@@ -26,6 +33,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import deque
 from typing import Any
@@ -49,11 +57,32 @@ _NAP_AFTER_S = 0.05
 _NAP_MAX_S = 0.1
 _WATCH_EVERY_S = 0.2  # how often the engine's parent is checked (watch_parent)
 _STOP_TIMEOUT_S = 5.0
+_MIDDLE_EXIT_TIMEOUT_S = 5.0  # the double fork's middle process exits right after forking
 # How long the engine waits for a new export process to say it is ready (imports, settings)
 # before it writes from its own process instead: minutes for vLLM to start, seconds for this.
 READY_TIMEOUT_S = 20.0
 
 STOP_REMOVE, STOP_KEEP, WAKE, READY = b"s", b"k", b"w", b"r"
+
+
+def _readable(fd: int, timeout_s: float | None) -> bool:
+    """Whether `fd` reads ready within `timeout_s` (None: for ever). poll, not select: vLLM's
+    process may hold more than select's 1,024 descriptors."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(None if timeout_s is None else timeout_s * 1000))
+
+
+def can_detach() -> bool:
+    """Whether the export process can leave the engine's process tree and still be watched:
+    a pidfd (Linux 5.3+) is the engine's handle on a process that is not its child."""
+    if not hasattr(os, "pidfd_open") or not hasattr(signal, "pidfd_send_signal"):
+        return False
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except OSError:  # ENOSYS: an older kernel
+        return False
+    return True
 
 
 class ExportProcess:
@@ -73,6 +102,10 @@ class ExportProcess:
         the child watches for; 0: none.
         """
         self._closed = False
+        self._pidfd = -1  # the detached export process's pidfd; -1: a plain child (self.process)
+        self._pidfd_lock = threading.Lock()
+        self.returncode: int | None = None  # known only for a plain child
+        detach = can_detach()
         fd, region = create_region()
         self.handoff = HandoffWriter(region)
         read_end, self._pipe = os.pipe()
@@ -87,6 +120,7 @@ class ExportProcess:
             "ready_fd": ready_write,
             "engine_pid": os.getpid(),
             "watch_pid": watch_pid,
+            "detach": detach,
         }).encode()  # fmt: skip
         try:
             self.process = subprocess.Popen(
@@ -110,16 +144,31 @@ class ExportProcess:
                 self.process.stdin.write(settings)  # type: ignore[union-attr]
             with contextlib.suppress(BrokenPipeError):
                 self.process.stdin.close()  # type: ignore[union-attr]
-            ready, _, _ = select.select([ready_read], [], [], ready_timeout_s)
-            ok = bool(ready) and os.read(ready_read, 1) == READY
+            # READY and its pid: one write of a few bytes, so one read has it whole
+            message = os.read(ready_read, 64) if _readable(ready_read, ready_timeout_s) else b""
         finally:
             os.close(ready_read)
+        ok = message[:1] == READY
+        self.pid = self.process.pid
+        if ok and detach:
+            try:
+                self.process.wait(_MIDDLE_EXIT_TIMEOUT_S)  # the middle process, gone once it forked
+                self.pid = int(message[1:])
+                # It told us its pid while it runs (it waits for our stop or our death): the
+                # pidfd names that process and no later one with its number.
+                self._pidfd = os.pidfd_open(self.pid)
+            except (subprocess.TimeoutExpired, ValueError, OSError):
+                ok = False
+                if self.pid != self.process.pid:
+                    with contextlib.suppress(OSError):
+                        os.kill(self.pid, signal.SIGKILL)
         if not ok:
             self.process.kill()
             code = self.process.wait()
             os.close(self._pipe)
             self.handoff.close()
             raise RuntimeError(f"the export process was not ready within {ready_timeout_s:.0f}s (exit code {code})")
+        self.detached = detach
 
     def wake(self) -> None:
         with contextlib.suppress(BlockingIOError, BrokenPipeError):
@@ -134,19 +183,49 @@ class ExportProcess:
         if self._closed:
             return False
         self._closed = True
-        alive = self.process.poll() is None
+        alive = not self.wait_exit(0)
         with contextlib.suppress(OSError):
             os.write(self._pipe, STOP_REMOVE if remove else STOP_KEEP)
-        try:
-            self.process.wait(_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            log.warning("llumlet export process %d did not stop in %.0fs: killed", self.process.pid, _STOP_TIMEOUT_S)
-            self.process.kill()
-            self.process.wait()
+        if not self.wait_exit(_STOP_TIMEOUT_S):
+            log.warning("llumlet export process %d did not stop in %.0fs: killed", self.pid, _STOP_TIMEOUT_S)
+            self.kill()
+            self.wait_exit()
             alive = False
+        with self._pidfd_lock:
+            if self._pidfd >= 0:
+                os.close(self._pidfd)
+                self._pidfd = -1
         os.close(self._pipe)
         self.handoff.close()
         return alive
+
+    def wait_exit(self, timeout_s: float | None = None) -> bool:
+        """Wait up to `timeout_s` (None: for ever) for the export process to exit; whether it has.
+        Any thread (the llumlet's watcher waits here while stop() may run)."""
+        if not self.detached:
+            try:
+                self.returncode = self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        with self._pidfd_lock:
+            if self._pidfd < 0:
+                return True  # closed by stop(), which saw it exit
+            # a copy of our own: stop() may close the pidfd while this thread waits on it
+            pidfd = os.dup(self._pidfd)
+        try:
+            return _readable(pidfd, timeout_s)  # a pidfd reads ready once its process exits
+        finally:
+            os.close(pidfd)
+
+    def kill(self) -> None:
+        """SIGKILL the export process (nothing if it is gone)."""
+        if not self.detached:
+            self.process.kill()
+            return
+        with self._pidfd_lock, contextlib.suppress(ProcessLookupError, OSError):
+            if self._pidfd >= 0:
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
 
 
 class Exporter:
@@ -162,7 +241,10 @@ class Exporter:
         engine_pid: int,
         watch_pid: int = 0,
         writer: CmsWriter | None = None,
+        engine_pidfd: int = -1,
     ) -> None:
+        """`engine_pidfd`: a pidfd of the engine's process, for a detached export process (no
+        longer the engine's child, so its parent says nothing); -1: the engine is our parent."""
         self.config = config
         self.instance_id = instance_id
         self.metadata = metadata
@@ -170,6 +252,7 @@ class Exporter:
         self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
         self.pipe_fd = pipe_fd
         self.engine_pid = engine_pid
+        self.engine_pidfd = engine_pidfd
         self.watch_pid = watch_pid
         self.record: Record | None = None
         self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, id) as read, oldest first
@@ -267,7 +350,10 @@ class Exporter:
         return True if self.terminated else None
 
     def _engine_gone(self) -> str | None:
-        if os.getppid() != self.engine_pid:
+        if self.engine_pidfd >= 0:
+            if select.select([self.engine_pidfd], [], [], 0)[0]:  # a pidfd reads ready at exit
+                return "the engine process exited"
+        elif os.getppid() != self.engine_pid:
             return "the engine process exited"
         if self.watch_pid and _parent_of(self.engine_pid) not in (None, self.watch_pid):
             return "the engine's parent process exited"
@@ -380,6 +466,14 @@ def main() -> None:
     )
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for vLLM, which stops us in order
     settings = json.loads(sys.stdin.buffer.read())
+    engine_pidfd = -1
+    if settings.get("detach"):
+        # Taken while the engine is our parent and waits for us: the pidfd names that process.
+        engine_pidfd = os.pidfd_open(settings["engine_pid"])
+        if os.getppid() != settings["engine_pid"]:
+            raise SystemExit("pilotfish export process: the engine exited before it started")
+        if os.fork():
+            os._exit(0)  # the middle process: the engine reaps it; its child leaves the engine's tree
     config = msgspec.convert(settings["config"], LlumletConfig)
     with contextlib.suppress(OSError, ValueError):
         if (cpus := exporter_cpus(config.exporter_cpus)) is not None:
@@ -393,13 +487,14 @@ def main() -> None:
         settings["pipe_fd"],
         settings["engine_pid"],
         settings["watch_pid"],
+        engine_pidfd=engine_pidfd,
     )
 
     def terminate(*_: Any) -> None:
         exporter.terminated = True
 
     signal.signal(signal.SIGTERM, terminate)
-    os.write(settings["ready_fd"], READY)
+    os.write(settings["ready_fd"], READY + str(os.getpid()).encode())
     os.close(settings["ready_fd"])
     exporter.run()
 

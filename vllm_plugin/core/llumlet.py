@@ -284,12 +284,13 @@ class Llumlet:
         exports (and the engine's parent lives), starts another, at most every _RESPAWN_EVERY_S.
         A thread, not a check in the hooks: an idle engine runs no hooks, and its keys would expire."""
         while (exporter := self._exporter) is not None:
-            code = exporter.process.wait()
+            exporter.wait_exit()
             if self._exporter is not exporter:
                 return  # stopped (or replaced) by the llumlet itself
             if self.watch_parent and os.getppid() != self._parent_pid:
                 log.warning("llumlet %s: the engine's parent process exited; no new export process", self.instance_id)
                 return
+            code = "unknown: not our child" if exporter.returncode is None else exporter.returncode
             log.warning("llumlet %s: the export process exited (code %s); starting another", self.instance_id, code)
             while self._exporter is exporter:
                 if self._stop.wait(max(0.0, self._exporter_started_s + _RESPAWN_EVERY_S - time.monotonic())):
@@ -332,7 +333,7 @@ class Llumlet:
                     self.instance_id,
                     _redacted(self.config.cms_url),
                     self.config.cluster,
-                    exporter.process.pid,
+                    exporter.pid,
                     self.config.llumlet_host,
                     self.metadata.llumlet_port or "-",
                 )

@@ -62,6 +62,7 @@ def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
         engine.add_request(StandinRequest(f"r{i}", 20, 10 + i))
     handoff = engine.llumlet._exporter.handoff
     full: list[bool] = []
+
     def dispatched() -> None:
         record = reader.poll()
         assert record is not None and record.counters["step_id"] == engine.steps

@@ -4,12 +4,14 @@ tree as vLLM's shutdown kills it, with its process group), Redis restarts, its o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 
 import pytest
 import redis
@@ -113,9 +115,10 @@ def test_steady_decode_steps_reach_redis_as_the_state_they_make(redis_service):
         llumlet.stop()
 
 
-def start_engine(url: str, instance: str, **popen: object) -> tuple[subprocess.Popen[str], int]:
+@contextlib.contextmanager
+def engine_process(url: str, instance: str, **popen: object) -> Iterator[tuple[subprocess.Popen[str], int]]:
     """An engine process (a llumlet with an export process, one request waiting, a TTL no test
-    waits for) and its export process's pid, once the request is in Redis."""
+    waits for) and its export process's pid, once the request is in Redis; killed at the end."""
     engine_code = textwrap.dedent(f"""
         import sys, time
         from pilotfish.protos import cms_pb2
@@ -136,35 +139,30 @@ def start_engine(url: str, instance: str, **popen: object) -> tuple[subprocess.P
         child = int(engine.stdout.readline())  # type: ignore[union-attr]
         client = redis.Redis.from_url(url)
         wait_for(lambda: (st := status_of(client, instance)) and st.num_waiting == 1, what="the engine's status")
-    except BaseException:
-        engine.kill()
-        engine.wait()
-        raise
-    return engine, child
+        yield engine, child
+    finally:
+        if engine.poll() is None:
+            engine.kill()
+            engine.wait()
 
 
 def instance_keys(instance: str) -> tuple[str, str]:
     return keys.meta_key("t", instance), keys.status_key("t", instance)
 
 
+def wait_removed(url: str, instance: str, what: str) -> None:
+    client = redis.Redis.from_url(url)
+    wait_for(lambda: client.exists(*instance_keys(instance)) == 0, timeout=20, what=what)
+
+
 def test_the_engine_process_dying_removes_its_keys_at_once(redis_service):
     """SIGKILL to the engine's process: its export process sees the pipe close and deletes the
     keys, long before the TTL."""
-    engine, child = start_engine(redis_service.url, "dying")
-    try:
-        client = redis.Redis.from_url(redis_service.url)
+    with engine_process(redis_service.url, "dying") as (engine, child):
         engine.send_signal(signal.SIGKILL)
         engine.wait(timeout=10)
-        wait_for(
-            lambda: client.exists(*instance_keys("dying")) == 0,
-            timeout=20,
-            what="the keys removed after the engine died",
-        )
+        wait_removed(redis_service.url, "dying", "the keys removed after the engine died")
         wait_for(lambda: gone(child), what="the export process to exit")
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait()
 
 
 @pytest.mark.skipif(not can_detach(), reason="needs pidfd_open (Linux 5.3+): the export process stays a plain child")
@@ -172,42 +170,27 @@ def test_vllms_shutdown_killing_the_engines_process_tree_leaves_the_keys_to_the_
     """vLLM's shutdown SIGKILLs every descendant of its engine core, then the engine core
     (vllm.utils.system_utils.kill_process_tree, at once under --shutdown-timeout 0). The export
     process is not among them, stays in the engine's process group, and removes the keys."""
-    engine, child = start_engine(redis_service.url, "shutdown")
-    try:
+    with engine_process(redis_service.url, "shutdown") as (engine, child):
         tree = descendants(engine.pid)
         assert child not in tree
         assert os.getpgid(child) == os.getpgid(engine.pid)
         for pid in [*tree[1:], engine.pid]:  # as vLLM does: the descendants first
             os.kill(pid, signal.SIGKILL)
         engine.wait(timeout=10)
-        client = redis.Redis.from_url(redis_service.url)
-        wait_for(
-            lambda: client.exists(*instance_keys("shutdown")) == 0,
-            timeout=20,
-            what="the keys removed after the engine's tree was killed",
-        )
+        wait_removed(redis_service.url, "shutdown", "the keys removed after the engine's tree was killed")
         wait_for(lambda: gone(child), what="the export process to exit")
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait()
 
 
 def test_killing_the_engines_process_group_leaves_the_keys_to_their_ttl(redis_service):
     """SIGKILL to the whole process group takes the export process too: nothing removes the keys,
     which keep their TTL (the backstop for a dead engine)."""
-    engine, child = start_engine(redis_service.url, "group", start_new_session=True)
-    try:
+    with engine_process(redis_service.url, "group", start_new_session=True) as (engine, child):
         os.killpg(engine.pid, signal.SIGKILL)  # the group we started
         engine.wait(timeout=10)
         wait_for(lambda: gone(child), what="the export process killed with its group")
         client = redis.Redis.from_url(redis_service.url)
         assert client.exists(*instance_keys("group")) == 2
         assert all(client.pttl(key) > 0 for key in instance_keys("group"))
-    finally:
-        if engine.poll() is None:
-            engine.kill()
-            engine.wait()
 
 
 def test_the_export_process_writes_again_after_a_redis_restart(redis_binary, tmp_path):

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pilotfish.procs import cpu_seconds
+
 MODEL = "bench-sim"
 
 
@@ -65,12 +67,6 @@ class Arm:
     ext_proc_pids: list[int] = field(default_factory=list)
     admin_url: str = ""  # Envoy's admin, for its ext_proc message counters
     scheduler_pid: int = 0  # the remote scheduler these ext_procs call, for its CPU per request
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far (from /proc, in clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -293,12 +289,12 @@ async def _measure(
         for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM]:
             arm = arms[name]
             msgs_before = await _ext_proc_messages(session, arm.admin_url)
-            cpu_before = sum(_cpu_seconds(p) for p in arm.ext_proc_pids)
-            sched_before = _cpu_seconds(arm.scheduler_pid) if arm.scheduler_pid else 0.0
+            cpu_before = sum(cpu_seconds(p) for p in arm.ext_proc_pids)
+            sched_before = cpu_seconds(arm.scheduler_pid) if arm.scheduler_pid else 0.0
             client_before = resource.getrusage(resource.RUSAGE_SELF)
             done, elapsed = await _saturate(session, arm.port, body, args.concurrency, args.seconds)
             client_after = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = sum(_cpu_seconds(p) for p in arm.ext_proc_pids) - cpu_before
+            cpu = sum(cpu_seconds(p) for p in arm.ext_proc_pids) - cpu_before
             client_cpu = sum(getattr(client_after, f) - getattr(client_before, f) for f in ("ru_utime", "ru_stime"))
             entry = {
                 "requests": done,
@@ -311,7 +307,7 @@ async def _measure(
                 entry["ext_proc_cpu_us_per_request"] = cpu / done * 1e6
                 entry["ext_proc_capacity_req_per_s_per_core"] = done / cpu if cpu else float("inf")
                 if arm.scheduler_pid:
-                    sched_cpu = _cpu_seconds(arm.scheduler_pid) - sched_before
+                    sched_cpu = cpu_seconds(arm.scheduler_pid) - sched_before
                     entry["scheduler_cpu_us_per_request"] = sched_cpu / done * 1e6
                 msgs_after = await _ext_proc_messages(session, arm.admin_url)
                 # Envoy's counters: ext_proc messages it sent and took back, per HTTP request

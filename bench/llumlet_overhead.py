@@ -34,7 +34,7 @@ from typing import Any
 
 from pilotfish.bench.cpus import add_argument as add_cpus_argument
 from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
-from pilotfish.procs import group_members
+from pilotfish.procs import cpu_seconds, group_members
 
 NAME = "llumlet_overhead"
 DEFAULT_VARIANT = "engine-thread:PILOTFISH_EXPORT_PROCESS=false"
@@ -100,17 +100,14 @@ def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
 def _cpu_seconds(pids: list[int]) -> dict[str, float]:
     """CPU time (user + system) of vLLM's processes by role: engine core, the llumlet's export
     process (started by the engine core, in vLLM's process group), and all of them."""
-    tick = os.sysconf("SC_CLK_TCK")
     engine = exporter = total = 0.0
     for pid in pids:
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        fields = stat.rsplit(")", 1)[1].split()
-        seconds = (int(fields[11]) + int(fields[12])) / tick
+        seconds = cpu_seconds(pid)
         total += seconds
         if comm.startswith("VLLM::EngineCor"):
             engine += seconds

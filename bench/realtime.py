@@ -160,8 +160,8 @@ def run_one(
 
     from pilotfish.bench.realtime_client import replay, warm_up
     from pilotfish.bench.realtime_report import run_summary
-    from pilotfish.bench.realtime_targets import cpu_seconds, start_target
-    from pilotfish.procs import ChildGroup
+    from pilotfish.bench.realtime_targets import start_target
+    from pilotfish.procs import ChildGroup, cpu_seconds
 
     group = ChildGroup()
     load_avg = os.getloadavg()[0]

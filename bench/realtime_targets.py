@@ -16,7 +16,6 @@ tokens either way (the simulator's tokenizer turns the text back into exactly th
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import sys
@@ -310,11 +309,3 @@ def _free_port_run(n: int, tries: int = 50) -> int:
         if base + n < 65536 and all(port_is_free(base + i) for i in range(n)):
             return base
     raise RuntimeError(f"no run of {n} free ports found")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU of a process so far, 0 once it is gone (from /proc, in clock ticks)."""
-    with contextlib.suppress(OSError, IndexError, ValueError):
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return 0.0

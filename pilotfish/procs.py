@@ -108,17 +108,29 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def stat_fields(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (which may hold spaces and parentheses):
+    [0] state, [1] ppid, [2] process group, [11] user and [12] system CPU in clock ticks; None
+    where there is no such process (or no /proc)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process so far, 0 once it is gone (from /proc, in clock ticks)."""
+    fields = stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+
+
 def group_members(pgid: int) -> list[int]:
     """The processes of process group `pgid`, from /proc (Linux): a `Child`'s group holds what
     it started, and what left its tree (vLLM's llumlet export process); [pgid] without /proc."""
     if not Path("/proc/self/stat").exists():
         return [pgid]
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if int(stat.read_bytes().rsplit(b")", 1)[1].split()[2]) == pgid:
-                out.append(int(stat.parent.name))
-    return out
+    pids = (int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit())
+    return [pid for pid in pids if (fields := stat_fields(pid)) and fields[2] == str(pgid)]
 
 
 class Child:

@@ -19,7 +19,7 @@ import redis
 from pilotfish import services
 from pilotfish.cms import keys
 from pilotfish.cms.records import decode_metadata, decode_status
-from pilotfish.procs import descendants, free_port
+from pilotfish.procs import descendants, free_port, stat_fields
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.export_process import can_detach
@@ -50,12 +50,9 @@ def gone(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    # a zombie (not yet reaped: ours, or init's once detached) is gone too
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return handle.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except FileNotFoundError:  # reaped since
-        return True
+    # a zombie (not yet reaped: ours, or init's once detached), or reaped since, is gone too
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"
 
 
 def test_the_export_process_writes_every_change_and_removes_the_keys(redis_service):

@@ -28,7 +28,7 @@ from pilotfish import services
 from pilotfish.cms import keys
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.cms.records import decode_metadata, decode_status
-from pilotfish.procs import Child, descendants, free_port, wait_until_async
+from pilotfish.procs import Child, descendants, free_port, stat_fields, wait_until_async
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.service import SchedulerServer
@@ -157,11 +157,6 @@ def test_metadata_describes_the_engine(engine: Engine):
     assert status.schedulable and status.num_waiting == status.num_running == 0
 
 
-def _stat_fields(pid: int) -> list[bytes]:
-    """/proc/PID/stat after the command name: state, ppid, pgrp, ..."""
-    return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()
-
-
 def test_the_load_is_written_by_an_export_process(engine: Engine):
     """The default: a process vLLM's engine core starts writes the CMS, fed through shared memory.
     It has left the engine core's process tree (vLLM's shutdown SIGKILLs that tree) and stays in
@@ -170,13 +165,14 @@ def test_the_load_is_written_by_an_export_process(engine: Engine):
     assert found, "the llumlet did not log its export process"
     exporter = int(found.group(1))
     assert b"pilotfish.vllm_plugin.core.export_process" in Path(f"/proc/{exporter}/cmdline").read_bytes()
-    assert int(_stat_fields(exporter)[2]) == os.getpgid(engine.child.pid)  # vLLM's process group
+    fields = stat_fields(exporter)
+    assert fields is not None and int(fields[2]) == os.getpgid(engine.child.pid)  # vLLM's process group
     cores = [pid for pid in descendants(engine.child.pid) if _comm(pid).startswith("VLLM::EngineCor")]
     assert len(cores) == 1
     if can_detach():
         assert exporter not in descendants(cores[0])
     else:  # a plain child of the engine core
-        assert int(_stat_fields(exporter)[1]) == cores[0]
+        assert int(fields[1]) == cores[0]
 
 
 def _comm(pid: int) -> str:

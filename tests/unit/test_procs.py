@@ -15,12 +15,14 @@ from pilotfish.procs import (
     Child,
     ChildGroup,
     StartError,
+    cpu_seconds,
     descendants,
     free_port,
     free_port_block,
     group_members,
     port_answers,
     port_is_free,
+    stat_fields,
     wait_until,
 )
 
@@ -165,3 +167,14 @@ def test_group_members_finds_what_left_the_tree(tmp_path: Path) -> None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(orphan, signal.SIGKILL)  # the grandchild we started, by PID
         child.stop()
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
+def test_stat_fields_read_a_process_and_none_once_it_is_gone(tmp_path: Path) -> None:
+    fields = stat_fields(os.getpid())
+    assert fields is not None and int(fields[1]) == os.getppid() and int(fields[2]) == os.getpgid(0)
+    assert cpu_seconds(os.getpid()) > 0
+    child = Child("done", [sys.executable, "-c", "pass"], log_path=tmp_path / "done.log")
+    child.proc.wait(timeout=READY_TIMEOUT)  # reaped: its pid names nothing now
+    assert stat_fields(child.pid) is None and cpu_seconds(child.pid) == 0.0
+    child.stop()

@@ -41,6 +41,7 @@ from typing import Any
 import msgspec
 
 from pilotfish.cms.writer import CmsWriter
+from pilotfish.procs import stat_fields
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, Record, create_region, map_region
@@ -428,11 +429,8 @@ class Exporter:
 
 def _parent_of(pid: int) -> int | None:
     """`pid`'s parent from /proc (None where there is no /proc or no such process)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            return int(handle.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
+    fields = stat_fields(pid)
+    return int(fields[1]) if fields else None
 
 
 def exporter_cpus(setting: str) -> set[int] | None:

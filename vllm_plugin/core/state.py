@@ -81,13 +81,8 @@ class _Request:
 
     @property
     def decoding(self) -> bool:
+        """The plain definition, which LoadState._apply writes out inline (tests hold them equal)."""
         return self.running and self.num_output > 0 and self.num_computed >= self.num_tokens - 1
-
-    @property
-    def uncomputed(self) -> int:
-        if self.decoding:
-            return 0
-        return max(0, self.num_tokens - max(self.num_computed, self.num_cached))
 
 
 class LoadState:
@@ -130,8 +125,9 @@ class LoadState:
     # ---- contributions ----------------------------------------------------------------------
 
     def _apply(self, r: _Request, sign: int) -> None:
-        # _Request's properties, inlined, and no min() or max(): engines call this a few times
-        # per event, on cold caches inside vLLM (bench llumlet-cachesim)
+        # _Request.decoding written out; else its tokens not yet computed, past any cached prefix,
+        # are prefill load. No min() or max(): engines call this a few times per event, on cold
+        # caches inside vLLM (bench llumlet-cachesim)
         self.changed = True
         tokens = r.num_prompt + r.num_output
         computed = r.num_computed

@@ -40,7 +40,7 @@ def test_a_published_state_reads_back_whole(region):
     writer.publish(state, dirty_since_ns=123)
     record = reader.poll()
     assert record is not None
-    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+    assert record.counters == _figures(state)
     assert record.counters["uncomputed_prefill_tokens"] == 36 + 30 and record.dirty_since_ns == 123
     assert record.update_id == state.update_id
     assert reader.ids_until(record.ring_end) == ["a", "b-ext"]
@@ -323,6 +323,19 @@ def _decoding(n: int, prompt: int = 40) -> LoadState:
     return state
 
 
+def _published(mapped, n: int) -> tuple[LoadState, HandoffWriter, HandoffReader]:
+    """n decoding requests, stored as a full record that the reader has taken."""
+    state = _decoding(n)
+    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
+    writer.publish(state, 0)
+    assert reader.poll() is not None
+    return state, writer, reader
+
+
+def _figures(state: LoadState) -> dict[str, int]:
+    return dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+
+
 def test_every_counter_reads_back_in_its_own_place(region):
     """The record's fields are named one by one where it is packed: each goes where COUNTER_FIELDS says."""
     _, mapped = region
@@ -339,10 +352,7 @@ def test_every_counter_reads_back_in_its_own_place(region):
 
 def test_steady_steps_stored_as_ticks_read_back_as_the_full_state(region):
     _, mapped = region
-    state = _decoding(3)
-    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
-    writer.publish(state, 0)
-    assert reader.poll() is not None
+    state, writer, reader = _published(mapped, 3)
     for k in range(1, 6):
         state.decode_step(6_000 + k, (12 + k) * 16)
         end = time.monotonic_ns()
@@ -350,7 +360,7 @@ def test_steady_steps_stored_as_ticks_read_back_as_the_full_state(region):
         assert reader.changed()
         record = reader.poll()
         assert record is not None, f"tick {k}"
-        assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+        assert record.counters == _figures(state)
         assert abs(record.dirty_since_ns - end) < 2_000  # the step's end, to the microsecond
         assert reader.poll() is None and not reader.changed()  # read once
     # a full record after the ticks is the state again, and the last tick lies behind it
@@ -358,7 +368,7 @@ def test_steady_steps_stored_as_ticks_read_back_as_the_full_state(region):
     writer.publish(state, 0)
     record = reader.poll()
     assert record is not None and record.counters["num_running"] == 2
-    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+    assert record.counters == _figures(state)
 
 
 def test_a_tick_the_record_already_holds_counts_once(region):
@@ -372,15 +382,12 @@ def test_a_tick_the_record_already_holds_counts_once(region):
     writer.tick(state.decode_steps, 5_000, 13, time.monotonic_ns())
     record = reader.poll()
     assert record is not None
-    assert record.counters == dict(zip(COUNTER_FIELDS, (int(v) for v in counter_values(state)), strict=True))
+    assert record.counters == _figures(state)
 
 
 def test_a_tick_whose_words_disagree_is_not_taken(region):
     _, mapped = region
-    state = _decoding(2)
-    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
-    writer.publish(state, 0)
-    reader.poll()
+    state, writer, reader = _published(mapped, 2)
     state.decode_step(5_000, 13 * 16)
     writer.tick(state.decode_steps, 5_000, 13, time.monotonic_ns())
     second = handoff.TICK_AT + 8
@@ -393,10 +400,7 @@ def test_a_tick_whose_words_disagree_is_not_taken(region):
 
 def test_a_tick_past_the_span_is_not_read_as_new(region):
     _, mapped = region
-    state = _decoding(1)
-    writer, reader = HandoffWriter(mapped), HandoffReader(mapped, block_size=16)
-    writer.publish(state, 0)
-    reader.poll()
+    state, writer, reader = _published(mapped, 1)
     writer.tick(state.decode_steps - 1 + 2**16, 5_000, 13, time.monotonic_ns())  # "one behind", mod 2**16
     record = reader.poll()
     assert record is not None and record.counters["step_id"] == state.step_id  # the record as it is

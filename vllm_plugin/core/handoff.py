@@ -162,7 +162,8 @@ class HandoffWriter:
         """Store a steady decode step (engine thread only): LoadState.decode_steps after it, its
         duration (< TICK_MAX_US), the KV blocks in use (< TICK_MAX_BLOCKS) and its end (monotonic).
         Only for a state that a full record, within TICK_SPAN steps, and steady steps since make.
-        Returns as `publish` does. Two stores and no call on the way: it runs every step."""
+        Returns as `publish` does. Two stores and no call on the way (`_wake_id` written out): it
+        runs every step."""
         tag = (decode_steps & _TAG_MASK) << _TAG_SHIFT
         tick = self._tick
         tick[0] = tag | duration_us << 24 | used_blocks

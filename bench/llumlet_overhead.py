@@ -506,23 +506,18 @@ def run(args: argparse.Namespace) -> int:
     costs = {
         label: _costs(rounds[label], rounds["baseline"], summary[label], base, reports[label]) for label in reports
     }
-    control = next(
-        (
-            (label, rate)
-            for label in variants
-            if (rate := exchange_rate(costs[label], {**extra_env, **variants[label]})) is not None
-        ),
-        None,
-    )
+    # the first interleaved control prices the plugin's CPU
+    rates = {label: rate for label in variants if (rate := exchange_rate(costs[label], settings[label] or {}))}
+    control = next(iter(rates), None)
     implied: dict[str, Any] = {}
-    control_settings = {**extra_env, **variants[control[0]]} if control is not None else {}
     plugin_cpu = costs["plugin"]["sched_cpu_added_at_speed_us_per_step"]
     if control is not None and plugin_cpu is not None and base["step_ms"]:
+        rate = rates[control]
         pct, ci = implied_cost_pct(
-            plugin_cpu, costs["plugin"]["sched_cpu_added_at_speed_ci95_us"] or 0.0, control[1], base["step_ms"]
+            plugin_cpu, costs["plugin"]["sched_cpu_added_at_speed_ci95_us"] or 0.0, rate, base["step_ms"]
         )
         implied = {
-            "exchange_rate": {"control": control[0], "rate": round(control[1][0], 3), "ci95": round(control[1][1], 3)},
+            "exchange_rate": {"control": control, "rate": round(rate[0], 3), "ci95": round(rate[1], 3)},
             "implied_step_cost_pct": pct,
             "implied_step_cost_ci95_pct": ci,
         }
@@ -594,13 +589,13 @@ def run(args: argparse.Namespace) -> int:
         "",
         *(
             [
-                f"What engine-thread CPU costs vLLM's step here: the control `{control[0]}` burns "
-                f"{float(control_settings[BURN_US_ENV]):.0f} µs of it a step, at the end of "
-                f"update_from_output, in blocks of {control_settings.get(BURN_BLOCK_ENV)} steps on "
+                f"What engine-thread CPU costs vLLM's step here: the control `{control}` burns "
+                f"{float(settings[control][BURN_US_ENV]):.0f} µs of it a step, at the end of "
+                f"update_from_output, in blocks of {settings[control].get(BURN_BLOCK_ENV)} steps on "
                 "and off; within each round, the mean cycle (one step's end to the next's) of its decode steps "
                 "that burned less that of those that did not: "
-                f"{_signed_us(costs[control[0]]['burn_cycle_added_us'], costs[control[0]]['burn_cycle_added_ci95_us'])}"
-                f" µs, {control[1][0]:.2f} ± {control[1][1]:.2f} µs of step per µs of CPU. At that rate the "
+                f"{_signed_us(costs[control]['burn_cycle_added_us'], costs[control]['burn_cycle_added_ci95_us'])}"
+                f" µs, {rates[control][0]:.2f} ± {rates[control][1]:.2f} µs of step per µs of CPU. At that rate the "
                 "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "
                 f"{_signed(implied['implied_step_cost_pct'], implied['implied_step_cost_ci95_pct'])} "
                 "(goal <= 1%).",

@@ -352,7 +352,7 @@ class Exporter:
 
     def _engine_gone(self) -> str | None:
         if self.engine_pidfd >= 0:
-            if select.select([self.engine_pidfd], [], [], 0)[0]:  # a pidfd reads ready at exit
+            if _readable(self.engine_pidfd, 0):  # a pidfd reads ready at exit
                 return "the engine process exited"
         elif os.getppid() != self.engine_pid:
             return "the engine process exited"

@@ -56,6 +56,27 @@ def test_the_hooks_keep_the_status_the_requests_make(adapter, seed, max_seqs, bu
     assert engine.llumlet.state.step_id == engine.steps and engine.llumlet.state.num_running == 0
 
 
+def test_a_recompute_chunk_a_token_short_of_the_end_samples_nothing(adapter):
+    """A preempted request recomputing in a chunk that stops one token short of its end counts as a
+    decode by its counts, but its step samples no token for it: the update must not move it by
+    one with the decodes (the property test with many preemptions found this)."""
+    engine, _ = hooked(adapter, random.Random(0), max_seqs=2, budget=2, preempt_p=0.0, skip_p=0.0)
+    engine.add_request(StandinRequest("a", 1, 10))
+    engine.add_request(StandinRequest("b", 1, 10))
+    engine.step()  # both prefill their one token and sample one
+    engine._preempt_request(engine.requests["b"], 0.0)  # b: 2 tokens to recompute
+    # a decodes (1 token of the budget of 2), b resumes with the other: computed 1 of its 2 tokens
+    engine.step()
+    b = engine.requests["b"]
+    assert (b.num_computed_tokens, b.num_output_tokens) == (1, 1)  # no token sampled for b
+    state = engine.llumlet.state
+    while engine.has_requests():
+        truth = engine.truth()
+        assert {name: getattr(state, name) for name in truth} == truth, f"step {engine.steps}"
+        engine.step()
+    assert state.num_running == 0 and state.running_decode_seq_len_sum == 0
+
+
 def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
     engine, reader = hooked(adapter, random.Random(1), max_seqs=4, budget=512)
     for i in range(4):

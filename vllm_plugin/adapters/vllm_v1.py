@@ -185,6 +185,9 @@ class _LlumletHooks:
         self._last_update_end = 0  # monotonic ns
         self._updating: Any = None  # the scheduler output in vLLM's update_from_output, whose end writes for its frees
         self._freed_ones = 0  # requests freed in it that it had scheduled for one token
+        # the scheduler output in which a request counts as a decode that the step samples nothing
+        # for (_update_after_schedule); until its update, updates visit every request
+        self._unsampled: Any = None
         # admitted (request id, prompt tokens, output tokens, exported id) and freed (request id,)
         # since the last block on this thread, in order (_enter_pending)
         self._pending: list[tuple[Any, ...]] = []
@@ -292,14 +295,31 @@ class _LlumletHooks:
             # Scheduling a decode only advances num_computed past the sampled token; the load it
             # represents moves when the output arrives (update_from_output). So only requests in
             # prefill and those joining the batch (new, or resumed from preemption) are visited.
+            moved = []
             for req_id in list(s.prefilling):  # a copy: it changes
                 if req_id in scheduled:
                     request = requests[req_id]
                     s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
+                    moved.append(request)
             for new in scheduler_output.scheduled_new_reqs:
-                s.scheduled(new.req_id, requests[new.req_id].num_computed_tokens)
+                request = requests[new.req_id]
+                s.scheduled(new.req_id, request.num_computed_tokens)
+                moved.append(request)
             for req_id in scheduler_output.scheduled_cached_reqs.resumed_req_ids:
-                s.scheduled(req_id, requests[req_id].num_computed_tokens)
+                request = requests[req_id]
+                s.scheduled(req_id, request.num_computed_tokens)
+                moved.append(request)
+            for request in moved:
+                # A request recomputing after preemption whose chunk stops one token short of its
+                # end counts as a decode already (the next step computes that token and samples),
+                # but this step samples none for it: updates until this step's must visit every
+                # request, not move the decodes by a token each (two steps may be in flight).
+                if (
+                    request.num_output_tokens
+                    and request.num_computed_tokens == request.num_prompt_tokens + request.num_output_tokens - 1
+                    and request.request_id not in s.prefilling
+                ):
+                    self._unsampled = scheduler_output
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
         if cpu0:
             llumlet.hook_cpu_ns += thread_time_ns() - cpu0
@@ -334,6 +354,7 @@ class _LlumletHooks:
         if (
             n
             and not self._pending  # no request finished in it
+            and self._unsampled is None  # see _update_after_schedule
             and scheduler_output.total_num_scheduled_tokens == n  # one token each
             and not s.num_running_prefill  # so every running request we track decodes...
             and n == s.num_running  # ...and, as many as were scheduled, are the ones scheduled
@@ -381,7 +402,7 @@ class _LlumletHooks:
                 if n is not None:
                     visit.append(req_id)
                     ones -= n == 1
-            if ones == s.num_running_decode:
+            if ones == s.num_running_decode and self._unsampled is None:
                 s.decoded_all()
                 decodes = s.num_running_decode
                 seq_len_sum = s.running_decode_seq_len_sum - decodes  # computed = tokens - 1
@@ -405,6 +426,8 @@ class _LlumletHooks:
                     seq_len_sum += computed
                 if request.status is _RUNNING:
                     progressed(req_id, computed, output)
+            if self._unsampled is scheduler_output:
+                self._unsampled = None
             if scheduler_output.total_num_scheduled_tokens:
                 s.step_finished(duration_ns / 1e9, prefill_tokens, decodes, seq_len_sum)
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)

@@ -77,6 +77,47 @@ def test_a_recompute_chunk_a_token_short_of_the_end_samples_nothing(adapter):
     assert state.num_running == 0 and state.running_decode_seq_len_sum == 0
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32), max_seqs=st.integers(1, 12), budget=st.sampled_from([8, 64, 512]))
+def test_hooks_that_sat_steps_out_are_brought_to_the_requests_by_resync(adapter, seed, max_seqs, budget):
+    """bench llumlet parks the llumlet for blocks of steps (hooks off) to time steps with and
+    without it in one engine; resync must leave the status the requests make, whatever the
+    parked steps did (admissions, finishes, preemptions), and the export process read it."""
+    rng = random.Random(seed)
+    # preempting often, so parked steps leave some preempted requests waiting
+    engine, reader = hooked(adapter, rng, max_seqs, budget, preempt_p=0.3)
+    llumlet = engine.llumlet
+    checked = 0
+
+    def check() -> None:
+        nonlocal checked
+        if engine.llumlet is None:
+            return  # parked: nothing to hold it to
+        truth = engine.truth()
+        assert {name: getattr(llumlet.state, name) for name in truth} == truth, f"step {engine.steps}"
+        record = reader.poll()
+        if record is not None:
+            exported = {name: record.counters[name] for name in truth}
+            assert exported == truth
+        checked += 1
+
+    for i in range(200):
+        for _ in range(rng.choice((0, 0, 1, 3))):
+            engine.add_request(StandinRequest(f"q{i}-{rng.random()}", rng.randint(1, 60), rng.randint(1, 40)))
+        if rng.random() < 0.25:  # switched where the probe switches: before a step's schedule
+            if engine.llumlet is None:
+                engine.llumlet = llumlet
+                engine.resync()
+            else:
+                engine.llumlet = None
+        engine.step(check)
+    engine.llumlet = llumlet
+    engine.resync()
+    while engine.has_requests():
+        engine.step(check)
+    assert checked and llumlet.state.num_running == 0 and not llumlet.state.requests
+
+
 def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
     engine, reader = hooked(adapter, random.Random(1), max_seqs=4, budget=512)
     for i in range(4):

@@ -445,6 +445,33 @@ class _LlumletHooks:
                     s.added(*event)
             pending.clear()
 
+    def resync(self) -> None:
+        """Bring the llumlet's status to vLLM's requests as they are, in one block: for hooks that
+        sat steps out (bench llumlet parks the llumlet for blocks of steps, `llumlet` None, to time
+        steps with and without its hooks in one engine). O(requests); the hooks never call it."""
+        llumlet = self.llumlet
+        if llumlet is None:
+            return
+        requests = self.requests  # type: ignore[attr-defined]
+        randomized = self._randomized_ids
+        self._pending.clear()  # admissions or frees the parked steps never entered: read afresh below
+        self._scheduled_at.clear()
+        self._internal_ids = {external_id(request, randomized): rid for rid, request in requests.items()}
+        with llumlet.events() as s:
+            for req_id in [req_id for req_id in s.requests if req_id not in requests]:
+                s.finished(req_id)
+            for req_id, request in requests.items():
+                if req_id not in s.requests:
+                    exported = external_id(request, randomized)
+                    s.added(req_id, request.num_prompt_tokens, request.num_output_tokens, exported)
+                running = request.status is _RUNNING
+                if running and not s.requests[req_id].running:
+                    s.scheduled(req_id, request.num_computed_tokens)
+                elif not running and s.requests[req_id].running:
+                    s.preempted(req_id)
+                s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
+            s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
+
     def shutdown(self) -> None:
         if self.llumlet is not None:
             self.llumlet.stop(remove=True)

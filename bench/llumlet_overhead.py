@@ -43,6 +43,7 @@ PROBE_FILE_ENV = "PILOTFISH_BENCH_PROBE_FILE"
 BURN_US_ENV = "PILOTFISH_BENCH_BURN_US"  # the probe spends this much CPU a step (a control arm)
 BURN_AT_ENV = "PILOTFISH_BENCH_BURN_AT"  # where: update (update_from_output) or dispatch (while the model runs)
 BURN_BLOCK_ENV = "PILOTFISH_BENCH_BURN_BLOCK"  # burn in blocks of k steps on, k off; the probe times both
+LLUMLET_BLOCK_ENV = "PILOTFISH_BENCH_LLUMLET_BLOCK"  # the llumlet's hooks work k steps, sit k out; the probe times both
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order
@@ -142,13 +143,14 @@ def read_probe(path: Path) -> tuple[int, ...]:
 
 
 def _cycles_us(before: tuple[int, ...], after: tuple[int, ...]) -> dict[str, float]:
-    """The probe's mean step cycle (wall, µs) between two readings, of the steps that burned and of
-    those that did not (PILOTFISH_BENCH_BURN_BLOCK); 0.0 where it timed none."""
+    """The probe's mean step cycle (wall, µs) between two readings, of the steps in blocks on (that
+    burned, PILOTFISH_BENCH_BURN_BLOCK; whose hooks worked, PILOTFISH_BENCH_LLUMLET_BLOCK) and of
+    those in blocks off; 0.0 where it timed none."""
     at = 1 + len(PROBED)
-    burned, burned_ns, plain, plain_ns = (after[at + i] - before[at + i] for i in range(4))
+    on, on_ns, off, off_ns = (after[at + i] - before[at + i] for i in range(4))
     return {
-        "burn_cycle_us": burned_ns / burned / 1000 if burned > 0 else 0.0,
-        "plain_cycle_us": plain_ns / plain / 1000 if plain > 0 else 0.0,
+        "on_cycle_us": on_ns / on / 1000 if on > 0 else 0.0,
+        "off_cycle_us": off_ns / off / 1000 if off > 0 else 0.0,
     }
 
 
@@ -262,11 +264,11 @@ def _costs(
     ]
     hook_us = _us_per_step(report, "hooks")
     hook_pct = 100 * hook_us / 1000 / base["step_ms"] if hook_us is not None and base["step_ms"] else None
-    # an interleaved control (PILOTFISH_BENCH_BURN_BLOCK): within each round, the cycles of steps
-    # that burned less those of steps that did not
-    interleaved = [
-        r["burn_cycle_us"] - r["plain_cycle_us"] for r in rounds if r.get("burn_cycle_us") and r.get("plain_cycle_us")
-    ]
+    # an engine timed in blocks on and off (a burn, or the llumlet's hooks): within each round, the
+    # cycles of steps in blocks on less those in blocks off, in µs and in percent of the latter
+    timed = [r for r in rounds if r.get("on_cycle_us") and r.get("off_cycle_us")]
+    interleaved = [r["on_cycle_us"] - r["off_cycle_us"] for r in timed]
+    interleaved_pct = [100 * (r["on_cycle_us"] / r["off_cycle_us"] - 1) for r in timed]
     return {
         "llumlet_self_report": report,
         "hook_cpu_us_per_step": hook_us,
@@ -285,8 +287,10 @@ def _costs(
             plug["engine_core_cpu_ms_per_token"], base["engine_core_cpu_ms_per_token"]
         ),
         "vllm_cpu_overhead_pct": _pct_over(plug["vllm_cpu_ms_per_token"], base["vllm_cpu_ms_per_token"]),
-        "burn_cycle_added_us": round(statistics.fmean(interleaved), 2) if interleaved else None,
-        "burn_cycle_added_ci95_us": round(_ci95(interleaved), 2) if interleaved else None,
+        "cycle_added_us": round(statistics.fmean(interleaved), 2) if interleaved else None,
+        "cycle_added_ci95_us": round(_ci95(interleaved), 2) if interleaved else None,
+        "cycle_added_pct": round(statistics.fmean(interleaved_pct), 3) if interleaved else None,
+        "cycle_added_ci95_pct": round(_ci95(interleaved_pct), 3) if interleaved else None,
     }
 
 
@@ -294,9 +298,9 @@ def exchange_rate(costs: dict[str, Any], settings: dict[str, str]) -> tuple[floa
     """(step time per µs of engine-thread CPU, its 95% interval) from an interleaved control's
     cycles: the burn's cost to the step over the burn; None for any other engine."""
     burn_us = float(settings.get(BURN_US_ENV) or 0)
-    if not burn_us or costs.get("burn_cycle_added_us") is None or settings.get(BURN_AT_ENV, "update") != "update":
+    if not burn_us or costs.get("cycle_added_us") is None or settings.get(BURN_AT_ENV, "update") != "update":
         return None
-    return costs["burn_cycle_added_us"] / burn_us, (costs["burn_cycle_added_ci95_us"] or 0.0) / burn_us
+    return costs["cycle_added_us"] / burn_us, (costs["cycle_added_ci95_us"] or 0.0) / burn_us
 
 
 def implied_cost_pct(cpu_us: float, cpu_ci: float, rate: tuple[float, float], step_ms: float) -> tuple[float, float]:
@@ -486,8 +490,8 @@ def run(args: argparse.Namespace) -> int:
                 print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
                       f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
                       f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step"
-                      + (f"  cycle {r['burn_cycle_us']:.0f} us burnt, {r['plain_cycle_us']:.0f} not"
-                         if r["burn_cycle_us"] else ""), flush=True)  # fmt: skip
+                      + (f"  cycle {r['on_cycle_us']:.0f} us in blocks on, {r['off_cycle_us']:.0f} off"
+                         if r["on_cycle_us"] else ""), flush=True)  # fmt: skip
         finally:
             for child, _ in engines.values():
                 child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
@@ -521,9 +525,21 @@ def run(args: argparse.Namespace) -> int:
             "implied_step_cost_pct": pct,
             "implied_step_cost_ci95_pct": ci,
         }
+    # engines whose llumlet works in blocks of steps (PILOTFISH_BENCH_LLUMLET_BLOCK): its hooks'
+    # whole cost to a decode step, measured within one engine
+    in_engine = {
+        label: {
+            "block": int((settings[label] or {})[LLUMLET_BLOCK_ENV]),
+            **{k: costs[label][k] for k in ("cycle_added_us", "cycle_added_ci95_us", "cycle_added_pct",
+                                             "cycle_added_ci95_pct")},
+        }
+        for label in variants
+        if (settings[label] or {}).get(LLUMLET_BLOCK_ENV) and costs[label]["cycle_added_us"] is not None
+    }  # fmt: skip
     result = {
         **costs["plugin"],
         **implied,
+        "hooks_in_engine": in_engine,
         "variants": {label: {"settings": variants[label], **costs[label]} for label in variants},
         "goal_pct": 1.0,
         "cpus": os.cpu_count(),
@@ -594,7 +610,7 @@ def run(args: argparse.Namespace) -> int:
                 f"update_from_output, in blocks of {settings[control].get(BURN_BLOCK_ENV)} steps on "
                 "and off; within each round, the mean cycle (one step's end to the next's) of its decode steps "
                 "that burned less that of those that did not: "
-                f"{_signed_us(costs[control]['burn_cycle_added_us'], costs[control]['burn_cycle_added_ci95_us'])}"
+                f"{_signed_us(costs[control]['cycle_added_us'], costs[control]['cycle_added_ci95_us'])}"
                 f" µs, {rates[control][0]:.2f} ± {rates[control][1]:.2f} µs of step per µs of CPU. At that rate the "
                 "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "
                 f"{_signed(implied['implied_step_cost_pct'], implied['implied_step_cost_ci95_pct'])} "
@@ -603,6 +619,19 @@ def run(args: argparse.Namespace) -> int:
             ]
             if implied
             else []
+        ),
+        *(
+            line
+            for label, e in in_engine.items()
+            for line in (
+                f"The llumlet's hooks measured within one engine: `{label}` parks its llumlet in blocks of "
+                f"{e['block']} steps (its hooks then only call vLLM's methods, as with no CMS) and brings it to "
+                "vLLM's requests at the first step of each block on; within each round, the mean cycle (one step's "
+                "end to the next's) of its decode steps with the hooks less that of those without, the first step "
+                f"of each block left out: {_signed_us(e['cycle_added_us'], e['cycle_added_ci95_us'])} µs, "
+                f"**{_signed(e['cycle_added_pct'], e['cycle_added_ci95_pct'])}** of the step (goal <= 1%).",
+                "",
+            )
         ),
         "Each llumlet's own report (its last log line):", "",
         *(f"- {names[label]}: {reports[label] or 'none logged'}." for label in reports),

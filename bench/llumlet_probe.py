@@ -23,6 +23,14 @@ comparison. Only decode steps count (one token each, as many as the step before:
 prefill is milliseconds longer, and would land in either set by chance), and not the first of a
 block (a burn's cost may spill into the step after it).
 
+$PILOTFISH_BENCH_LLUMLET_BLOCK=k does the same with the llumlet itself, in the llumlet's scheduler:
+its hooks work for k steps and sit k out (the llumlet parked: `llumlet` None, so they only call
+vLLM's methods, as with no CMS), and the probe times both. At the first step of each block on,
+before vLLM schedules it, the llumlet is brought to vLLM's requests (`resync`, O(requests)); that
+step is the first of its block, so its cycle is not counted. The difference is everything the hooks
+cost a decode step on the critical path, whatever it is spent on (CPU, caches, allocation, the
+export process's wake on the other CPU), measured, not priced.
+
 The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
 ns in each method of llumlet_overhead.PROBED, then the cycles timed with the burn and their ns,
 and without it and theirs), replaced every 32 steps and whenever the engine
@@ -39,7 +47,14 @@ from typing import Any
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from pilotfish.bench.llumlet_overhead import BURN_AT_ENV, BURN_BLOCK_ENV, BURN_US_ENV, PROBE_FILE_ENV, PROBED
+from pilotfish.bench.llumlet_overhead import (
+    BURN_AT_ENV,
+    BURN_BLOCK_ENV,
+    BURN_US_ENV,
+    LLUMLET_BLOCK_ENV,
+    PROBE_FILE_ENV,
+    PROBED,
+)
 from pilotfish.vllm_plugin.adapters.vllm_v1 import LlumletSyncScheduler
 
 _FLUSH_EVERY = 32  # steps
@@ -57,12 +72,15 @@ class _Probe:
         self._probe_ns = dict.fromkeys(PROBED, 0)  # CPU in each probed method
         self._burn_ns = int(float(os.environ.get(BURN_US_ENV) or 0) * 1000)
         self._burn_at_dispatch = os.environ.get(BURN_AT_ENV, "update") == "dispatch"
-        self._burn_block = max(int(os.environ.get(BURN_BLOCK_ENV) or 0), 0)
+        self._hooks_block = max(int(os.environ.get(LLUMLET_BLOCK_ENV) or 0), 0)
+        # steps are timed in blocks k on, k off: of the burn, else of the llumlet's hooks
+        self._block = max(int(os.environ.get(BURN_BLOCK_ENV) or 0), 0) or self._hooks_block
+        self._on = False  # this step is in a block on (burns; its hooks work)
+        self._on_last = False  # the step before was
         self._burn_now = False  # this step burns
-        self._burnt_last = False  # the step before did
         self._cycle_end = 0  # perf_counter_ns at the end of the last step
         self._last_batch = 0  # requests the step before scheduled
-        self._cycles = [0, 0, 0, 0]  # steps that burned, their cycles' ns; steps that did not, theirs
+        self._cycles = [0, 0, 0, 0]  # steps in blocks on, their cycles' ns; steps in blocks off, theirs
         self._probe_flush()
 
     def add_request(self, request: Any) -> None:
@@ -71,8 +89,11 @@ class _Probe:
         self._probe_ns["add_request"] += thread_time_ns() - t0
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
-        block = self._burn_block
-        self._burn_now = bool(self._burn_ns) and (not block or self._probe_steps // block % 2 == 1)
+        block = self._block
+        self._on = on = not block or self._probe_steps // block % 2 == 1
+        self._burn_now = bool(self._burn_ns) and on
+        if self._hooks_block:
+            self._switch_hooks(on)
         t0 = thread_time_ns()
         output = super().schedule(*args, **kwargs)  # type: ignore[misc]
         self._probe_ns["schedule"] += thread_time_ns() - t0
@@ -88,16 +109,16 @@ class _Probe:
             end = perf_counter_ns()
             batch = len(scheduler_output.num_scheduled_tokens)
             if (
-                self._burn_block
+                self._block
                 and self._cycle_end
                 and end - self._cycle_end < _CYCLE_GAP_NS
                 and scheduler_output.total_num_scheduled_tokens == batch == self._last_batch  # decodes alike
-                and self._burn_now == self._burnt_last  # not the first of a block
+                and self._on == self._on_last  # not the first of a block
             ):
-                at = 0 if self._burn_now else 2
+                at = 0 if self._on else 2
                 self._cycles[at] += 1
                 self._cycles[at + 1] += end - self._cycle_end
-            self._cycle_end, self._last_batch, self._burnt_last = end, batch, self._burn_now
+            self._cycle_end, self._last_batch, self._on_last = end, batch, self._on
             self._probe_steps += 1
             if self._probe_steps % _FLUSH_EVERY == 0 or not self.requests:  # type: ignore[attr-defined]
                 self._probe_flush()
@@ -108,6 +129,9 @@ class _Probe:
         if self._burn_now and self._burn_at_dispatch and scheduler_output.total_num_scheduled_tokens:
             self._burn()
         return grammar
+
+    def _switch_hooks(self, on: bool) -> None:
+        """The llumlet's scheduler only (LLUMLET_BLOCK_ENV): park the llumlet, or bring it back."""
 
     def _burn(self) -> None:
         until = thread_time_ns() + self._burn_ns
@@ -128,3 +152,17 @@ class ProbedScheduler(_Probe, Scheduler):
 
 class ProbedLlumletScheduler(_Probe, LlumletSyncScheduler):
     """The llumlet's scheduler, probed."""
+
+    _parked: Any = None  # the llumlet, while its hooks sit a block out
+
+    def _switch_hooks(self, on: bool) -> None:
+        if on and self._parked is not None:
+            self.llumlet, self._parked = self._parked, None
+            self.resync()
+        elif not on and self.llumlet is not None:
+            self._parked, self.llumlet = self.llumlet, None
+
+    def shutdown(self) -> None:
+        if self._parked is not None:  # its keys are removed and its report logged as ever
+            self._switch_hooks(True)
+        super().shutdown()

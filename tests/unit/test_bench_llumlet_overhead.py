@@ -167,6 +167,19 @@ def test_an_interleaved_control_prices_a_microsecond_of_engine_thread_cpu() -> N
     assert bench.implied_cost_pct(30.0, 3.0, (2.0, 0.2), 6.0)[1] == pytest.approx(100 * 72**0.5 / 6000, abs=1e-3)
 
 
+def test_the_hooks_in_engine_figure_comes_from_engines_whose_llumlet_works_in_blocks() -> None:
+    timed = {"cycle_added_us": 20.0, "cycle_added_ci95_us": 5.0, "cycle_added_pct": 0.4, "cycle_added_ci95_pct": 0.1}
+    costs = {"plugin": {**timed}, "hooks": {**timed}, "control": {**timed}, "idle": {"cycle_added_us": None}}
+    settings: dict[str, dict[str, str] | None] = {
+        "plugin": {},  # the llumlet on every step: nothing timed in blocks
+        "hooks": {bench.LLUMLET_BLOCK_ENV: "4"},
+        "control": {bench.BURN_US_ENV: "300", bench.BURN_BLOCK_ENV: "4"},  # a burn, not the hooks
+        "idle": {bench.LLUMLET_BLOCK_ENV: "4"},  # its probe timed no cycle
+        "baseline": None,
+    }
+    assert bench.hooks_in_engine(costs, settings) == {"hooks": {"block": 4, **timed}}
+
+
 def test_the_llumlets_own_report_is_read_from_its_periodic_or_its_last_line(tmp_path: Path) -> None:
     log = tmp_path / "plugin.log"
     assert bench._logged_staleness(log) == ""  # no log yet

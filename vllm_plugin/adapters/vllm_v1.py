@@ -317,7 +317,6 @@ class _LlumletHooks:
                 if (
                     request.num_output_tokens
                     and request.num_computed_tokens == request.num_prompt_tokens + request.num_output_tokens - 1
-                    and request.request_id not in s.prefilling
                 ):
                     self._unsampled = scheduler_output
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
@@ -456,19 +455,21 @@ class _LlumletHooks:
         randomized = self._randomized_ids
         self._pending.clear()  # admissions or frees the parked steps never entered: read afresh below
         self._scheduled_at.clear()
-        self._internal_ids = {external_id(request, randomized): rid for rid, request in requests.items()}
+        internal_ids = self._internal_ids = {}
         with llumlet.events() as s:
             for req_id in [req_id for req_id in s.requests if req_id not in requests]:
                 s.finished(req_id)
             for req_id, request in requests.items():
+                exported = external_id(request, randomized)
+                internal_ids[exported] = req_id
                 if req_id not in s.requests:
-                    exported = external_id(request, randomized)
                     s.added(req_id, request.num_prompt_tokens, request.num_output_tokens, exported)
                 running = request.status is _RUNNING
-                if running and not s.requests[req_id].running:
-                    s.scheduled(req_id, request.num_computed_tokens)
-                elif not running and s.requests[req_id].running:
-                    s.preempted(req_id)
+                if running != s.requests[req_id].running:
+                    if running:
+                        s.scheduled(req_id, request.num_computed_tokens)
+                    else:
+                        s.preempted(req_id)
                 s.progressed(req_id, request.num_computed_tokens, request.num_output_tokens)
             s.kv_usage(self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size)
 

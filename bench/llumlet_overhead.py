@@ -47,7 +47,7 @@ LLUMLET_BLOCK_ENV = "PILOTFISH_BENCH_LLUMLET_BLOCK"  # the llumlet's hooks work 
 PROBED_VLLM = "pilotfish.bench.llumlet_probe.ProbedScheduler"
 PROBED_LLUMLET = "pilotfish.bench.llumlet_probe.ProbedLlumletScheduler"
 PROBED = ("add_request", "schedule", "update_from_output")  # the scheduler methods it times, in its file's order
-# the probe's file: steps, the CPU ns in each of PROBED, then cycles with the burn, their ns, cycles without, theirs
+# the probe's file: steps, the CPU ns in each of PROBED, then cycles in blocks on, their ns, in blocks off, theirs
 _PROBE_WIDTH = 1 + len(PROBED) + 4
 _EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8

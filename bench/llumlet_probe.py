@@ -32,8 +32,8 @@ cost a decode step on the critical path, whatever it is spent on (CPU, caches, a
 export process's wake on the other CPU), measured, not priced.
 
 The running totals go to the file named by $PILOTFISH_BENCH_PROBE_FILE (the steps, then the CPU
-ns in each method of llumlet_overhead.PROBED, then the cycles timed with the burn and their ns,
-and without it and theirs), replaced every 32 steps and whenever the engine
+ns in each method of llumlet_overhead.PROBED, then the cycles timed in blocks on and their ns,
+and in blocks off and theirs), replaced every 32 steps and whenever the engine
 has no request left, so the benchmark reads them between rounds. Only the synchronous scheduler
 is probed: vLLM on CPU runs no other.
 """

@@ -147,6 +147,8 @@ class Child:
     ) -> None:
         self.name = name
         self.argv = list(argv)
+        self.env = env
+        self.cwd = cwd
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
@@ -167,12 +169,27 @@ class Child:
     def pid(self) -> int:
         return self.proc.pid
 
-    def exited(self) -> str | None:
-        """None while running; else a reason including the tail of its log."""
+    def exit_status(self) -> str | None:
+        """None while running; else how it ended: `exited with code N` or `killed by SIGKILL`."""
         code = self.proc.poll()
         if code is None:
             return None
-        return f"exited with code {code}{self._log_tail()}"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return f"killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def exited(self) -> str | None:
+        """None while running; else a reason including the tail of its log."""
+        status = self.exit_status()
+        return None if status is None else f"{status}{self._log_tail()}"
+
+    def respawn(self) -> Child:
+        """A new process with this one's name, argv, environment, folder and log (appended to);
+        this one must have exited. Its log file is closed here."""
+        assert self.proc.poll() is not None, f"{self.name} (pid {self.pid}) is still running"
+        self._close_log()
+        return Child(self.name, self.argv, env=self.env, log_path=self.log_path, cwd=self.cwd)
 
     def _log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -213,6 +230,12 @@ class ChildGroup:
         child = Child(name, argv, **kwargs)  # type: ignore[arg-type]
         self.children.append(child)
         return child
+
+    def respawn(self, child: Child) -> Child:
+        """Start `child` again (it must have exited) in its place in the stop order."""
+        index = self.children.index(child)
+        self.children[index] = new = child.respawn()
+        return new
 
     def first_exited(self) -> tuple[Child, str] | None:
         for child in self.children:

@@ -178,3 +178,35 @@ def test_stat_fields_read_a_process_and_none_once_it_is_gone(tmp_path: Path) -> 
     child.proc.wait(timeout=READY_TIMEOUT)  # reaped: its pid names nothing now
     assert stat_fields(child.pid) is None and cpu_seconds(child.pid) == 0.0
     child.stop()
+
+
+def test_exit_status_names_the_signal_that_killed_a_child(tmp_path: Path) -> None:
+    child = _trapping_child(tmp_path, "victim")
+    assert child.exit_status() is None and child.exited() is None
+    os.kill(child.pid, signal.SIGKILL)
+    child.proc.wait(READY_TIMEOUT)
+    assert child.exit_status() == "killed by SIGKILL"
+    assert child.exited() is not None and child.exited().startswith("killed by SIGKILL — last output: ready victim")
+    child.stop()
+
+
+def test_respawn_runs_the_same_command_with_the_same_log_in_its_place(tmp_path: Path) -> None:
+    group = ChildGroup()
+    names = ("first", "second", "third")
+    for name in names:
+        log = tmp_path / f"{name}.log"
+        argv = [sys.executable, "-c", _TRAP_TERM, name, str(tmp_path / "terms"), "exit"]
+        child = group.start(name, argv, log_path=log, cwd=tmp_path)
+        wait_until(lambda log=log, n=name: _log_has(log, f"ready {n}"), READY_TIMEOUT, name, alive=child.exited)
+    old = group.children[1]
+    with pytest.raises(AssertionError, match="still running"):
+        group.respawn(old)  # only a dead child is started again
+    os.kill(old.pid, signal.SIGKILL)
+    old.proc.wait(READY_TIMEOUT)
+    new = group.respawn(old)
+    assert new is group.children[1] and new.pid != old.pid
+    assert (new.name, new.argv, new.cwd, new.log_path) == (old.name, old.argv, old.cwd, old.log_path)
+    log = tmp_path / "second.log"
+    wait_until(lambda: log.read_text().count("ready second") == 2, READY_TIMEOUT, "the respawned child")
+    group.stop_all()
+    assert (tmp_path / "terms").read_text().split() == ["third", "second", "first"]  # order kept

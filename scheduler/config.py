@@ -143,6 +143,30 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     cms_poll_interval_seconds: Annotated[
         float, Meta(gt=0, description="full mode: full CMS re-read period, the fallback for lost change notices")
     ] = 2.0
+    cms_max_clock_skew_seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="full mode: refuse a CMS status whose timestamp_ms or epoch is further than this ahead "
+            "of the scheduler's clock (one forged future record would otherwise pin the instance's view)",
+        ),
+    ] = 5.0
+    cms_max_update_id_jump: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="full mode: refuse a CMS status whose update_id is more than this ahead of the one "
+            "held (same epoch) and ahead of the scheduler's clock in microseconds",
+        ),
+    ] = 1_000_000
+    cms_instance_admission: Annotated[
+        str,
+        Meta(
+            description="full mode: what may add an instance: cms (its CMS metadata alone), discovery (only "
+            "engines --discovery lists, matched by host:port), auto (discovery when --discovery names a "
+            "backend, else cms); see docs/cms-trust.md"
+        ),
+    ] = "auto"
     account_admission_grace_seconds: Annotated[
         float,
         Meta(

@@ -7,12 +7,13 @@ they run exactly the same processes with exactly the same flags.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pilotfish.envoy_bootstrap import render_sidecar
-from pilotfish.procs import Child, ChildGroup, free_port
-from pilotfish.services import envoy_binary, start_envoy
+from pilotfish.procs import Child, ChildGroup, free_port, port_answers, wait_until
+from pilotfish.services import LOOPBACK, envoy_binary, envoy_is_live, start_envoy
 
 
 @dataclass(slots=True)
@@ -47,14 +48,33 @@ class Stack:
     ext_proc_port: int
     ext_proc_metrics_port: int = 0
     children: dict[str, Child] = field(default_factory=dict)
+    # by child name: true once that child answers on every port it was started with, so a
+    # supervisor knows when a restarted one is back
+    ready: dict[str, Callable[[], bool]] = field(default_factory=dict)
 
     @property
     def base_url(self) -> str:
         return f"http://{self.listen_host}:{self.listen_port}"
 
+    def metrics_urls(self) -> list[tuple[str, str]]:
+        """(component, URL) of every Prometheus endpoint the stack serves: each engine's
+        /metrics, the scheduler's and the ext_proc's where their metrics are on, Envoy's admin."""
+        urls = [(f"engine {name}", f"http://{LOOPBACK}:{port}/metrics") for name, port in self.engines]
+        if self.scheduler_metrics_port:
+            urls.append(("scheduler", f"http://{LOOPBACK}:{self.scheduler_metrics_port}/metrics"))
+        if self.ext_proc_metrics_port:
+            urls.append(("ext_proc", f"http://{LOOPBACK}:{self.ext_proc_metrics_port}/metrics"))
+        urls.append(("envoy", f"http://{LOOPBACK}:{self.admin_port}/stats/prometheus"))
+        return urls
+
+
+def _answering(*ports: int) -> Callable[[], bool]:
+    wanted = [port for port in ports if port]
+    return lambda: all(port_answers(port) for port in wanted)
+
 
 def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
-    """Start every piece in dependency order, each waited on until it answers."""
+    """Start every piece in dependency order, each waited on until it answers on all its ports."""
     envoy_binary()  # fail before starting anything when Envoy is missing
     py = [sys.executable, "-m", "pilotfish"]
     engines = [(f"sim-{i}", free_port()) for i in range(spec.engines)]
@@ -67,14 +87,19 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     instances = ",".join(f"{name}=127.0.0.1:{port}" for name, port in engines)
 
     cms_engine_args = ["--cms-url", spec.cms_url, "--cms-cluster", spec.cms_cluster] if spec.cms_url else []
+    ready: dict[str, Callable[[], bool]] = {}
+
+    def wait_ready(child: Child, condition: Callable[[], bool]) -> None:
+        ready[child.name] = condition
+        wait_until(condition, spec.start_timeout, child.name, alive=child.exited)
+
     sim = group.start(
         "engines",
         [*py, "sim", "serve", "--ports", ",".join(str(p) for _, p in engines), "--model", spec.model,
          *cms_engine_args, *spec.engine_args],
         log_path=log_dir / "engines.log",
-    )
-    for _, port in engines:
-        sim.wait_port(port, spec.start_timeout)
+    )  # fmt: skip
+    wait_ready(sim, _answering(*(port for _, port in engines)))
 
     if spec.with_scheduler:
         # full mode finds the engines in the CMS; lite mode is told them
@@ -90,8 +115,8 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
             [*py, "scheduler", "--port", str(scheduler_port), "--session-port", str(session_port), *view_args,
              "--model", spec.model, "--metrics-port", str(metrics_port), *spec.scheduler_args],
             log_path=log_dir / "scheduler.log",
-        )
-        scheduler.wait_port(scheduler_port, spec.start_timeout)
+        )  # fmt: skip
+        wait_ready(scheduler, _answering(scheduler_port, session_port, metrics_port))
 
     ext_proc = group.start(
         "ext_proc",
@@ -104,8 +129,8 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
          "--metrics-port", str(ext_proc_metrics_port),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
-    )
-    ext_proc.wait_port(ext_proc_port, spec.start_timeout)
+    )  # fmt: skip
+    wait_ready(ext_proc, _answering(ext_proc_port, ext_proc_metrics_port))
 
     bootstrap = render_sidecar(
         listen_host=spec.listen_host,
@@ -114,11 +139,13 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         ext_proc_ports=[ext_proc_port],
         default_endpoints=[("127.0.0.1", port) for _, port in engines],
     )
-    envoy = start_envoy(bootstrap, log_dir, admin_port, timeout=spec.start_timeout).child
+    envoy_service = start_envoy(bootstrap, log_dir, admin_port, timeout=spec.start_timeout)
+    envoy = envoy_service.child
     assert envoy is not None
     group.children.append(envoy)  # stopped with the rest, in reverse start order
-    envoy.wait_port(listen_port, spec.start_timeout, host=spec.listen_host)
+    admin_url = envoy_service.url
+    wait_ready(envoy, lambda: envoy_is_live(admin_url) and port_answers(listen_port, spec.listen_host))
     return Stack(
         engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
-        ext_proc_metrics_port, {child.name: child for child in group.children},
-    )
+        ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
+    )  # fmt: skip

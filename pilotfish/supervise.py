@@ -107,8 +107,9 @@ class Supervisor:
             while watched.recent and watched.recent[0] <= now - window:
                 watched.recent.popleft()
             if len(watched.recent) >= limit:
+                n = len(watched.recent)
                 raise GaveUp(
-                    f"{name} (pid {watched.child.pid}) died again after {len(watched.recent)} restarts within "
+                    f"{name} (pid {watched.child.pid}) died again after {n} restart{'' if n == 1 else 's'} within "
                     f"{window:g}s (--max-restarts {limit}): {watched.child.exited()}"
                 )
             watched.recent.append(now)

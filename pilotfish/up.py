@@ -1,8 +1,10 @@
 """`pilotfish up`: the embedded default — simulated engines, scheduler, ext_proc and Envoy on loopback.
 
-Lite mode with static discovery: no Redis, etcd or Kubernetes. Every child runs in its own
-process group and is stopped by PID, in reverse start order, on Ctrl-C, on SIGTERM, when any
-child dies, and after `--demo`.
+Lite mode with static discovery: no Redis, etcd or Kubernetes (`--full` adds a Redis CMS). Every
+child serves Prometheus metrics on a loopback port of its own, printed at start with its PID. A
+child that dies is restarted on the same ports (pilotfish.supervise); one that keeps dying stops
+the stack with exit status 1. Every child runs in its own process group and is stopped by PID, in
+reverse start order, on Ctrl-C, on SIGTERM, when the supervisor gives up, and after `--demo`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import argparse
 import signal
 import sys
 import tempfile
-import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -19,7 +21,8 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.config import add_struct_arguments, struct_from_args
-from pilotfish.procs import ChildGroup, StartError, port_is_free
+from pilotfish.procs import Child, ChildGroup, StartError, port_is_free
+from pilotfish.supervise import GaveUp, SuperviseConfig, Supervisor
 
 
 class UpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -44,9 +47,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "up",
         help="run the embedded default: engines, scheduler, ext_proc and Envoy on loopback",
         description="Start simulated engines, the scheduler (lite mode, static discovery), the ext_proc "
-        "and Envoy on loopback. Ctrl-C stops everything it started.",
+        "and Envoy on loopback, each with its Prometheus metrics on a port of its own. A child that dies is "
+        "restarted on the same ports. Ctrl-C stops everything it started.",
     )
     add_struct_arguments(parser, UpConfig)
+    add_struct_arguments(parser, SuperviseConfig)
     parser.set_defaults(run=run)
 
 
@@ -60,8 +65,9 @@ def _raise_stopped(signum: int, frame: object) -> None:
 
 def run(args: argparse.Namespace) -> int:
     config = struct_from_args(UpConfig, args)
+    supervise = struct_from_args(SuperviseConfig, args)
     from pilotfish.envoy_binary import find_envoy_binary
-    from pilotfish.services import redis_binary, start_redis
+    from pilotfish.services import redis_answers_ping, redis_binary, start_redis
     from pilotfish.stack import StackSpec, start_stack
 
     find_envoy_binary()  # a missing binary fails here, before anything starts
@@ -77,15 +83,23 @@ def run(args: argparse.Namespace) -> int:
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         spec = StackSpec(
-            engines=config.engines, model=config.model, listen_host=config.host, listen_port=config.port,
+            engines=config.engines,
+            model=config.model,
+            listen_host=config.host,
+            listen_port=config.port,
             start_timeout=config.start_timeout,
+            scheduler_metrics=True,
+            ext_proc_metrics=True,
         )
+        ready: dict[str, Callable[[], bool]] = {}
         if config.full:
             redis = start_redis(log_dir / "redis")
             assert redis.child is not None
             group.children.append(redis.child)  # stopped last, after everything that uses it
+            ready[redis.child.name] = lambda port=redis.port: redis_answers_ping(port)
             spec.cms_url = redis.url
         stack = start_stack(spec, group, log_dir)
+        ready.update(stack.ready)
         base_url = stack.base_url
         if config.demo:
             return _demo(config, base_url)
@@ -93,14 +107,18 @@ def run(args: argparse.Namespace) -> int:
             f"Pilotfish is up ({'full' if config.full else 'lite'} mode): {len(stack.engines)} engines, scheduler, "
             f"ext_proc and Envoy (logs in {log_dir}).\n"
             f"  curl {base_url}/v1/completions -H 'content-type: application/json' "
-            f"-d '{{\"model\": \"{config.model}\", \"prompt\": \"hello\", \"max_tokens\": 16}}'\n"
-            "Ctrl-C stops everything.",
+            f'-d \'{{"model": "{config.model}", "prompt": "hello", "max_tokens": 16}}\'\n'
+            f"{_components(stack.metrics_urls(), group.children)}\n"
+            f"A child that dies is restarted on the same ports; more than {supervise.max_restarts} restarts of one "
+            f"within {supervise.restart_window_seconds:g}s stop everything. Ctrl-C stops everything.",
             flush=True,
         )
-        while (dead := group.first_exited()) is None:
-            time.sleep(0.5)
-        child, reason = dead
-        print(f"pilotfish up: error: {child.name} {reason}; stopping", file=sys.stderr)
+        supervisor = Supervisor(supervise, group.respawn, start_timeout=config.start_timeout)  # type: ignore[arg-type]
+        for child in group.children:
+            supervisor.watch(child, ready[child.name])
+        supervisor.run()  # returns only by raising
+    except GaveUp as exc:
+        print(f"pilotfish up: error: {exc}; stopping", file=sys.stderr, flush=True)
         return 1
     except (KeyboardInterrupt, _Stopped):
         return 0
@@ -108,6 +126,16 @@ def run(args: argparse.Namespace) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         group.stop_all()
+
+
+def _components(metrics: list[tuple[str, str]], children: list[Child]) -> str:
+    """The start-up block operators and tests read: each Prometheus endpoint, each child's PID."""
+    width = max(len(name) for name, _ in metrics + [(c.name, "") for c in children])
+    lines = ["Prometheus metrics:"]
+    lines += [f"  {name:<{width}}  {url}" for name, url in metrics]
+    lines.append("Processes:")
+    lines += [f"  {child.name:<{width}}  pid {child.pid}" for child in children]
+    return "\n".join(lines)
 
 
 def _demo(config: UpConfig, base_url: str) -> int:

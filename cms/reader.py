@@ -8,11 +8,15 @@ Two paths, as DESIGN.md says:
   lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
   A value identical to the one last seen is not decoded again.
 
-Records are decoded by `cms.records` (strict, bounded); a bad one is logged once per distinct
-value at WARNING, counted, and skipped, and the sink keeps what it held. Redis faults are
-retried with exponential backoff (a WARNING when the outage starts, INFO when it ends); the
-reader never exits on one. Everything runs on the caller's event loop, so the sink needs no
-locks.
+Values are read with GETRANGE 0..MAX_RECORD_BYTES, so a record over the size bound is refused
+without being transferred whole, let alone decoded. Records are decoded by `cms.records`
+(strict, bounded); a bad one is counted by reason, logged at WARNING (rate-limited per instance
+and reason, cms/refusals.py) and skipped, and the sink keeps what it held. Of a refused record
+only a summary is kept (`Rejected`: instance, reason, size, digest), so the same value polled
+again is skipped without a second line. Redis faults are retried with exponential backoff and
+jitter, capped at MAX_BACKOFF so the view resumes within about a second of Redis returning (a
+WARNING when the outage starts, INFO when it ends); the reader never exits on one. Everything
+runs on the caller's event loop, so the sink needs no locks.
 """
 
 from __future__ import annotations
@@ -20,19 +24,36 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
-from pilotfish.cms.records import BadRecord, decode_metadata, decode_status
+from pilotfish.cms.records import (
+    MALFORMED,
+    MAX_RECORD_BYTES,
+    OVERSIZE,
+    BadRecord,
+    Rejected,
+    decode_metadata,
+    decode_status,
+    digest,
+)
+from pilotfish.cms.refusals import RefusalLog
 from pilotfish.protos import cms_pb2
 
 log = logging.getLogger(__name__)
 
 MGET_BATCH = 512
 SCAN_COUNT = 1000
-MAX_BACKOFF = 10.0
+# Reconnect backoff: doubles from FIRST_BACKOFF to MAX_BACKOFF, each sleep drawn from [half, all]
+# of it, so readers do not reconnect in step and one resumes within ~1 s of Redis returning.
+FIRST_BACKOFF = 0.05
+MAX_BACKOFF = 1.0
+CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
+# summaries of refused records kept (one per key); beyond this the oldest is forgotten
+MAX_REJECTED = 4 * MGET_BATCH
 # channel messages longer than this cannot be "<kind>:<instance>"
 MAX_NOTICE = keys.MAX_ID_LENGTH + 16
 
@@ -44,6 +65,8 @@ class CmsSink(Protocol):
     def remove(self, instance_id: str) -> bool: ...
     def known(self) -> set[str]: ...
 
+    # optional: `record_refused(instance_id, reason)` is called for every record the reader refuses
+
 
 class CmsReader:
     def __init__(self, redis_url: str, cluster: str, sink: CmsSink, poll_interval: float = 2.0) -> None:
@@ -54,12 +77,26 @@ class CmsReader:
         self.poll_interval = poll_interval
         self._client: Any = None
         self._last_raw: dict[str, bytes] = {}
-        self._bad: dict[str, bytes] = {}
+        self._rejected: dict[str, Rejected] = {}
+        self._refusals = RefusalLog(log, what="rejected CMS record")
+        self._note_refused = getattr(sink, "record_refused", None)
         self._polled = asyncio.Event()
-        self.num_bad_records = 0
         self.num_redis_errors = 0
         self.num_polls = 0
         self.num_notices = 0
+
+    @property
+    def num_bad_records(self) -> int:
+        """Records refused (distinct values per key), all reasons."""
+        return self._refusals.total
+
+    @property
+    def refused_by_reason(self) -> dict[str, int]:
+        return dict(self._refusals.counts)
+
+    def rejected(self) -> dict[str, Rejected]:
+        """The summary of the refused record each key holds, where it holds one."""
+        return dict(self._rejected)
 
     async def wait_first_poll(self, timeout: float | None = None) -> None:
         """Until one full poll has completed (the view holds everything Redis held then)."""
@@ -68,11 +105,18 @@ class CmsReader:
     async def run(self) -> None:
         """Subscribe and poll until cancelled."""
         import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
 
         # timeouts, so a half-open connection after a Redis restart fails (and is retried)
-        # instead of hanging the poll forever
+        # instead of hanging the poll forever; no retries inside redis-py (its default retries a
+        # command ten times over seconds): `_retrying` owns the backoff, with its cap
         self._client = aioredis.from_url(
-            self.redis_url, decode_responses=False, socket_connect_timeout=5.0, socket_timeout=10.0
+            self.redis_url,
+            decode_responses=False,
+            socket_connect_timeout=CONNECT_TIMEOUT,
+            socket_timeout=10.0,
+            retry=Retry(NoBackoff(), 0),
         )
         try:
             async with asyncio.TaskGroup() as group:
@@ -84,7 +128,7 @@ class CmsReader:
                 await asyncio.wait_for(self._client.aclose(), CLOSE_TIMEOUT)
 
     async def _retrying(self, work: Any, what: str) -> None:
-        backoff = 0.1
+        backoff = FIRST_BACKOFF
         state = {"failing": False}
 
         def recovered() -> None:
@@ -103,9 +147,9 @@ class CmsReader:
                 self.num_redis_errors += 1
                 if not state["failing"]:
                     log.warning("CMS %s failed (%s); retrying with backoff", what, exc)
-                    backoff = 0.1
+                    backoff = FIRST_BACKOFF
                 state["failing"] = True
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, MAX_BACKOFF)
 
     async def _poll_forever(self, recovered: Any) -> None:
@@ -136,11 +180,14 @@ class CmsReader:
         seen: set[str] = set()
         for start in range(0, len(found), MGET_BATCH):
             batch = found[start : start + MGET_BATCH]
-            values = await self._client.mget(batch)
+            pipe = self._client.pipeline(transaction=False)
+            for key in batch:
+                pipe.getrange(key, 0, MAX_RECORD_BYTES)  # at most one byte over the bound
+            values = await pipe.execute(raise_on_error=False)
             for key, raw in zip(batch, values, strict=True):
-                if raw is not None:
+                if raw != b"":  # b"": gone since the SCAN (GETRANGE reads a missing key as empty)
                     # a key holding a bad record still exists: the sink keeps what it held
-                    self._apply(key.decode(errors="replace"), kind, raw)
+                    await self._apply(key.decode(errors="replace"), kind, raw)
                     seen.add(keys.instance_of(key))
         return seen
 
@@ -174,46 +221,78 @@ class CmsReader:
         self.num_notices += 1
         make_key = keys.meta_key if kind == keys.META else keys.status_key
         key = make_key(self.cluster, instance_id)
-        raw = await self._client.get(key)
-        if raw is None:
-            return  # deleted since; the poll settles departures
-        self._apply(key, kind, raw)
-
-    def _apply(self, key: str, kind: str, raw: bytes) -> bool:
-        """Decode and hand over; True if the key holds a valid record (changed or not)."""
-        if self._last_raw.get(key) == raw:
-            return True
-        if self._bad.get(key) == raw:
-            return False
-        instance_id = keys.instance_of(key)
         try:
-            if kind == keys.META:
-                record: Any = decode_metadata(raw, instance_id)
-            else:
-                record = decode_status(raw, instance_id)
-        except BadRecord as exc:
-            self.num_bad_records += 1
-            if len(self._bad) > 4 * MGET_BATCH:  # bound the memory a flood of bad keys costs
-                self._bad.clear()
-            self._bad[key] = raw
-            log.warning("rejected CMS record %s: %s", key, exc)
+            raw = await self._client.getrange(key, 0, MAX_RECORD_BYTES)
+        except Exception as exc:  # WRONGTYPE and the like; a connection error is the caller's
+            if not _is_reply_error(exc):
+                raise
+            raw = exc
+        if raw == b"":
+            return  # deleted since; the poll settles departures
+        await self._apply(key, kind, raw)
+
+    async def _apply(self, key: str, kind: str, raw: bytes | Exception) -> bool:
+        """Decode and hand over; True if the key holds a valid record (changed or not)."""
+        if isinstance(raw, bytes) and self._last_raw.get(key) == raw:
+            return True
+        instance_id = keys.instance_of(key)
+        if isinstance(raw, Exception):  # not a string key: nothing a writer of ours would leave
+            raw_digest, size = b"", 0
+            failure = BadRecord(f"{kind} key holds no string ({raw})", MALFORMED)
+        else:
+            raw_digest, size = digest(raw), len(raw)
+            held = self._rejected.get(key)
+            if held is not None and held.digest == raw_digest:
+                return False  # the same refused value, polled again
+            failure = None
+            if size > MAX_RECORD_BYTES:  # only the bound's worth was read: ask for the whole size
+                with contextlib.suppress(Exception):
+                    size = int(await self._client.strlen(key))
+                failure = BadRecord(f"{kind} record of {size} bytes exceeds {MAX_RECORD_BYTES}", OVERSIZE)
+        record: Any = None
+        if failure is None:
+            try:
+                if kind == keys.META:
+                    record = decode_metadata(raw, instance_id)  # type: ignore[arg-type]
+                else:
+                    record = decode_status(raw, instance_id)  # type: ignore[arg-type]
+            except BadRecord as exc:
+                failure = exc
+        if failure is not None:
+            self._reject(key, instance_id, failure, size, raw_digest)
             return False
-        self._bad.pop(key, None)
-        self._last_raw[key] = raw
+        self._rejected.pop(key, None)
+        self._last_raw[key] = raw  # type: ignore[assignment]
         if kind == keys.META:
             self.sink.apply_metadata(record)
         else:
             self.sink.apply_status(record)
         return True
 
+    def _reject(self, key: str, instance_id: str, failure: BadRecord, size: int, raw_digest: bytes) -> None:
+        """Count and log (rate-limited) a refused record; keep its summary, never its bytes."""
+        self._rejected.pop(key, None)
+        while len(self._rejected) >= MAX_REJECTED:  # bound the memory a flood of bad keys costs
+            del self._rejected[next(iter(self._rejected))]
+        self._rejected[key] = Rejected(instance_id, failure.reason, size, raw_digest)
+        self._refusals.note(instance_id, failure.reason, f"{key}: {failure}")
+        if self._note_refused is not None:
+            self._note_refused(instance_id, failure.reason)
+
     def _forget(self, key: str) -> bool:
-        self._bad.pop(key, None)
+        self._rejected.pop(key, None)
         return self._last_raw.pop(key, None) is not None
 
     def forget_all(self, instances: Iterable[str]) -> None:
         for instance_id in instances:
             self._forget(keys.meta_key(self.cluster, instance_id))
             self._forget(keys.status_key(self.cluster, instance_id))
+
+
+def _is_reply_error(exc: BaseException) -> bool:
+    from redis.exceptions import ResponseError
+
+    return isinstance(exc, ResponseError)
 
 
 def _raise_if_cancelling(cause: BaseException | None = None) -> None:

@@ -14,6 +14,11 @@ Two ways to write a status, on the one held connection:
                      reply or a dead connection after the last of them is not left unseen.
 Status writes must not overlap: the caller serializes them (the llumlet's export lock), which also
 keeps records reaching Redis in update_id order.
+
+Every status written carries the writer's `epoch` (its incarnation: wall-clock ms when it was
+made, unless given), set on the record (or, for pre-encoded bytes, appended to them: protobuf
+merges a repeated scalar field, the last one winning). A reader orders statuses by (epoch, update_id),
+so a restarted llumlet's first status is taken as a new sequence, however its update_id compares.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import os
 import ssl
+import time
 from typing import Any
 
 import redis
@@ -35,10 +41,12 @@ _REPLIES_PER_WRITE = 2  # SET, PUBLISH
 
 
 class CmsWriter:
-    def __init__(self, url: str, cluster: str, instance_id: str, ttl_ms: int) -> None:
+    def __init__(self, url: str, cluster: str, instance_id: str, ttl_ms: int, epoch: int | None = None) -> None:
         self.cluster = keys.check_id(cluster, "cluster")
         self.instance_id = keys.check_id(instance_id, "instance_id")
         self.ttl_ms = ttl_ms
+        self.epoch = epoch if epoch is not None else time.time_ns() // 1_000_000
+        self._epoch_field = cms_pb2.InstanceStatus(epoch=self.epoch).SerializeToString()
         self.status_key = keys.status_key(cluster, instance_id)
         self.meta_key = keys.meta_key(cluster, instance_id)
         self.channel = keys.events_channel(cluster)
@@ -63,11 +71,14 @@ class CmsWriter:
         self._inline_error: Exception | None = None  # what try_write_status met, for collect_replies
 
     def write_status(self, status: cms_pb2.InstanceStatus) -> None:
-        self.write_status_bytes(status.SerializeToString())
+        """Write and wait for Redis's answers (sets `status.epoch` to the writer's); raises on a
+        Redis or connection error."""
+        status.epoch = self.epoch
+        self._send_and_settle(self._socket(), self._packed(status.SerializeToString()))
 
     def write_status_bytes(self, raw: bytes) -> None:
-        """Write and wait for Redis's answers; raises on a Redis or connection error."""
-        self._send_and_settle(self._socket(), self._packed(raw))
+        """`write_status` for an encoded record; the writer's epoch is appended (protobuf merges it)."""
+        self._send_and_settle(self._socket(), self._packed(raw + self._epoch_field))
 
     def try_write_status(self, status: cms_pb2.InstanceStatus) -> bool:
         """Write without waiting: True if the kernel took the whole command now.
@@ -84,6 +95,7 @@ class CmsWriter:
             if self._unread:
                 with contextlib.suppress(BlockingIOError):  # not there yet: the next write reads them
                     self._take_replies(os.read(fd, 65536))
+            status.epoch = self.epoch
             packed = self._packed(status.SerializeToString())
             sent = os.write(fd, packed)
         except BlockingIOError:

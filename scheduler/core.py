@@ -37,7 +37,7 @@ from pilotfish.scheduler.policy.index import LoadIndex, load_index
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
 from pilotfish.scheduler.telemetry import Telemetry
 from pilotfish.scheduler.view.account import InflightAccount
-from pilotfish.scheduler.view.cms_view import CmsView
+from pilotfish.scheduler.view.cms_view import CmsTrust, CmsView
 from pilotfish.scheduler.view.lrs import LocalRealtimeState
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, LrsLoad, RequestInfo
@@ -115,6 +115,8 @@ class SchedulerCore:
                 clock=clock,
                 prior_weight=config.step_time_prior_weight,
                 admitted_window_ms=config.account_admitted_window_ms,
+                trust=CmsTrust.from_config(config),
+                wall_clock=wall_clock,
             )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))

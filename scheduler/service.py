@@ -254,6 +254,10 @@ class SchedulerServer:
                 self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
+            if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists
+                self._discovery_task = asyncio.create_task(
+                    self.core.cms.follow_discovery(self.config), name="scheduler-discovery"
+                )
             self.kv_events = KvEventSubscriber.start_for(self.core, self.config)
             if self._rescheduler is not None:
                 self._rescheduler.start(self.reader.wait_first_poll)

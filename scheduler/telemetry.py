@@ -13,8 +13,9 @@ nothing for them; only the decision-latency histogram is observed per decision.
 | `pilotfish_scheduler_instance_metric{instance,metric}` | every metric the policy uses, per instance (no request) |
 | `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
-| `pilotfish_scheduler_view_staleness_seconds{instance}` | full: age of the instance's status (now - timestamp_ms) |
+| `pilotfish_scheduler_view_staleness_seconds{instance}` | full: now - timestamp_ms, or time since applied if longer |
 | `pilotfish_scheduler_cms_records_total{result}` | full: statuses applied / dropped as not newer |
+| `pilotfish_scheduler_cms_records_refused_total{reason}` | full: CMS records refused, by reason |
 | `pilotfish_scheduler_kv_events_applied_total{kind}` | full: engine KV events applied (stored, removed, cleared) |
 | `pilotfish_scheduler_kv_events_dropped_total{reason}` | full: KV event messages dropped (malformed, topic, ...) |
 | `pilotfish_scheduler_kv_events_gaps_total`, `..._missed_batches_total` | full: sequence gaps, batches they skipped |
@@ -71,7 +72,8 @@ class _ViewCollector(Collector):
         metrics = {m.name: m for p in core.policy.pipelines.values() for m in p.metrics}
         staleness = GaugeMetricFamily(
             "pilotfish_scheduler_view_staleness_seconds",
-            "Age of each instance's CMS status: now minus its timestamp_ms.",
+            "Age of each instance's CMS status: now minus its timestamp_ms, or the time since the scheduler "
+            "applied it if that is longer (it grows while the CMS reader is cut off).",
             labels=["instance"],
         )
         now = core.ctx.wall_clock()
@@ -82,8 +84,9 @@ class _ViewCollector(Collector):
             tokens.add_metric(labels, inst.lrs.num_tokens)
             for name, metric in metrics.items():
                 values.add_metric([inst.instance_id, name], metric.value(inst, _SCRAPE_REQUEST))
-            if inst.status is not None:
-                staleness.add_metric(labels, max(0.0, now - inst.status.timestamp_ms / 1000.0))
+            age = core.cms.status_age(inst.instance_id, now) if core.cms is not None else None
+            if age is not None:
+                staleness.add_metric(labels, age)
         size = GaugeMetricFamily("pilotfish_scheduler_account_size", "Requests held (dispatched, not released).")
         size.add_metric([], core.account_size)
         expired = CounterMetricFamily(
@@ -117,6 +120,14 @@ class _ViewCollector(Collector):
             records.add_metric(["applied"], core.cms.num_applied)
             records.add_metric(["not_newer"], core.cms.num_rejected)
             yield records
+            refused = CounterMetricFamily(
+                "pilotfish_scheduler_cms_records_refused",
+                "CMS records refused before they could steer scheduling, by reason (docs/cms-trust.md).",
+                labels=["reason"],
+            )
+            for reason, n in sorted(core.cms.refused_by_reason().items()):
+                refused.add_metric([reason], n)
+            yield refused
 
 
 class Telemetry:

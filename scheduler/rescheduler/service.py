@@ -60,6 +60,7 @@ class ReschedulerService:
         self.metrics_port = 0
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
+        self._discovery_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -73,15 +74,21 @@ class ReschedulerService:
         assert self.core.cms is not None  # full mode
         self.reader = CmsReader(config.redis_url, config.cms_cluster, self.core.cms, config.cms_poll_interval_seconds)
         self._reader_task = asyncio.create_task(self.reader.run(), name="rescheduler-cms-reader")
+        if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists
+            self._discovery_task = asyncio.create_task(
+                self.core.cms.follow_discovery(config), name="rescheduler-discovery"
+            )
         self.loop.start(self.reader.wait_first_poll)
 
     async def stop(self) -> None:
         await self.loop.stop()
-        task, self._reader_task = self._reader_task, None
-        if task is not None:
-            task.cancel()
-            # bounded: the CMS reader may be mid-reconnect to a Redis that is gone
-            await asyncio.wait([task], timeout=5.0)
+        tasks = (self._reader_task, self._discovery_task)
+        self._reader_task = self._discovery_task = None
+        for task in tasks:
+            if task is not None:
+                task.cancel()
+                # bounded: the CMS reader may be mid-reconnect to a Redis that is gone
+                await asyncio.wait([task], timeout=5.0)
         runner, self._metrics_runner = self._metrics_runner, None
         if runner is not None:
             await runner.cleanup()

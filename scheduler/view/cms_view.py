@@ -5,11 +5,22 @@ module decides what they mean:
 
 - metadata creates or updates an instance (address, infer type, model, failure domains,
   capacity); a changed address or infer type replaces the view, keeping its load;
-- a status is kept only if its `update_id` is newer than the one held (stale writes and
-  duplicates are dropped with a DEBUG line). One exception: an `update_id` lower than held
-  with a `timestamp_ms` newer by more than the staleness window is a restarted llumlet whose
-  counter began again, and is accepted with a WARNING, so a restart does not blind the view;
-- every decoded status, newer or not, reconciles the in-flight account (see account.py); a
+- metadata introduces an instance only if it passes the trust checks (docs/cms-trust.md): its
+  model is one the scheduler serves (when --model is given), and, when admission follows
+  discovery (--cms-instance-admission, by default whenever --discovery names a backend), its
+  host:port is one discovery lists; metadata that fails waits, bounded, and is admitted the
+  moment discovery lists its address (and removed when discovery drops it);
+- a status that claims a future the scheduler's clock cannot have (timestamp_ms or epoch more
+  than --cms-max-clock-skew-seconds ahead, an update_id jump beyond --cms-max-update-id-jump and
+  the clock) is refused before anything else looks at it: counted by reason, logged at WARNING
+  (rate-limited per instance and reason), and the instance's later real statuses are taken as
+  usual. Without this, one forged record with a huge update_id pins the view;
+- a status is kept only if it is newer by (epoch, update_id) than the one held (stale writes
+  and duplicates are dropped with a DEBUG line). A newer epoch is a restarted llumlet: its
+  sequence starts over. For writers without epochs, an `update_id` lower than held with a
+  `timestamp_ms` newer by more than the staleness window is taken as a restart too (WARNING,
+  rate-limited), so a restart does not blind the view;
+- every plausible status, newer or not, reconciles the in-flight account (see account.py); a
   "gap" there is an update_id jump spanning at least --account-admitted-window-ms (writers
   list each admitted id for that long; writers with time-based update_ids jump every time);
 - a status feeds its last step to the instance's online step-time fit;
@@ -21,9 +32,16 @@ Incremental: one record touches one instance; nothing copies the view.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from pilotfish.cms.records import Bounds, implausible
+from pilotfish.cms.refusals import RefusalLog
+from pilotfish.config import ConfigError
+from pilotfish.discovery.follow import discovery_configured
 from pilotfish.protos import cms_pb2
 from pilotfish.scheduler.view.account import InflightAccount
 from pilotfish.scheduler.view.predictor import StepTimeModel
@@ -31,10 +49,45 @@ from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.profile import LatencyProfile
 from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InferType, InstanceView
 
+if TYPE_CHECKING:
+    from pilotfish.discovery.config import DiscoveryConfig
+    from pilotfish.scheduler.config import SchedulerConfig
+
 log = logging.getLogger(__name__)
 
 # statuses held for instances whose metadata has not arrived; more is a flood, oldest dropped
 MAX_PENDING = 4096
+# metadata held for instances not admitted (yet); more is a flood, oldest dropped
+MAX_UNADMITTED = 4096
+
+ADMISSION_MODES = ("auto", "cms", "discovery")
+# refusal reasons of the view's own (the reader's are in cms/records.py)
+NOT_DISCOVERED = "not_discovered"
+UNSERVED_MODEL = "unserved_model"
+
+
+@dataclass(frozen=True, slots=True)
+class CmsTrust:
+    """What the view requires of CMS records before they steer scheduling (docs/cms-trust.md)."""
+
+    bounds: Bounds = field(default_factory=Bounds)
+    # only metadata whose host:port discovery lists introduces an instance
+    follow_discovery: bool = False
+    # metadata must name one of these models (empty: any)
+    models: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> CmsTrust:
+        """Raises ConfigError naming the flag when the admission mode is unknown or cannot work."""
+        mode = config.cms_instance_admission
+        if mode not in ADMISSION_MODES:
+            raise ConfigError(f"--cms-instance-admission: {mode!r} is not one of {', '.join(ADMISSION_MODES)}")
+        has_discovery = discovery_configured(config)
+        if mode == "discovery" and not has_discovery:
+            raise ConfigError("--cms-instance-admission: discovery needs --discovery to name a backend")
+        bounds = Bounds(round(config.cms_max_clock_skew_seconds * 1000), config.cms_max_update_id_jump)
+        follow = mode == "discovery" or (mode == "auto" and has_discovery)
+        return cls(bounds, follow, frozenset(config.model))
 
 
 class CmsView:
@@ -52,6 +105,8 @@ class CmsView:
         clock: Callable[[], float],
         prior_weight: float,
         admitted_window_ms: int = 0,
+        trust: CmsTrust | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._window_ms = admitted_window_ms
         self._prior_weight = prior_weight
@@ -64,24 +119,71 @@ class CmsView:
         self._profile = profile
         self._restart_ms = staleness_seconds * 1000.0
         self._clock = clock
+        self._wall_clock = wall_clock
+        self.trust = trust if trust is not None else CmsTrust()
         self._meta_ids: dict[str, int] = {}
         self._pending: OrderedDict[str, cms_pb2.InstanceStatus] = OrderedDict()
+        # the epoch of each held status (InstanceView.status has no room for it)
+        self._epochs: dict[str, int] = {}
+        # metadata that failed admission, kept until it passes (discovery lists its address)
+        self._unadmitted: OrderedDict[str, cms_pb2.InstanceMetadata] = OrderedDict()
+        # the metadata each admitted instance was admitted with
+        self._admitted: dict[str, cms_pb2.InstanceMetadata] = {}
+        # discovery's view, when admission follows it: instance id -> address, and address counts
+        self._discovered: dict[str, str] = {}
+        self._discovered_addresses: Counter[str] = Counter()
+        self._refusals = RefusalLog(log, clock, what="refused CMS record")
+        self._restarts = RefusalLog(log, clock, what="took a CMS status as a llumlet restart")
+        # refusals the reader reports (size, decoding), by reason
+        self._reader_refused: Counter[str] = Counter()
         # scheduler-clock time each instance's status was last applied: view staleness
         self.received_at: dict[str, float] = {}
         self.num_rejected = 0
         self.num_applied = 0
 
+    @property
+    def follows_discovery(self) -> bool:
+        return self.trust.follow_discovery
+
+    def refused_by_reason(self) -> dict[str, int]:
+        """CMS records refused, by reason: the view's own refusals and those the reader reported."""
+        return dict(self._refusals.counts + self._reader_refused)
+
+    def record_refused(self, instance_id: str, reason: str) -> None:
+        """The reader refused a record (too big, not decodable, out of bounds): counted here."""
+        self._reader_refused[reason] += 1
+
+    def _refuse(self, instance_id: str, reason: str, message: str) -> bool:
+        self._refusals.note(instance_id, reason, message)
+        return False
+
     # -- metadata ----------------------------------------------------------------------------------
 
     def apply_metadata(self, meta: cms_pb2.InstanceMetadata) -> bool:
-        """Create or update the instance; False if the record is not newer than the one held."""
+        """Create or update the instance; False if the record is not newer than the one held, or
+        not admitted (a model not served, an address discovery does not list)."""
         held = self._meta_ids.get(meta.instance_id)
         if held is not None and meta.update_id and meta.update_id < held:
             log.debug("dropped stale metadata of %s (update_id %d < %d)", meta.instance_id, meta.update_id, held)
             return False
+        models = self.trust.models
+        if models and meta.model not in models:
+            # not even kept for later: the instance could never serve a request here
+            return self._refuse(meta.instance_id, UNSERVED_MODEL, f"model {meta.model[:80]!r} is not served here")
         self._meta_ids[meta.instance_id] = meta.update_id
+        address = f"{_host(meta.host)}:{meta.http_port}"
+        if self.trust.follow_discovery and address not in self._discovered_addresses:
+            self._unadmitted[meta.instance_id] = meta
+            self._unadmitted.move_to_end(meta.instance_id)
+            while len(self._unadmitted) > MAX_UNADMITTED:
+                self._unadmitted.popitem(last=False)
+            if meta.instance_id in self._instances:  # its address moved off discovery's list
+                self._drop_admitted(meta.instance_id)
+            return self._refuse(meta.instance_id, NOT_DISCOVERED, f"address {address} is not one discovery lists")
+        self._unadmitted.pop(meta.instance_id, None)
+        self._admitted[meta.instance_id] = meta
         infer_type = InferType(meta.infer_type) if meta.infer_type in (1, 2, 3) else InferType.NEUTRAL
-        endpoint = Endpoint(meta.instance_id, f"{_host(meta.host)}:{meta.http_port}", infer_type)
+        endpoint = Endpoint(meta.instance_id, address, infer_type)
         models = frozenset({meta.model}) if meta.model else frozenset()
         old = self._instances.get(meta.instance_id)
         if old is not None and old.endpoint == endpoint and old.models == models:
@@ -111,38 +213,65 @@ class CmsView:
     # -- status ------------------------------------------------------------------------------------
 
     def apply_status(self, status: cms_pb2.InstanceStatus) -> bool:
-        """Reconcile the account with it and keep it if newer; False if its load was not applied."""
-        inst = self._instances.get(status.instance_id)
+        """Reconcile the account with it and keep it if newer; False if its load was not applied
+        (refused as implausible, not newer, or waiting for its instance's metadata)."""
+        instance_id = status.instance_id
+        inst = self._instances.get(instance_id)
+        held = inst.status if inst is not None else None
+        held_epoch = self._epochs.get(instance_id, 0) if held is not None else None
+        now_ms = int(self._wall_clock() * 1000)
+        reason = implausible(status, now_ms, self.trust.bounds, held_epoch, held.update_id if held else 0)
+        if reason:
+            detail = (
+                f"update_id {status.update_id}, timestamp_ms {status.timestamp_ms}, epoch {status.epoch}; "
+                f"the scheduler's clock reads {now_ms} ms"
+            )
+            return self._refuse(instance_id, reason, detail)
         if inst is None:
-            self._pending[status.instance_id] = status
-            self._pending.move_to_end(status.instance_id)
+            self._pending[instance_id] = status
+            self._pending.move_to_end(instance_id)
             while len(self._pending) > MAX_PENDING:
                 self._pending.popitem(last=False)
             return False
-        held = inst.status
-        newer = held is None or status.update_id > held.update_id
+        new_epoch = held is not None and status.epoch != held_epoch
+        if held is None:
+            newer = True
+        elif new_epoch:
+            newer = status.epoch > (held_epoch or 0)
+        else:
+            newer = status.update_id > held.update_id
         # ids are listed for a window after admission: one can only be lost if statuses were
         # skipped (update_id jumped) across a stretch longer than that window
         gap = (
             newer
             and held is not None
+            and not new_epoch
             and status.update_id > held.update_id + 1
             and status.timestamp_ms - held.timestamp_ms >= self._window_ms
         )
-        if not newer and held is not None and status.timestamp_ms > held.timestamp_ms + self._restart_ms:
-            log.warning(
-                "instance %s: update_id fell from %d to %d with a newer timestamp; taking it as a llumlet restart",
-                status.instance_id,
-                held.update_id,
-                status.update_id,
+        if newer and new_epoch:
+            assert held is not None
+            self._restarts.note(
+                instance_id,
+                "epoch",
+                f"epoch {held_epoch} -> {status.epoch}; its update_id sequence starts over",
+                logging.INFO,
             )
             # what the old llumlet exported last may be lost: reconcile as after a gap
+            gap = True
+        if not newer and held is not None and status.timestamp_ms > held.timestamp_ms + self._restart_ms:
+            self._restarts.note(
+                instance_id,
+                "timestamp",
+                f"update_id fell from {held.update_id} to {status.update_id} with a newer timestamp",
+            )
             newer = gap = True
         self._account.apply_status(inst, status.admitted_request_ids, gap)
         if not newer:
             self.num_rejected += 1
-            log.debug("dropped stale status of %s (update_id %d)", status.instance_id, status.update_id)
+            log.debug("dropped stale status of %s (update_id %d)", instance_id, status.update_id)
             return False
+        self._epochs[instance_id] = status.epoch
         inst.status = EngineStatus.from_proto(status)
         if inst.step_model is None:
             inst.step_model = StepTimeModel(self._profile, self._prior_weight)
@@ -170,19 +299,75 @@ class CmsView:
         if inst is not None and inst.status is not None:
             inst.status = None
             self.received_at.pop(instance_id, None)
+            self._epochs.pop(instance_id, None)
             self._changed(inst)
 
     def remove(self, instance_id: str) -> bool:
         """The instance's records are gone (TTL expired, deregistered): forget it entirely."""
         self._meta_ids.pop(instance_id, None)
         self._pending.pop(instance_id, None)
+        self._unadmitted.pop(instance_id, None)
+        return self._drop_admitted(instance_id)
+
+    def _drop_admitted(self, instance_id: str) -> bool:
+        self._admitted.pop(instance_id, None)
         self.received_at.pop(instance_id, None)
+        self._epochs.pop(instance_id, None)
         if self._prefix is not None:
             self._prefix.forget(instance_id)
         return self._remove(instance_id)
 
     def known(self) -> set[str]:
         return set(self._meta_ids)
+
+    # -- staleness -------------------------------------------------------------------------------------
+
+    def status_age(self, instance_id: str, wall_now: float) -> float | None:
+        """Seconds the instance's status has aged: from its timestamp, or from when it was applied if
+        that is longer (a writer's clock a little ahead, or the reader cut off from Redis: the age
+        grows either way). None without a status."""
+        inst = self._instances.get(instance_id)
+        if inst is None or inst.status is None:
+            return None
+        age = wall_now - inst.status.timestamp_ms / 1000.0
+        received = self.received_at.get(instance_id)
+        if received is not None:
+            age = max(age, self._clock() - received)
+        return max(0.0, age)
+
+    # -- discovery (when admission follows it) ---------------------------------------------------------
+
+    def discovered(self, instance_id: str, address: str) -> None:
+        """Discovery lists an engine: metadata waiting for its address is admitted now."""
+        old = self._discovered.get(instance_id)
+        if old == address:
+            return
+        if old is not None:
+            self.undiscovered(instance_id)
+        self._discovered[instance_id] = address
+        self._discovered_addresses[address] += 1
+        for waiting in [m for m in self._unadmitted.values() if f"{_host(m.host)}:{m.http_port}" == address]:
+            self.apply_metadata(waiting)
+
+    def undiscovered(self, instance_id: str) -> None:
+        """Discovery dropped an engine: instances at its address leave scheduling (their metadata waits)."""
+        address = self._discovered.pop(instance_id, None)
+        if address is None:
+            return
+        self._discovered_addresses[address] -= 1
+        if self._discovered_addresses[address] > 0:
+            return
+        del self._discovered_addresses[address]
+        for inst in [i for i in self._instances.values() if i.endpoint.address == address]:
+            meta = self._admitted.get(inst.instance_id)
+            if meta is not None:
+                self.apply_metadata(meta)  # now fails admission: the instance leaves, its metadata waits
+
+    async def follow_discovery(self, config: DiscoveryConfig) -> None:
+        """Keep discovery's list current until cancelled (run it when `follows_discovery`)."""
+        from pilotfish.discovery.follow import follow
+
+        await follow(config, lambda found: self.discovered(found.instance_id, found.address), self.undiscovered)
 
 
 def _host(host: str) -> str:

@@ -71,9 +71,12 @@ def test_status_is_monotonic_by_update_id() -> None:
 
 
 def test_a_restarted_llumlet_is_accepted_despite_a_lower_update_id() -> None:
-    c = core(instance_staleness_seconds=10)
+    now = [WALL]
+    config = SchedulerConfig(enable_full_mode_scheduling=True, instance_staleness_seconds=10)
+    c = SchedulerCore(config, wall_clock=lambda: now[0])
     c.apply_metadata(meta("a"))
     c.apply_status(status("a", 500))
+    now[0] = WALL + 60  # a minute on: a timestamp that far ahead of the clock would be refused
     later = int((WALL + 60) * 1000)
     assert c.apply_status(status("a", 1, timestamp_ms=later, num_running=3))
     assert c.instance("a").status.update_id == 1  # type: ignore[union-attr]

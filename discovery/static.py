@@ -77,3 +77,9 @@ def parse_instances(specs: list[str]) -> list[Instance]:
             raise ValueError(f"instance id {inst.instance_id!r} is listed twice")
         seen.add(inst.instance_id)
     return instances
+
+
+def in_subset(address: str, subset: frozenset[str]) -> bool:
+    """Whether the engine at `address` ("host:port") is one a subset hint allows: named with its
+    port, or by its host alone (a hint entry without a port stands for every engine there)."""
+    return address in subset or address.rpartition(":")[0].strip("[]") in subset

@@ -42,15 +42,20 @@ class LocalScheduler:
             prefix_block_size=request.prefix_block_size,
             max_tokens=request.max_tokens,
             stream=request.stream,
+            candidate_addresses=frozenset(request.candidate_addresses),
         )
         try:
             decision = self._core.schedule(info)  # type: ignore[attr-defined]
         except SchedulerError as exc:
-            raise RequestError(_HTTP_STATUS.get(exc.code, 503), str(exc)) from None
-        target = decision.target
-        return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in decision.fallbacks))
+            status = _HTTP_STATUS.get(exc.code, 503)
+            raise RequestError(status, str(exc), retry_after=1 if status in (429, 503) else 0) from None
+        target, decode = decision.target, decision.decode_target
+        fallbacks = tuple(f.address for f in decision.fallbacks)
+        return Decision(target.instance_id, target.address, SCHEDULER, fallbacks, decode.address if decode else "")
 
-    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
+        if served_address:
+            self._core.reroute(request_id, served_address)  # type: ignore[attr-defined]
         self._core.report(request_id, generated_tokens, prefill_done)  # type: ignore[attr-defined]
 
     def release(self, request_id: str, reason: int) -> None:

@@ -84,3 +84,14 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             "coarser than the engine's block is fine for routing and cheaper; 0: no hashes",
         ),
     ] = 64
+    destination_fallbacks: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=16,
+            description="fallback engines listed after the primary in x-gateway-destination-endpoint and its "
+            "envoy.lb metadata (the same value in both, as the endpoint-picker protocol requires); 0 suits "
+            "every gateway, ORIGINAL_DST clusters included, which read one address; a gateway that routes "
+            "with Envoy's override_host policy (Istio) retries down a longer list",
+        ),
+    ] = 0

@@ -15,6 +15,18 @@ DESTINATION_HEADER = "x-gateway-destination-endpoint"
 DESTINATION_METADATA_NAMESPACE = "envoy.lb"
 # Set by gateways that retry on a fallback endpoint, read back from the forwarded envoy.lb metadata.
 SERVED_METADATA_KEY = "x-gateway-destination-endpoint-served"
+# Pilotfish's own Envoy config routes on this (ORIGINAL_DST metadata_key): the primary alone, in a
+# namespace only the ext_proc writes, so no client header can ever take part in routing.
+ROUTE_METADATA_NAMESPACE = "pilotfish"
+ROUTE_METADATA_KEY = "destination"
+# The gateway's subset hint: the pick must come from these endpoints.
+SUBSET_METADATA_NAMESPACE = "envoy.lb.subset_hint"
+SUBSET_METADATA_KEY = "x-gateway-destination-endpoint-subset"
+# llm-d's prefill/decode convention: the decode engine's side reads its prefill engine here.
+PREFILL_HEADER = "x-prefiller-host-port"
+MAX_SUBSET_ENTRIES = 4096
+MAX_ADDRESS_CHARS = 262  # "[" + IPv6 with zone + "]:" + port, with room; longer is not an address
+MAX_UINT32 = 2**32 - 1
 REQUEST_ID_HEADER = "x-request-id"
 # Added to responses so a client (and the end-to-end tests) can see who chose the engine.
 INSTANCE_HEADER = "x-pilotfish-instance"
@@ -25,6 +37,15 @@ _OVERWRITE = base_pb2.HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_O
 CONTINUE_REQUEST_HEADERS = ep.ProcessingResponse(request_headers=ep.HeadersResponse(response=ep.CommonResponse()))
 CONTINUE_RESPONSE_BODY = ep.ProcessingResponse(response_body=ep.BodyResponse(response=ep.CommonResponse()))
 CONTINUE_REQUEST_BODY = ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse()))
+CONTINUE_REQUEST_TRAILERS = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+CONTINUE_RESPONSE_TRAILERS = ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
+# STREAMED request bodies without send_body_without_waiting_for_header_response: Envoy sends no
+# body before this reply, so the reply asks for the whole body at once (honoured where the filter
+# has allow_mode_override).
+CONTINUE_REQUEST_HEADERS_BUFFER_BODY = ep.ProcessingResponse(
+    request_headers=ep.HeadersResponse(response=ep.CommonResponse()),
+    mode_override=processing_mode_pb2.ProcessingMode(request_body_mode=processing_mode_pb2.ProcessingMode.BUFFERED),
+)
 
 
 def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
@@ -46,15 +67,21 @@ def _set_headers(pairs: list[tuple[str, str]]) -> ep.HeaderMutation:
     )
 
 
-def _destination_metadata(address: str, fallbacks: tuple[str, ...] = ()) -> struct_pb2.Struct:
-    """envoy.lb metadata: the endpoint list, primary first (the Inference Extension's format).
+def destination_list(address: str, fallbacks: tuple[str, ...] = ()) -> str:
+    """The endpoint-picker protocol's destination value: primary first, then the fallbacks in order.
+    Header and envoy.lb metadata carry the same value, as the protocol requires."""
+    return ",".join((address, *fallbacks)) if fallbacks else address
 
-    The top-level key of dynamic_metadata is the namespace Envoy files it under; the header
-    carries the primary alone, since ORIGINAL_DST reads a single address.
+
+def _destination_metadata(address: str, fallbacks: tuple[str, ...] = ()) -> struct_pb2.Struct:
+    """envoy.lb metadata (the Inference Extension's), and Pilotfish's own route key: the primary alone.
+
+    The top-level key of dynamic_metadata is the namespace Envoy files it under.
     """
     metadata = struct_pb2.Struct()
     ns = metadata.fields[DESTINATION_METADATA_NAMESPACE].struct_value  # field by field: 4x cheaper than update()
-    ns.fields[DESTINATION_HEADER].string_value = ",".join((address, *fallbacks)) if fallbacks else address
+    ns.fields[DESTINATION_HEADER].string_value = destination_list(address, fallbacks)
+    metadata.fields[ROUTE_METADATA_NAMESPACE].struct_value.fields[ROUTE_METADATA_KEY].string_value = address
     return metadata
 
 
@@ -63,14 +90,54 @@ def served_endpoint(metadata: base_pb2.Metadata) -> str:
     namespace = metadata.filter_metadata.get(DESTINATION_METADATA_NAMESPACE)
     if namespace is None or SERVED_METADATA_KEY not in namespace.fields:
         return ""
-    return namespace.fields[SERVED_METADATA_KEY].string_value
+    return namespace.fields[SERVED_METADATA_KEY].string_value[:MAX_ADDRESS_CHARS]
 
 
-def route_on_headers(address: str, request_id: str, fallbacks: tuple[str, ...] = ()) -> ep.ProcessingResponse:
-    """Route by answering the request headers: a bodiless request, or a FULL_DUPLEX_STREAMED one whose
-    headers reply was held back until its body was read."""
+def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
+    """The gateway's subset hint: the endpoints the pick must come from; None when there is none.
+
+    The protocol's value is a list of "ip:port" strings; a comma-separated string is read too.
+    An entry without a port stands for every engine at that IP. Bounded: the first
+    MAX_SUBSET_ENTRIES entries of at most MAX_ADDRESS_CHARS each; anything else is skipped, so a
+    hint of nothing usable is an empty subset (and the request gets 503).
+    """
+    namespace = metadata.filter_metadata.get(SUBSET_METADATA_NAMESPACE)
+    if namespace is None or SUBSET_METADATA_KEY not in namespace.fields:
+        return None
+    value = namespace.fields[SUBSET_METADATA_KEY]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        entries = [v.string_value for v in value.list_value.values[:MAX_SUBSET_ENTRIES] if v.HasField("string_value")]
+    elif kind == "string_value":
+        entries = value.string_value[: MAX_SUBSET_ENTRIES * MAX_ADDRESS_CHARS].split(",")[:MAX_SUBSET_ENTRIES]
+    else:
+        entries = []
+    return frozenset(e.strip() for e in entries if 0 < len(e.strip()) <= MAX_ADDRESS_CHARS)
+
+
+def _routing_headers(
+    address: str, request_id: str, fallbacks: tuple[str, ...], content_length: int | None, prefill: str
+) -> list[tuple[str, str]]:
+    headers = [(DESTINATION_HEADER, destination_list(address, fallbacks)), (REQUEST_ID_HEADER, request_id)]
+    if content_length is not None:
+        headers.append(("content-length", str(content_length)))
+    if prefill:
+        headers.append((PREFILL_HEADER, prefill))
+    return headers
+
+
+def route_on_headers(
+    address: str,
+    request_id: str,
+    fallbacks: tuple[str, ...] = (),
+    *,
+    content_length: int | None = None,
+    prefill: str = "",
+) -> ep.ProcessingResponse:
+    """Route by answering the request headers: a bodiless request, or a streamed one whose headers
+    reply was held back until its body was read (`content_length` when the body was rewritten)."""
     common = ep.CommonResponse(
-        header_mutation=_set_headers([(DESTINATION_HEADER, address), (REQUEST_ID_HEADER, request_id)]),
+        header_mutation=_set_headers(_routing_headers(address, request_id, fallbacks, content_length, prefill)),
         clear_route_cache=True,
     )
     return ep.ProcessingResponse(
@@ -92,34 +159,39 @@ def streamed_request_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResp
     )
 
 
+def streamed_response_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
+    """FULL_DUPLEX_STREAMED responses: each chunk Envoy sent us, passed on (or its replacement)."""
+    return ep.ProcessingResponse(
+        response_body=ep.BodyResponse(
+            response=ep.CommonResponse(
+                body_mutation=ep.BodyMutation(
+                    streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
+                )
+            )
+        )
+    )
+
+
+def replace_request_body(body: bytes) -> ep.ProcessingResponse:
+    """STREAMED request bodies: this chunk becomes `body` (empty: dropped)."""
+    return ep.ProcessingResponse(
+        request_body=ep.BodyResponse(response=ep.CommonResponse(body_mutation=ep.BodyMutation(body=body)))
+    )
+
+
 def route_on_body(
-    address: str, request_id: str | None, new_body: bytes | None = None, fallbacks: tuple[str, ...] = ()
+    address: str,
+    request_id: str,
+    new_body: bytes | None = None,
+    fallbacks: tuple[str, ...] = (),
+    prefill: str = "",
 ) -> ep.ProcessingResponse:
-    """Route a request after its buffered body was read: the header mutation rides on the body reply.
-
-    `request_id` None: the request already carries its x-request-id (Envoy's or the client's), so
-    nothing in the reply is per request and the common case comes from a cache.
-    """
-    if request_id is None and new_body is None:
-        return _cached_route_on_body(address, fallbacks)
-    return _route_on_body(address, request_id, new_body, fallbacks)
-
-
-# Bounded by the engines x their fallback lists; cached replies are shared, never mutated.
-@lru_cache(maxsize=4096)
-def _cached_route_on_body(address: str, fallbacks: tuple[str, ...]) -> ep.ProcessingResponse:
-    return _route_on_body(address, None, None, fallbacks)
-
-
-def _route_on_body(
-    address: str, request_id: str | None, new_body: bytes | None, fallbacks: tuple[str, ...]
-) -> ep.ProcessingResponse:
-    headers = [(DESTINATION_HEADER, address)]
-    if request_id is not None:
-        headers.append((REQUEST_ID_HEADER, request_id))
-    if new_body is not None:
-        headers.append(("content-length", str(len(new_body))))
-    common = ep.CommonResponse(header_mutation=_set_headers(headers), clear_route_cache=True)
+    """Route a request after its buffered body was read: the header mutation rides on the body reply."""
+    content_length = None if new_body is None else len(new_body)
+    common = ep.CommonResponse(
+        header_mutation=_set_headers(_routing_headers(address, request_id, fallbacks, content_length, prefill)),
+        clear_route_cache=True,
+    )
     if new_body is not None:
         common.body_mutation.body = new_body
     return ep.ProcessingResponse(
@@ -134,12 +206,16 @@ def replace_response_body(body: bytes) -> ep.ProcessingResponse:
     )
 
 
-def immediate(status: int, body: bytes, details: str) -> ep.ProcessingResponse:
-    """Answer the client directly; the request never reaches an engine."""
+def immediate(status: int, body: bytes, details: str, retry_after: int = 0) -> ep.ProcessingResponse:
+    """Answer the client directly; the request never reaches an engine. `retry_after` (seconds)
+    goes out as Retry-After, on a 429 or 503 the client may retry."""
+    headers = [("content-type", "application/json")]
+    if retry_after:
+        headers.append(("retry-after", str(retry_after)))
     return ep.ProcessingResponse(
         immediate_response=ep.ImmediateResponse(
             status=http_status_pb2.HttpStatus(code=status),
-            headers=_set_headers([("content-type", "application/json")]),
+            headers=_set_headers(headers),
             body=body,
             details=details,
         )

@@ -21,6 +21,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
+    500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 
@@ -31,11 +32,12 @@ _json_encoder = msgspec.json.Encoder()
 class RequestError(Exception):
     """A request the gateway refuses; `status` is the HTTP status to answer with."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int = 0) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After (0: none)
 
     def body(self) -> bytes:
         return error_body(self.status, self.message, self.param)
@@ -69,6 +71,7 @@ class ParsedRequest:
     def body_requesting_usage(self) -> bytes:
         """The body re-encoded with `stream_options.include_usage`, for an exact generated-token count."""
         options = self.body.get("stream_options") or {}
+        # decoding bounded the nesting, so encoding it back cannot recurse deeper
         return _json_encoder.encode({**self.body, "stream_options": {**options, "include_usage": True}})
 
 
@@ -89,6 +92,8 @@ def parse_request(path: str, body: bytes) -> ParsedRequest:
         data = _json_decoder.decode(text)
     except msgspec.DecodeError as exc:
         raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+    except RecursionError:  # msgspec's decoder recurses per level of nesting
+        raise RequestError(400, "request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise RequestError(400, "request body must be a JSON object")
 
@@ -125,11 +130,14 @@ def _max_tokens(data: dict[str, Any], chat: bool) -> int | None:
             raise RequestError(400, f"'{key}' must be an integer", key)
         if value < 1:
             raise RequestError(400, f"'{key}' must be at least 1, got {value}", key)
+        if value > MAX_UINT32:  # the scheduler's API (and any engine) holds it in 32 bits
+            raise RequestError(400, f"'{key}' must be at most {MAX_UINT32}, got {value}", key)
         return value
     return None
 
 
-MAX_TOKEN_ID = 2**32 - 1  # vocabularies are far smaller; beyond this an id cannot be one
+MAX_UINT32 = 2**32 - 1
+MAX_TOKEN_ID = MAX_UINT32  # vocabularies are far smaller; beyond this an id cannot be one
 
 
 def _prompt_token_ids(data: dict[str, Any]) -> list[int] | None:

@@ -1,17 +1,28 @@
 """The ExternalProcessor servicer: one gRPC stream per HTTP request that Envoy proxies.
 
-Request path: headers → body → parse, count prompt tokens → Schedule → route by header
-mutation. With a BUFFERED body (the default) Envoy waits for the headers reply before it sends
-the body, and the routing mutation rides on the body reply; with FULL_DUPLEX_STREAMED (Envoy
-says which in the first message's protocol_config) the headers reply is held back until the
-whole body is here, then carries the routing, and the body goes back as a streamed response.
-Response path: SSE chunks are counted and reported as they pass; the request is released
-exactly once — at the end of the stream, or when the stream dies.
+Request path: headers → body → parse, count prompt tokens → Schedule → route. Where the routing
+goes depends on the request body mode Envoy declares in the first message's protocol_config:
+
+- BUFFERED: Envoy waits for the headers reply, then sends the whole body; the routing rides on
+  the body reply.
+- FULL_DUPLEX_STREAMED (what Envoy Gateway, Istio and Envoy AI Gateway configure for an
+  InferencePool's picker): the headers reply is held until the whole body is here, then routes;
+  every body byte goes back as a streamed response, or the upstream would get less.
+- STREAMED: with send_body_without_waiting_for_header_response, held like full duplex (each
+  chunk's reply owed until the route is known); without it, Envoy sends no body before the
+  headers reply, so that reply asks for BUFFERED instead (mode_override).
+
+Response path, in any of the three modes: SSE chunks are counted and reported as they pass, and
+the request is released exactly once: at the end of the stream, at the response headers of a
+response that is not a stream, or when the stream dies. Nothing a client sends chooses the
+upstream: the request id is the gateway's own, and every fault inside the processor becomes a
+clean answer to that request alone.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -20,7 +31,6 @@ import grpc
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages
@@ -35,40 +45,73 @@ log = logging.getLogger(__name__)
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
 UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
-_REASON_LABELS = {FINISHED: "finished", CLIENT_ABORT: "stream_ended_early", UPSTREAM_ERROR: "upstream_error"}
-FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+GATEWAY_ERROR = scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR
+_REASON_LABELS = {
+    FINISHED: "finished",
+    CLIENT_ABORT: "client_abort",
+    UPSTREAM_ERROR: "upstream_error",
+    GATEWAY_ERROR: "gateway_error",
+}
+_Mode = processing_mode_pb2.ProcessingMode
+FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
+STREAMED = _Mode.STREAMED
+BUFFERED = _Mode.BUFFERED
+
+# A client's x-request-id is kept only as a readable prefix of the gateway's own id, and only
+# when it is short and plain: it can never name, merge with or erase another request's load.
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+_INTERNAL_ERROR = RequestError(500, "the gateway failed on this request; it was not sent to an engine")
+
+
+def gateway_request_id(client_id: str | None) -> str:
+    """The id the scheduler and the engine know the request by: minted here, unique per stream."""
+    minted = uuid.uuid4().hex
+    if client_id and _CLIENT_ID.fullmatch(client_id):
+        return f"{client_id}.{minted[:16]}"
+    return minted
 
 
 class _Stream:
     """What one HTTP request's processing remembers between messages."""
 
     __slots__ = (
-        "body",
         "counter",
         "decision",
-        "full_duplex",
-        "id_in_headers",
+        "held",
+        "owed",
         "path",
+        "rejected",
         "released",
         "request_id",
+        "request_mode",
+        "response_mode",
+        "send_body_early",
         "status",
         "stripper",
+        "subset",
     )
 
     def __init__(self) -> None:
-        self.full_duplex = False  # FULL_DUPLEX_STREAMED request body: the headers reply waits for the body
-        self.body: list[bytes] | None = None  # chunks read so far while the headers reply is held
+        self.request_mode = BUFFERED
+        self.response_mode = STREAMED
+        self.send_body_early = False  # STREAMED: Envoy sends body chunks before our headers reply
+        self.held: list[bytes] | None = None  # body chunks read while the headers reply is held
+        self.owed = 0  # STREAMED and held: chunk replies not yet sent
         self.request_id = ""
-        self.id_in_headers = False  # the request carries x-request-id already: no need to set it
         self.path = ""
+        self.subset: frozenset[str] | None = None  # the gateway's subset hint; None: no hint
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
         self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
         self.status = 0
         self.released = False
+        self.rejected = False  # answered by the gateway itself: whatever else comes is not routed
 
 
-class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
+class ExtProcServicer:
+    """Envoy's ExternalProcessor service (registered by server.py)."""
+
     def __init__(
         self,
         router: Router,
@@ -78,8 +121,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         metrics: ExtProcMetrics,
         exact_usage: bool = True,
         prefix_block_size: int = 0,
+        destination_fallbacks: int = 0,
     ) -> None:
         self._prefix_block_size = prefix_block_size
+        self._destination_fallbacks = destination_fallbacks
         self._router = router
         self._tokenize = tokenize
         self._models = models
@@ -88,35 +133,22 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self._exact_usage = exact_usage
 
     async def Process(
-        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[ep.ProcessingRequest], context: grpc.aio.ServicerContext | None
     ) -> AsyncIterator[ep.ProcessingResponse]:
         s = _Stream()
         self._metrics.active_streams.inc()
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
-                if kind == "response_body":  # first: SSE chunks are most of the messages
-                    yield self._on_response_body(s, message.response_body)
-                elif kind == "request_headers":
-                    s.full_duplex = message.protocol_config.request_body_mode == FULL_DUPLEX
-                    reply = self._on_request_headers(s, message.request_headers)
-                    if reply is not None:
-                        yield reply
-                elif kind == "request_body":
-                    if s.full_duplex:
-                        for reply in await self._on_streamed_request_body(s, message.request_body):
-                            yield reply
+                try:
+                    if kind == "response_body":  # first: SSE chunks are most of the messages
+                        replies = [self._on_response_body(s, message.response_body)]
                     else:
-                        yield await self._on_request_body(s, message.request_body)
-                elif kind == "request_trailers" and s.body is not None:
-                    # FULL_DUPLEX: trailers, not a body chunk, ended the request; route on what came.
-                    for reply in await self._finish_held(s, end_of_stream=False):
-                        yield reply
-                    yield _continue_for(kind)
-                elif kind == "response_headers":
-                    yield self._on_response_headers(s, message.response_headers, message.metadata_context)
-                else:  # trailers are not requested by our config; answer so Envoy never waits
-                    yield _continue_for(kind)
+                        replies = await self._on_message(s, kind, message)
+                except Exception:
+                    replies = self._failed(s, kind, message)
+                for reply in replies:
+                    yield reply
         finally:
             self._metrics.active_streams.dec()
             # The stream ended before the response did: the client went away or the upstream reset
@@ -124,67 +156,112 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             if s.decision is not None and not s.released:
                 self._release(s, UPSTREAM_ERROR if s.status >= 500 else CLIENT_ABORT)
 
-    def _on_request_headers(self, s: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse | None:
+    async def _on_message(
+        self, s: _Stream, kind: str | None, message: ep.ProcessingRequest
+    ) -> list[ep.ProcessingResponse]:
+        if kind == "request_headers":
+            config = message.protocol_config
+            s.request_mode = config.request_body_mode
+            s.response_mode = config.response_body_mode
+            s.send_body_early = config.send_body_without_waiting_for_header_response
+            reply = self._on_request_headers(s, message.request_headers, message.metadata_context)
+            return [] if reply is None else [reply]
+        if kind == "request_body":
+            return await self._on_request_body(s, message.request_body)
+        if kind == "response_headers":
+            return [self._on_response_headers(s, message.response_headers, message.metadata_context)]
+        if kind == "request_trailers":
+            # A request that ends in trailers has no end_of_stream body chunk: route on what came.
+            replies = await self._finish_held(s, end_of_stream=False) if s.held is not None else []
+            return [*replies, messages.CONTINUE_REQUEST_TRAILERS]
+        if kind == "response_trailers":
+            if s.counter is not None and not s.released:
+                s.counter.finish()
+                self._release(s, FINISHED)
+            return [messages.CONTINUE_RESPONSE_TRAILERS]
+        return []  # a message kind newer than this gateway: nothing to answer
+
+    # -- request ---------------------------------------------------------------------------------
+
+    def _on_request_headers(
+        self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata
+    ) -> ep.ProcessingResponse | None:
         h = messages.header_map(headers)
         s.path = route_path(h.get(":path", ""))
-        request_id = h.get(messages.REQUEST_ID_HEADER)
-        s.id_in_headers = bool(request_id)
-        s.request_id = request_id or uuid.uuid4().hex
-        if not headers.end_of_stream and s.path in ROUTED_PATHS:
-            if s.full_duplex:
-                s.body = []
+        s.request_id = gateway_request_id(h.get(messages.REQUEST_ID_HEADER))
+        s.subset = messages.subset_hint(metadata)
+        if s.subset is not None and not s.subset:
+            return self._reject(s, RequestError(503, "the gateway's subset hint names no endpoint"))
+        has_body = not headers.end_of_stream and s.request_mode != _Mode.NONE
+        if has_body and s.path in ROUTED_PATHS:
+            if s.request_mode == FULL_DUPLEX or (s.request_mode == STREAMED and s.send_body_early):
+                s.held = []
                 return None  # held: the body decides where it goes, and Envoy is already sending it
-            return messages.CONTINUE_REQUEST_HEADERS  # the body decides where it goes
-        # No body to schedule on (GET /v1/models, /health, ...): any engine will do.
+            if s.request_mode == STREAMED:
+                s.request_mode = BUFFERED  # Envoy would send no body before this reply: ask for all of it
+                return messages.CONTINUE_REQUEST_HEADERS_BUFFER_BODY
+            return messages.CONTINUE_REQUEST_HEADERS  # the body reply routes
+        # Nothing to schedule on (GET /v1/models, /health, a path we do not schedule): any engine.
         try:
-            inst = self._router.pick_round_robin()
+            inst = self._router.pick_round_robin(s.subset or frozenset())
         except RequestError as exc:
-            return self._reject(exc)
+            return self._reject(s, exc)
         return messages.route_on_headers(inst.address, s.request_id)
 
-    async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
-        if s.path not in ROUTED_PATHS:
-            # A body on a path we don't schedule: route it like a bodiless request.
-            try:
-                inst = self._router.pick_round_robin()
-            except RequestError as exc:
-                return self._reject(exc)
-            return messages.route_on_body(inst.address, s.request_id)
+    async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if s.rejected:
+            return []  # Envoy sends nothing after an immediate response; should it, nothing routes
+        if s.held is not None:
+            s.held.append(body.body)
+            if s.request_mode == STREAMED:
+                s.owed += 1
+            size = sum(map(len, s.held))
+            if size > self._max_body_bytes:  # Envoy holds no buffer in these modes, so its 413 never fires
+                return [self._reject(s, RequestError(413, f"request body exceeds {self._max_body_bytes} bytes"))]
+            if not body.end_of_stream:
+                return []
+            return await self._finish_held(s, end_of_stream=True)
+        if s.request_mode == FULL_DUPLEX:  # routed on its headers already: every byte goes back
+            return [messages.streamed_request_body(body.body, body.end_of_stream)]
+        if s.decision is not None or s.path not in ROUTED_PATHS:
+            return [messages.CONTINUE_REQUEST_BODY]  # routed on its headers already
+        if not body.end_of_stream:
+            if s.request_mode == STREAMED:  # Envoy ignored the override: the route is already chosen
+                self._metrics.unroutable_bodies.inc()
+                return [messages.CONTINUE_REQUEST_BODY]
+            # BUFFERED_PARTIAL, or a body past Envoy's buffer: not all of it is here
+            return [self._reject(s, RequestError(413, f"request body exceeds {self._max_body_bytes} bytes"))]
         try:
             new_body = await self._schedule(s, body.body)
         except RequestError as exc:
-            return self._reject(exc)
-        assert s.decision is not None
-        request_id = None if s.id_in_headers else s.request_id
-        return messages.route_on_body(s.decision.address, request_id, new_body, s.decision.fallbacks)
-
-    async def _on_streamed_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        """FULL_DUPLEX_STREAMED: every byte Envoy sends must come back, or the upstream gets less."""
-        if s.body is None:  # the headers were answered already (a path we don't schedule): echo
-            return [messages.streamed_request_body(body.body, body.end_of_stream)]
-        s.body.append(body.body)
-        size = sum(map(len, s.body))
-        if size > self._max_body_bytes:  # Envoy holds no buffer in this mode, so its 413 never fires
-            s.body = None
-            return [self._reject(RequestError(413, f"request body exceeds {self._max_body_bytes} bytes"))]
-        if not body.end_of_stream:
-            return []
-        return await self._finish_held(s, end_of_stream=True)
+            return [self._reject(s, exc)]
+        decision = s.decision
+        assert decision is not None
+        return [messages.route_on_body(self._destination(decision), s.request_id, new_body,
+                                       self._fallbacks(decision), self._prefill_of(decision))]  # fmt: skip
 
     async def _finish_held(self, s: _Stream, end_of_stream: bool) -> list[ep.ProcessingResponse]:
         """The whole body is here: the held headers reply routes, then the body goes on."""
-        assert s.body is not None
-        whole = b"".join(s.body)
-        s.body = None
+        assert s.held is not None
+        chunks, s.held = s.held, None
+        whole = b"".join(chunks)
         try:
             new_body = await self._schedule(s, whole)
         except RequestError as exc:
-            return [self._reject(exc)]
-        assert s.decision is not None
-        return [
-            messages.route_on_headers(s.decision.address, s.request_id, s.decision.fallbacks),
-            messages.streamed_request_body(whole if new_body is None else new_body, end_of_stream),
-        ]
+            return [self._reject(s, exc)]
+        decision = s.decision
+        assert decision is not None
+        routed = messages.route_on_headers(
+            self._destination(decision), s.request_id, self._fallbacks(decision),
+            content_length=None if new_body is None else len(new_body), prefill=self._prefill_of(decision),
+        )  # fmt: skip
+        if s.request_mode == FULL_DUPLEX:
+            return [routed, messages.streamed_request_body(whole if new_body is None else new_body, end_of_stream)]
+        # STREAMED, held: one reply owed per chunk, in order; a rewritten body rides on the first
+        owed, s.owed = s.owed, 0
+        if new_body is None:
+            return [routed, *([messages.CONTINUE_REQUEST_BODY] * owed)]
+        return [routed, messages.replace_request_body(new_body), *([messages.replace_request_body(b"")] * (owed - 1))]
 
     async def _schedule(self, s: _Stream, body: bytes) -> bytes | None:
         """Parse and schedule; sets s.decision. Returns the body to send instead, if it changed."""
@@ -204,11 +281,12 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         request = scheduler_pb2.ScheduleRequest(
             request_id=s.request_id,
             model=parsed.model,
-            prompt_tokens=len(token_ids),
+            prompt_tokens=min(len(token_ids), messages.MAX_UINT32),
             prefix_block_hashes=prefix_block_hashes(token_ids, block_size) if block_size else (),
             prefix_block_size=block_size,
             max_tokens=parsed.max_tokens or 0,
             stream=parsed.stream,
+            candidate_addresses=sorted(s.subset) if s.subset else (),
         )
         started = time.perf_counter()
         s.decision = await self._router.choose(request)
@@ -216,20 +294,39 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         self._metrics.routed.labels(s.decision.source).inc()
         return new_body
 
+    @staticmethod
+    def _destination(decision: Decision) -> str:
+        """Where the request goes: the decode engine of a prefill/decode pair, else the target."""
+        return decision.decode_address or decision.address
+
+    def _fallbacks(self, decision: Decision) -> tuple[str, ...]:
+        """The fallbacks the destination list names after the primary (none for a pair)."""
+        n = self._destination_fallbacks
+        return decision.fallbacks[:n] if n and not decision.decode_address else ()
+
+    @staticmethod
+    def _prefill_of(decision: Decision) -> str:
+        """The prefill engine a decode engine is told to pull from (llm-d's convention), if any."""
+        return decision.address if decision.decode_address else ""
+
+    # -- response --------------------------------------------------------------------------------
+
     def _on_response_headers(
         self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata
     ) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
+        decision = s.decision
         served = messages.served_endpoint(metadata)
-        if served and s.decision is not None and served != s.decision.address:
-            # The gateway retried elsewhere; the scheduler's account still names the first choice.
+        if served and decision is not None and served != self._destination(decision):
+            # The gateway retried elsewhere: the load moves to where it is served.
             self._metrics.served_elsewhere.inc()
-            log.debug("request %s served by %s, not %s", s.request_id, served, s.decision.address)
+            log.debug("request %s served by %s, not %s", s.request_id, served, self._destination(decision))
+            if decision.source == SCHEDULER and not decision.decode_address:
+                self._router.report(s.request_id, 0, False, served_address=served)
         try:
             s.status = int(h.get(":status", "0"))
         except ValueError:
             s.status = 0
-        decision = s.decision
         stream_body = (
             decision is not None
             and s.status == 200
@@ -238,18 +335,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         )
         if stream_body:
             s.counter = s.stripper.counter if s.stripper is not None else TokenCounter()
-        elif decision is not None and (headers.end_of_stream or s.status != 200):
-            # Nothing more will come for this request that could change its load.
-            self._release(s, FINISHED if s.status == 200 else UPSTREAM_ERROR)
+        elif decision is not None:
+            # Not a stream: an engine sends a whole response's headers only once it is done (or
+            # failed), so nothing more can change the request's load.
+            self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
         if decision is None:
             return messages.response_headers_reply("", "", stream_body=False)
         return messages.response_headers_reply(decision.instance_id, decision.source, stream_body)
 
     def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
         counter = s.counter
+        full_duplex = s.response_mode == FULL_DUPLEX
         if counter is None or s.decision is None or s.released:
-            return messages.CONTINUE_RESPONSE_BODY
+            # not counted; full duplex still owes Envoy every byte back
+            return (
+                messages.streamed_response_body(body.body, body.end_of_stream)
+                if full_duplex
+                else (messages.CONTINUE_RESPONSE_BODY)
+            )
         stripper = s.stripper
+        out = body.body
         if stripper is not None:
             out = stripper.feed(body.body)
             if body.end_of_stream:
@@ -262,7 +367,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self._release(s, FINISHED)
         elif counter.tokens and s.decision.source == SCHEDULER:
             self._router.report(s.request_id, counter.tokens, prefill_done=True)
+        if full_duplex:
+            return messages.streamed_response_body(out, body.end_of_stream)
         return messages.replace_response_body(out) if stripper is not None else messages.CONTINUE_RESPONSE_BODY
+
+    # -- ends ------------------------------------------------------------------------------------
 
     def _release(self, s: _Stream, reason: int) -> None:
         s.released = True
@@ -273,14 +382,26 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self._metrics.releases.labels(_REASON_LABELS[reason]).inc()
             self._router.release(s.request_id, reason)
 
-    def _reject(self, exc: RequestError) -> ep.ProcessingResponse:
+    def _reject(self, s: _Stream, exc: RequestError) -> ep.ProcessingResponse:
+        s.rejected = True
+        s.held = None
         self._metrics.rejected.labels(str(exc.status)).inc()
-        return messages.immediate(exc.status, exc.body(), f"pilotfish_{exc.status}")
+        return messages.immediate(exc.status, exc.body(), f"pilotfish_{exc.status}", exc.retry_after)
 
-
-def _continue_for(kind: str | None) -> ep.ProcessingResponse:
-    if kind == "request_trailers":
-        return ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-    if kind == "response_trailers":
-        return ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
-    return messages.CONTINUE_REQUEST_BODY
+    def _failed(self, s: _Stream, kind: str | None, message: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """A bug met this request: it alone gets a clean answer, logged once, and the stream goes on."""
+        self._metrics.gateway_errors.inc()
+        log.exception("ext_proc failed on request %s at %s", s.request_id or "?", kind)
+        if s.decision is not None and not s.released:
+            self._release(s, GATEWAY_ERROR)
+        s.counter = None  # stop counting: whatever comes next passes through untouched
+        if kind in ("request_headers", "request_body", "request_trailers"):
+            return [self._reject(s, _INTERNAL_ERROR)]
+        if kind == "response_body" and s.response_mode == FULL_DUPLEX:
+            body = message.response_body
+            return [messages.streamed_response_body(body.body, body.end_of_stream)]
+        if kind == "response_headers":
+            return [messages.response_headers_reply("", "", stream_body=False)]
+        if kind == "response_trailers":
+            return [messages.CONTINUE_RESPONSE_TRAILERS]
+        return [messages.CONTINUE_RESPONSE_BODY]

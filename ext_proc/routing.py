@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pilotfish.discovery.static import Instance
+from pilotfish.discovery.static import Instance, in_subset
 from pilotfish.ext_proc.openai import RequestError
 from pilotfish.protos import scheduler_pb2
 
@@ -31,6 +31,8 @@ class Decision:
     address: str
     source: str  # SCHEDULER or FALLBACK
     fallbacks: tuple[str, ...] = ()
+    # prefill/decode disaggregation: the decode engine's "ip:port" (then `address` is the prefill's)
+    decode_address: str = ""
 
 
 class SchedulerUnavailable(Exception):
@@ -39,7 +41,7 @@ class SchedulerUnavailable(Exception):
 
 class SchedulerBackend(Protocol):
     async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision: ...
-    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None: ...
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None: ...
     def release(self, request_id: str, reason: int) -> None: ...
     def instance_added(self, instance: Instance) -> None: ...
     def instance_removed(self, instance_id: str) -> None: ...
@@ -61,10 +63,14 @@ class RoundRobin:
     def remove(self, instance_id: str) -> None:
         self._instances = [i for i in self._instances if i.instance_id != instance_id]
 
-    def pick(self) -> Instance:
-        if not self._instances:
+    def pick(self, subset: frozenset[str] = frozenset()) -> Instance:
+        """The next engine in turn; with a subset hint, the next one in it."""
+        instances = [i for i in self._instances if in_subset(i.address, subset)] if subset else self._instances
+        if not instances:
+            if subset:
+                raise RequestError(503, "no engine in the gateway's subset hint is known to the picker")
             raise RequestError(503, "no inference engine is known to the gateway")
-        inst = self._instances[self._next % len(self._instances)]
+        inst = instances[self._next % len(instances)]
         self._next += 1
         return inst
 
@@ -125,7 +131,7 @@ class Router:
             else:
                 self._breaker_success()
                 return decision
-        inst = self._round_robin.pick()
+        inst = self._round_robin.pick(frozenset(request.candidate_addresses))
         return Decision(inst.instance_id, inst.address, FALLBACK)
 
     def _breaker_success(self) -> None:
@@ -134,8 +140,8 @@ class Router:
         if was_open:
             self.on_breaker_change(False)
 
-    def pick_round_robin(self) -> Instance:
-        return self._round_robin.pick()
+    def pick_round_robin(self, subset: frozenset[str] = frozenset()) -> Instance:
+        return self._round_robin.pick(subset)
 
     def instance_added(self, instance: Instance) -> None:
         """Discovery saw an engine become ready: fallback routing (and a colocated core) may use it."""
@@ -148,9 +154,9 @@ class Router:
         if self._backend is not None:
             self._backend.instance_removed(instance_id)
 
-    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
         if self._backend is not None:
-            self._backend.report(request_id, generated_tokens, prefill_done)
+            self._backend.report(request_id, generated_tokens, prefill_done, served_address)
 
     def release(self, request_id: str, reason: int) -> None:
         if self._backend is not None:

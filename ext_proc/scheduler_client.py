@@ -25,18 +25,20 @@ from google.protobuf.message import DecodeError
 from pilotfish.ext_proc.openai import RequestError
 from pilotfish.ext_proc.routing import SCHEDULER, Decision, SchedulerUnavailable
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
-from pilotfish.scheduler.session_frames import HELLO, FrameError, FrameReader, frame
+from pilotfish.protos.session_frames import ANSWERED_KEY, HELLO, FrameError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 
 _CLOSE_WAIT_S = 1.0  # how long a closing Session waits for the scheduler to read what was written
 
-# Scheduler answers that are the client's fault, not the scheduler's: passed on, never retried.
-_CLIENT_ERRORS = {
+# Scheduler answers passed on to the client, never routed around: the request's fault, or the
+# scheduler's verdict that no engine can take it now (UNAVAILABLE: 503, not a fallback pick).
+_ANSWERS = {
     grpc.StatusCode.NOT_FOUND: 404,
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.ALREADY_EXISTS: 400,
     grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
+    grpc.StatusCode.UNAVAILABLE: 503,
 }
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -45,16 +47,28 @@ class _NoSession(Exception):
     """The scheduler does not implement Session."""
 
 
-def _failure(code: grpc.StatusCode, details: str) -> Exception:
-    """What a failed Schedule raises: the client's error passed on, or the scheduler unavailable."""
-    if (status := _CLIENT_ERRORS.get(code)) is not None:
-        return RequestError(status, details or code.name)
+def _failure(code: grpc.StatusCode, details: str, answered: bool) -> Exception:
+    """What a failed Schedule raises: the scheduler's own answer passed on to the client, or, for
+    a transport failure or a scheduler bug, SchedulerUnavailable (the router falls back)."""
+    if answered and (status := _ANSWERS.get(code)) is not None:
+        return RequestError(status, details or code.name, retry_after=1 if status in (429, 503) else 0)
     return SchedulerUnavailable(f"{code.name}: {details}")
+
+
+def _rpc_failure(exc: grpc.aio.AioRpcError) -> Exception:
+    """A unary Schedule's error: the scheduler's answer only when its trailer says so; an
+    UNAVAILABLE from a dead channel must fall back, not reach the client."""
+    code = exc.code()
+    answered = code != grpc.StatusCode.UNAVAILABLE or any(
+        key == ANSWERED_KEY for key, _ in exc.trailing_metadata() or ()
+    )
+    return _failure(code, exc.details() or "", answered)
 
 
 def _decision(reply: scheduler_pb2.ScheduleResponse) -> Decision:
     target = reply.target
-    return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks))
+    decode = reply.decode_target.address if reply.HasField("decode_target") else ""
+    return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks), decode)
 
 
 class _SessionBase:
@@ -90,7 +104,7 @@ class _SessionBase:
             elif not waiter.cancelled():
                 waiter.exception()  # the session's end may have failed it after `send` raised: seen
         if reply.WhichOneof("kind") == "error":
-            raise _failure(_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message)
+            raise _failure(_CODES.get(reply.error.code, grpc.StatusCode.UNKNOWN), reply.error.message, answered=True)
         return _decision(reply.schedule)
 
     async def send(self, message: scheduler_pb2.SessionRequest) -> None:
@@ -186,7 +200,7 @@ class _Session(_SessionBase):
 
 class _SocketSession(_SessionBase, asyncio.Protocol):
     """The Session on the scheduler's plain TCP socket (scheduler --session-port; framing in
-    scheduler/session_frames.py). A write is a plain transport write: no lock, no await. The
+    protos/session_frames.py). A write is a plain transport write: no lock, no await. The
     session is up once the scheduler's HELLO has come."""
 
     def __init__(self, address: str) -> None:
@@ -305,13 +319,19 @@ class GrpcScheduler:
         try:
             reply = await self._stub.Schedule(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
-            raise _failure(exc.code(), exc.details() or "") from None
+            raise _rpc_failure(exc) from None
         return _decision(reply)
 
-    def report(self, request_id: str, generated_tokens: int, prefill_done: bool) -> None:
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
         """Queue a cumulative count; the latest per request wins and goes out in the next batch."""
+        pending = self._pending_reports.get(request_id)
+        if not served_address and pending is not None:
+            served_address = pending.served_address  # a move not yet sent must not be lost
         self._pending_reports[request_id] = scheduler_pb2.TokenReport(
-            request_id=request_id, generated_tokens=generated_tokens, prefill_done=prefill_done
+            request_id=request_id,
+            generated_tokens=generated_tokens,
+            prefill_done=prefill_done,
+            served_address=served_address,
         )
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.get_running_loop().create_task(self._flush_later())

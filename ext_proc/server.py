@@ -54,6 +54,7 @@ class ExtProcServer:
             self.metrics,
             exact_usage=config.exact_usage,
             prefix_block_size=config.prefix_block_size,
+            destination_fallbacks=config.destination_fallbacks,
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
         self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -12,19 +12,25 @@ class ExtProcMetrics:
             "pilotfish_ext_proc_routed", "Requests routed, by who chose the engine.", ["route"], registry=self.registry
         )
         self.rejected = Counter(
-            "pilotfish_ext_proc_rejected", "Requests answered by the gateway itself, by status.", ["status"],
+            "pilotfish_ext_proc_rejected",
+            "Requests answered by the gateway itself, by status.",
+            ["status"],
             registry=self.registry,
         )
         self.generated_tokens = Counter(
-            "pilotfish_ext_proc_generated_tokens", "Generated tokens counted in streamed responses.",
+            "pilotfish_ext_proc_generated_tokens",
+            "Generated tokens counted in streamed responses.",
             registry=self.registry,
         )
         self.releases = Counter(
-            "pilotfish_ext_proc_releases", "Release calls sent to the scheduler, by reason.", ["reason"],
+            "pilotfish_ext_proc_releases",
+            "Release calls sent to the scheduler, by reason.",
+            ["reason"],
             registry=self.registry,
         )
         self.schedule_seconds = Histogram(
-            "pilotfish_ext_proc_schedule_seconds", "Schedule call latency, including fallback decisions.",
+            "pilotfish_ext_proc_schedule_seconds",
+            "Schedule call latency, including fallback decisions.",
             buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5),
             registry=self.registry,
         )
@@ -34,6 +40,17 @@ class ExtProcMetrics:
         self.served_elsewhere = Counter(
             "pilotfish_ext_proc_served_elsewhere",
             "Responses whose x-gateway-destination-endpoint-served differs from the endpoint chosen.",
+            registry=self.registry,
+        )
+        self.gateway_errors = Counter(
+            "pilotfish_ext_proc_gateway_errors",
+            "Requests the gateway failed on itself (a bug): answered 500 or passed through, never routed by it.",
+            registry=self.registry,
+        )
+        self.unroutable_bodies = Counter(
+            "pilotfish_ext_proc_unroutable_bodies",
+            "STREAMED request bodies whose route was fixed before the body came (Envoy refused the "
+            "BUFFERED override): sent where Envoy's route config sends unpicked requests.",
             registry=self.registry,
         )
         self.active_streams = Gauge(

@@ -14,13 +14,15 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELEASE_REASON_FINISHED: _ClassVar[ReleaseReason]
     RELEASE_REASON_CLIENT_ABORT: _ClassVar[ReleaseReason]
     RELEASE_REASON_UPSTREAM_ERROR: _ClassVar[ReleaseReason]
+    RELEASE_REASON_GATEWAY_ERROR: _ClassVar[ReleaseReason]
 RELEASE_REASON_UNSPECIFIED: ReleaseReason
 RELEASE_REASON_FINISHED: ReleaseReason
 RELEASE_REASON_CLIENT_ABORT: ReleaseReason
 RELEASE_REASON_UPSTREAM_ERROR: ReleaseReason
+RELEASE_REASON_GATEWAY_ERROR: ReleaseReason
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream")
+    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -29,6 +31,7 @@ class ScheduleRequest(_message.Message):
     INFER_TYPE_HINT_FIELD_NUMBER: _ClassVar[int]
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
@@ -37,7 +40,8 @@ class ScheduleRequest(_message.Message):
     infer_type_hint: _cms_pb2.InferType
     max_tokens: int
     stream: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ...) -> None: ...
+    candidate_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., candidate_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Endpoint(_message.Message):
     __slots__ = ("instance_id", "address", "infer_type")
@@ -60,14 +64,16 @@ class ScheduleResponse(_message.Message):
     def __init__(self, target: _Optional[_Union[Endpoint, _Mapping]] = ..., decode_target: _Optional[_Union[Endpoint, _Mapping]] = ..., fallbacks: _Optional[_Iterable[_Union[Endpoint, _Mapping]]] = ...) -> None: ...
 
 class TokenReport(_message.Message):
-    __slots__ = ("request_id", "generated_tokens", "prefill_done")
+    __slots__ = ("request_id", "generated_tokens", "prefill_done", "served_address")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_FIELD_NUMBER: _ClassVar[int]
+    SERVED_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     generated_tokens: int
     prefill_done: bool
-    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., prefill_done: _Optional[bool] = ...) -> None: ...
+    served_address: str
+    def __init__(self, request_id: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., prefill_done: _Optional[bool] = ..., served_address: _Optional[str] = ...) -> None: ...
 
 class ReportRequest(_message.Message):
     __slots__ = ("reports",)

@@ -23,6 +23,7 @@ from typing import cast
 
 from prometheus_client import CollectorRegistry
 
+from pilotfish.discovery.static import in_subset
 from pilotfish.protos import cms_pb2
 from pilotfish.scheduler import config as scheduler_config
 from pilotfish.scheduler.config import SchedulerConfig
@@ -289,6 +290,15 @@ class SchedulerCore:
             raise NoSchedulableInstanceError(
                 f"policy {self._policy.name!r} has no pipeline for {kind.name.lower()} instances"
             )
+        subset = req.candidate_addresses
+        if subset:  # the gateway's subset hint: a scan of the few it allows, never a pick outside
+            allowed = [inst for inst in stage.instances if in_subset(inst.endpoint.address, subset)]
+            if not allowed:
+                raise NoSchedulableInstanceError(
+                    f"no {kind.name.lower()} instance in the gateway's subset hint ({len(subset)} entries) "
+                    f"serves model {req.model!r}"
+                )
+            return stage.pipeline.run(allowed, req, count, None)
         return stage.pipeline.run(stage.instances, req, count, stage.index)
 
     def _decide(
@@ -335,6 +345,23 @@ class SchedulerCore:
         """(request_id, generated_tokens, prefill_done) each; returns how many were not held."""
         report = self._lrs.report
         return sum(1 for rid, generated, done in reports if not report(rid, generated, done))
+
+    def reroute(self, request_id: str, address: str) -> bool:
+        """The gateway served a held request at `address`, not where it was scheduled (a retry on
+        a fallback): its load moves there. False if the request or the address is unknown."""
+        held = self._lrs.get(request_id)
+        if held is None:
+            return False
+        inst = next(
+            (i for i in self._instances.values() if i.endpoint.address == address and i.serves(held.model)), None
+        )
+        if inst is None:
+            return False
+        old_instance_id = held.instance_id
+        self._lrs.move(request_id, inst)
+        if self.full_mode and old_instance_id != inst.instance_id:
+            self.account.move(request_id, old_instance_id, inst, held.prompt_tokens)
+        return True
 
     def release(self, request_id: str) -> bool:
         """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent."""

@@ -15,7 +15,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -27,9 +27,10 @@ from pilotfish.discovery.static import Instance
 from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.protos.session_frames import ANSWERED_KEY
 from pilotfish.scheduler.config import SchedulerConfig, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
-from pilotfish.scheduler.errors import SchedulerError
+from pilotfish.scheduler.errors import InvalidRequestError, SchedulerError
 from pilotfish.scheduler.rescheduler.service import colocated_loop
 from pilotfish.scheduler.session_server import SessionSocketServer
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "pilotfish.v1.Scheduler"
+ANSWERED_TRAILER = ((ANSWERED_KEY, "1"),)
 
 
 def _endpoint(ep: Endpoint) -> scheduler_pb2.Endpoint:
@@ -72,7 +74,17 @@ def request_from_proto(request: scheduler_pb2.ScheduleRequest) -> RequestInfo:
         infer_type_hint=hint,
         max_tokens=request.max_tokens,
         stream=request.stream,
+        candidate_addresses=_subset(request.candidate_addresses),
     )
+
+
+MAX_SUBSET = 4096  # a subset hint names at most this many engines
+
+
+def _subset(addresses: Sequence[str]) -> frozenset[str]:
+    if len(addresses) > MAX_SUBSET:
+        raise InvalidRequestError(f"candidate_addresses names {len(addresses)} engines; at most {MAX_SUBSET}")
+    return frozenset(addresses)
 
 
 def _probe_port(host: str, port: int, flag: str) -> None:
@@ -117,14 +129,23 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             decision = self.core.schedule(request_from_proto(request))
         except SchedulerError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            # the trailer tells the gateway this is the scheduler's answer, not a transport failure
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc), ANSWERED_TRAILER)
         return decision_to_proto(decision)
 
     async def Report(
         self, request: scheduler_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportResponse:
-        unknown = self.core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in request.reports)
-        return scheduler_pb2.ReportResponse(unknown_requests=unknown)
+        return scheduler_pb2.ReportResponse(unknown_requests=self._report(request.reports))
+
+    def _report(self, reports: Sequence[scheduler_pb2.TokenReport]) -> int:
+        """Apply a batch of reports (a served_address moves the request first); returns how many
+        named a request the scheduler does not hold."""
+        core = self.core
+        for r in reports:
+            if r.served_address:
+                core.reroute(r.request_id, r.served_address)
+        return core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
 
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -178,8 +199,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def _apply(self, message: scheduler_pb2.SessionRequest) -> None:
         """A report or a release: nobody waits for an answer."""
         if message.HasField("report"):
-            reports = message.report.reports
-            self.core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
+            self._report(message.report.reports)
         elif message.release.request_id:  # an empty id is dropped
             self.core.release(message.release.request_id)
 

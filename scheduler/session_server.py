@@ -1,4 +1,4 @@
-"""The scheduler's Session on a plain TCP socket (`--session-port`): framing in session_frames.py.
+"""The scheduler's Session on a plain TCP socket (`--session-port`): framing in protos/session_frames.py.
 
 Each connection is one gateway's session, answered by the same code as the gRPC Session stream
 (`SchedulerServicer.answer`), on the loop that owns the core. A peer that breaks the framing or
@@ -15,7 +15,7 @@ from typing import cast
 from google.protobuf.message import DecodeError
 
 from pilotfish.protos import scheduler_pb2
-from pilotfish.scheduler.session_frames import HELLO, FrameError, FrameReader, frame
+from pilotfish.protos.session_frames import HELLO, FrameError, FrameReader, frame
 
 log = logging.getLogger(__name__)
 

@@ -158,6 +158,13 @@ class InflightAccount:
         self.num_gap_confirmed += removed
         return removed
 
+    def move(self, request_id: str, from_instance_id: str, inst: InstanceView, prompt_tokens: int) -> None:
+        """The gateway served the request on `inst`, not `from_instance_id`: its in-flight load moves."""
+        old = self._entries.get((request_id, from_instance_id))
+        if old is not None:
+            self._remove(old)
+        self.dispatch(request_id, inst, prompt_tokens)
+
     def release(self, request_id: str) -> bool:
         """Drop every entry of the request at once; False if it had none (idempotent)."""
         entries = self._by_request.get(request_id)

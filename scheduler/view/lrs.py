@@ -115,6 +115,25 @@ class LocalRealtimeState:
         self.touch(entry)
         return True
 
+    def move(self, request_id: str, inst: InstanceView) -> bool:
+        """The request is served on `inst` after all (a gateway retry elsewhere): its load moves
+        there with it, counts unchanged. False if it is not held."""
+        entry = self._entries.get(request_id)
+        if entry is None:
+            return False
+        if entry.instance_id == inst.instance_id:
+            return True
+        self._unload(entry)
+        entry.instance_id, entry.load = inst.instance_id, inst.lrs
+        load = inst.lrs
+        load.num_requests += 1
+        load.num_tokens += entry.tokens
+        if entry.decoding:
+            load.num_decode_requests += 1
+        self._on_change(inst.instance_id)
+        self.touch(entry)
+        return True
+
     def release(self, request_id: str) -> bool:
         """Drop the request and its load at once; False if it was not held (idempotent)."""
         entry = self._entries.pop(request_id, None)

@@ -169,3 +169,5 @@ class RequestInfo:
     infer_type_hint: InferType = InferType.UNSPECIFIED
     max_tokens: int = 0
     stream: bool = False
+    # the gateway's subset hint: when not empty, only instances at these "ip:port" may be picked
+    candidate_addresses: frozenset[str] = frozenset()

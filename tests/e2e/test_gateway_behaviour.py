@@ -115,7 +115,7 @@ def test_client_abort_releases_exactly_once(stack: Stack) -> None:
             resp.close()  # drop the connection mid-stream
 
     asyncio.run(abort_after_three_events())
-    wait_until(lambda: releases(stack, "stream_ended_early") >= 1, 60, "a Release for the aborted stream")
+    wait_until(lambda: releases(stack, "client_abort") >= 1, 60, "a Release for the aborted stream")
     wait_until(lambda: scheduler_idle(stack), 30, "scheduler account draining to zero")
     assert releases(stack) - before == 1
 

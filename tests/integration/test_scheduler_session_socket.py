@@ -21,7 +21,7 @@ from pilotfish.procs import free_port, wait_until_async
 from pilotfish.protos import scheduler_pb2
 from pilotfish.scheduler.config import SchedulerConfig, validate
 from pilotfish.scheduler.service import SchedulerServer
-from pilotfish.scheduler.session_frames import HELLO, frame
+from pilotfish.protos.session_frames import HELLO, frame
 
 pytestmark = pytest.mark.integration
 

@@ -66,4 +66,5 @@ def test_sidecar_bootstrap_renders_to_valid_yaml():
     assert len(ext_proc["load_assignment"]["endpoints"][0]["lb_endpoints"]) == 2
     picked = clusters["picked_endpoint"]
     assert picked["type"] == "ORIGINAL_DST"
-    assert picked["original_dst_lb_config"]["http_header_name"] == "x-gateway-destination-endpoint"
+    # the address comes from the metadata only the ext_proc writes, never from a header
+    assert picked["original_dst_lb_config"] == {"metadata_key": {"key": "pilotfish", "path": [{"key": "destination"}]}}

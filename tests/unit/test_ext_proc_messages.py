@@ -9,16 +9,16 @@ def headers_of(mutation) -> dict[str, str]:
     return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
 
 
-def test_route_on_body_sets_primary_header_and_ordered_metadata_list():
+def test_header_and_metadata_carry_the_same_ordered_list_and_the_route_key_the_primary():
     reply = messages.route_on_body("10.0.0.1:8000", "rid", fallbacks=("10.0.0.2:8000", "10.0.0.3:8000"))
     common = reply.request_body.response
     assert common.clear_route_cache
-    assert headers_of(common.header_mutation) == {
-        "x-gateway-destination-endpoint": "10.0.0.1:8000",
-        "x-request-id": "rid",
-    }
+    listed = "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+    assert headers_of(common.header_mutation) == {"x-gateway-destination-endpoint": listed, "x-request-id": "rid"}
     lb = reply.dynamic_metadata.fields["envoy.lb"].struct_value
-    assert lb.fields["x-gateway-destination-endpoint"].string_value == "10.0.0.1:8000,10.0.0.2:8000,10.0.0.3:8000"
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == listed
+    route = reply.dynamic_metadata.fields["pilotfish"].struct_value
+    assert route.fields["destination"].string_value == "10.0.0.1:8000"
 
 
 def test_a_rewritten_body_carries_its_new_length():

@@ -64,8 +64,10 @@ def test_buffered_routes_on_the_body_reply():
     assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body"]
     common = replies[1].request_body.response
     assert common.clear_route_cache
-    # Envoy's own x-request-id is already on the request: only the destination is set.
-    assert set_headers(common.header_mutation) == {"x-gateway-destination-endpoint": ENGINE}
+    headers = set_headers(common.header_mutation)
+    assert headers["x-gateway-destination-endpoint"] == ENGINE
+    # the gateway's own id, the client's kept only as a readable prefix
+    assert headers["x-request-id"].startswith("rid-1.") and len(headers["x-request-id"]) > len("rid-1.")
 
 
 def test_full_duplex_holds_the_headers_reply_until_the_body_is_complete():

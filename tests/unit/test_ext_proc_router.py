@@ -14,6 +14,7 @@ from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, CircuitBreaker, Rout
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.procs import free_port
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
+from pilotfish.protos.session_frames import ANSWERED_KEY
 
 INSTANCES = [Instance("a", "127.0.0.1", 1), Instance("b", "127.0.0.1", 2)]
 
@@ -29,7 +30,8 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         if self.delay:
             await asyncio.sleep(self.delay)
         if self.answer is not None:
-            await context.abort(self.answer, f"fake {self.answer.name}")
+            # as the real scheduler: its own refusals carry the answered trailer
+            await context.abort(self.answer, f"fake {self.answer.name}", ((ANSWERED_KEY, "1"),))
         target = scheduler_pb2.Endpoint(instance_id="b", address="127.0.0.1:2")
         return scheduler_pb2.ScheduleResponse(target=target, fallbacks=[scheduler_pb2.Endpoint(address="127.0.0.1:1")])
 
@@ -111,6 +113,8 @@ async def test_scheduler_choice_and_fallbacks(fake):
         (grpc.StatusCode.NOT_FOUND, 404),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, 429),
         (grpc.StatusCode.INVALID_ARGUMENT, 400),
+        # the scheduler's verdict that no engine is eligible: 503 to the client, not a fallback pick
+        (grpc.StatusCode.UNAVAILABLE, 503),
     ],
 )
 async def test_client_errors_pass_through_without_tripping_the_breaker(fake, code, status):
@@ -123,9 +127,9 @@ async def test_client_errors_pass_through_without_tripping_the_breaker(fake, cod
     assert not router.breaker.is_open
 
 
-async def test_unavailable_and_late_answers_fall_back_then_open_the_breaker(fake):
+async def test_scheduler_bugs_and_late_answers_fall_back_then_open_the_breaker(fake):
     servicer, router = fake
-    servicer.answer = grpc.StatusCode.UNAVAILABLE
+    servicer.answer = grpc.StatusCode.INTERNAL
     assert (await router.choose(request())).source == FALLBACK
     servicer.answer, servicer.delay = None, 2.0  # past the 0.5 s deadline
     assert (await router.choose(request())).source == FALLBACK
@@ -174,3 +178,13 @@ async def test_concurrent_schedules_on_one_session_each_get_their_own_answer(fak
     decisions = await asyncio.gather(*(router.choose(request(f"r{i}")) for i in range(20)))
     assert [d.source for d in decisions] == [SCHEDULER] * 20
     assert not router.breaker.is_open
+
+
+async def test_an_unreachable_scheduler_falls_back_rather_than_answering_503():
+    """A dead channel's UNAVAILABLE has no answered trailer: route round-robin, never refuse."""
+    scheduler = GrpcScheduler(f"127.0.0.1:{free_port()}", 0.5, 0.01, session=False)
+    router = Router(scheduler, INSTANCES, CircuitBreaker(5, 60))
+    try:
+        assert (await router.choose(request())).source == FALLBACK
+    finally:
+        await router.close()

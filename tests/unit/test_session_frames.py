@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pilotfish.scheduler.session_frames import FrameError, FrameReader, frame
+from pilotfish.protos.session_frames import FrameError, FrameReader, frame
 
 
 @given(

@@ -12,6 +12,9 @@ from __future__ import annotations
 import struct
 
 HELLO = b"pilotfish-session/1\n"
+# Trailing metadata of a unary Schedule the scheduler refused itself (no engine eligible, a bad
+# request): the gateway answers the client with it, where a transport failure would fall back.
+ANSWERED_KEY = "pilotfish-answered"
 MAX_FRAME_BYTES = 4 * 1024 * 1024  # gRPC's default message limit, the same bound as the gRPC Session
 _LENGTH = struct.Struct("!I")
 

@@ -1,0 +1,364 @@
+"""The servicer against hostile input and the endpoint-picker protocol, driven without gRPC or Envoy:
+every body mode both ways, the gateway's own request ids, release reasons, the subset hint,
+scheduler refusals, a served endpoint that moves the load, prefill/decode pairs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+from google.protobuf import struct_pb2
+
+from pilotfish.discovery.static import parse_instances
+from pilotfish.ext_proc.openai import RequestError
+from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.ext_proc.routing import SCHEDULER, CircuitBreaker, Decision, Router
+from pilotfish.ext_proc.telemetry import ExtProcMetrics
+from pilotfish.protos import scheduler_pb2
+
+Mode = processing_mode_pb2.ProcessingMode
+E0, E1, E2 = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
+COMPLETION = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4}).encode()
+STREAMING = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}).encode()
+SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
+
+
+@dataclass
+class FakeBackend:
+    """The scheduler as the router sees it: records what it is told; `refuse` makes Schedule fail."""
+
+    refuse: RequestError | None = None
+    crash: bool = False
+    decode_address: str = ""
+    scheduled: list[scheduler_pb2.ScheduleRequest] = field(default_factory=list)
+    reports: list[tuple[str, int, str]] = field(default_factory=list)
+    releases: list[tuple[str, int]] = field(default_factory=list)
+
+    async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
+        if self.crash:
+            raise ZeroDivisionError("a bug")
+        if self.refuse is not None:
+            raise self.refuse
+        self.scheduled.append(request)
+        return Decision("e0", E0, SCHEDULER, (E1, E2), self.decode_address)
+
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
+        self.reports.append((request_id, generated_tokens, served_address))
+
+    def release(self, request_id: str, reason: int) -> None:
+        self.releases.append((request_id, reason))
+
+    def instance_added(self, instance: object) -> None: ...
+    def instance_removed(self, instance_id: str) -> None: ...
+    async def close(self) -> None: ...
+
+
+def servicer(
+    backend: FakeBackend | None = None, **kwargs: object
+) -> tuple[ExtProcServicer, FakeBackend, ExtProcMetrics]:
+    backend = backend or FakeBackend()
+    router = Router(backend, parse_instances([f"e0={E0}", f"e1={E1}", f"e2={E2}"]), breaker=CircuitBreaker(3, 1.0))
+    metrics = ExtProcMetrics()
+    tokenize = lambda text: [1] * len(text.split())  # noqa: E731
+    return ExtProcServicer(router, tokenize, frozenset(), 1 << 20, metrics, **kwargs), backend, metrics  # type: ignore[arg-type]
+
+
+def headers(
+    path: str = "/v1/completions",
+    *,
+    request_mode: int = Mode.BUFFERED,
+    response_mode: int = Mode.STREAMED,
+    early: bool = False,
+    request_id: str = "client-id",
+    subset: list[str] | str | None = None,
+    end: bool = False,
+) -> ep.ProcessingRequest:
+    pairs = [(":path", path), (":method", "POST")] + ([("x-request-id", request_id)] if request_id else [])
+    header_map = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+    message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=header_map, end_of_stream=end))
+    message.protocol_config.request_body_mode = request_mode
+    message.protocol_config.response_body_mode = response_mode
+    message.protocol_config.send_body_without_waiting_for_header_response = early
+    if subset is not None:
+        value = message.metadata_context.filter_metadata["envoy.lb.subset_hint"].fields[
+            "x-gateway-destination-endpoint-subset"
+        ]
+        if isinstance(subset, str):
+            value.string_value = subset
+        else:
+            value.list_value.extend(subset)
+    return message
+
+
+def body(data: bytes, end: bool = True) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(request_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def response_headers(
+    status: int = 200, content_type: str = "text/event-stream", served: str = ""
+) -> ep.ProcessingRequest:
+    pairs = [(":status", str(status)), ("content-type", content_type)]
+    header_map = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
+    message = ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=header_map))
+    if served:
+        message.metadata_context.filter_metadata["envoy.lb"].fields[
+            "x-gateway-destination-endpoint-served"
+        ].string_value = served
+    return message
+
+
+def response_body(data: bytes, end: bool = False) -> ep.ProcessingRequest:
+    return ep.ProcessingRequest(response_body=ep.HttpBody(body=data, end_of_stream=end))
+
+
+def run(svc: ExtProcServicer, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
+    async def feed():
+        for m in messages:
+            yield m
+
+    async def collect():
+        return [reply async for reply in svc.Process(feed(), None)]
+
+    return asyncio.run(collect())
+
+
+def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
+    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+
+
+def routed_headers(replies: list[ep.ProcessingResponse]) -> dict[str, str]:
+    """The routing header mutation, wherever the mode put it."""
+    for reply in replies:
+        for kind in ("request_headers", "request_body"):
+            if reply.HasField(kind) and getattr(reply, kind).response.clear_route_cache:
+                return set_headers(getattr(reply, kind).response.header_mutation)
+    raise AssertionError("no routing reply")
+
+
+# -- hostile input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {"model": "m", "prompt": "x", "max_tokens": 2**32},
+        {"model": "m", "prompt": "x", "max_tokens": 2**64},
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 2**40},
+    ],
+)
+def test_token_limits_past_32_bits_are_refused_with_400(payload: dict) -> None:
+    path = "/v1/chat/completions" if "messages" in payload else "/v1/completions"
+    svc, backend, _ = servicer()
+    replies = run(svc, [headers(path), body(json.dumps(payload).encode())])
+    assert replies[-1].immediate_response.status.code == 400
+    assert backend.scheduled == []
+
+
+@pytest.mark.parametrize("mode", [Mode.BUFFERED, Mode.FULL_DUPLEX_STREAMED])
+def test_json_nested_past_the_decoder_depth_is_refused_with_400(mode: int) -> None:
+    deep = b'{"model": "m", "prompt": "x", "n": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    svc, _, _ = servicer()
+    replies = run(svc, [headers(request_mode=mode), body(deep)])
+    assert replies[-1].immediate_response.status.code == 400
+    assert b"nested too deeply" in replies[-1].immediate_response.body
+
+
+@pytest.mark.parametrize("mode", [Mode.BUFFERED, Mode.FULL_DUPLEX_STREAMED])
+def test_a_bug_in_the_processor_answers_500_counts_it_and_routes_nothing(mode: int) -> None:
+    svc, _, metrics = servicer(FakeBackend(crash=True))
+    replies = run(svc, [headers(request_mode=mode), body(COMPLETION)])
+    assert replies[-1].immediate_response.status.code == 500
+    assert not any(r.HasField("dynamic_metadata") for r in replies)
+    assert metrics.gateway_errors._value.get() == 1
+
+
+# -- request identity ------------------------------------------------------------------------------
+
+
+def test_the_same_client_id_on_two_requests_gives_two_gateway_ids() -> None:
+    svc, backend, _ = servicer()
+    for _ in range(2):
+        run(svc, [headers(request_id="dup"), body(COMPLETION), response_headers(content_type="application/json")])
+    ids = [r.request_id for r in backend.scheduled]
+    assert len(set(ids)) == 2 and all(i.startswith("dup.") for i in ids)
+    assert sorted(rid for rid, _ in backend.releases) == sorted(ids)
+
+
+@pytest.mark.parametrize("client_id", ["", "x" * 65, "a b", "../../etc", "ü"])
+def test_a_client_id_that_is_long_or_odd_is_not_kept(client_id: str) -> None:
+    svc, backend, _ = servicer()
+    run(svc, [headers(request_id=client_id), body(COMPLETION)])
+    (sent,) = backend.scheduled
+    assert len(sent.request_id) == 32
+    assert not client_id or client_id not in sent.request_id
+
+
+# -- release reasons -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [(200, scheduler_pb2.RELEASE_REASON_FINISHED), (400, scheduler_pb2.RELEASE_REASON_FINISHED),
+     (503, scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR)],
+)  # fmt: skip
+def test_a_response_that_is_not_a_stream_is_released_at_its_headers(status: int, reason: int) -> None:
+    svc, backend, metrics = servicer()
+    run(svc, [headers(), body(COMPLETION), response_headers(status, "application/json")])
+    assert [r for _, r in backend.releases] == [reason]
+    label = "finished" if reason == scheduler_pb2.RELEASE_REASON_FINISHED else "upstream_error"
+    assert metrics.releases.labels(label)._value.get() == 1
+    assert metrics.releases.labels("client_abort")._value.get() == 0
+
+
+def test_a_stream_cut_before_its_end_is_released_once_as_client_abort() -> None:
+    svc, backend, _ = servicer()
+    run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0])])
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_CLIENT_ABORT]
+
+
+def test_a_stream_ended_by_trailers_is_released_finished() -> None:
+    svc, backend, _ = servicer()
+    trailers = ep.ProcessingRequest(response_trailers=ep.HttpTrailers())
+    replies = run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0]), trailers])
+    assert replies[-1].HasField("response_trailers")
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+
+
+# -- body modes ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("response_mode", [Mode.BUFFERED, Mode.STREAMED, Mode.FULL_DUPLEX_STREAMED])
+@pytest.mark.parametrize(
+    ("request_mode", "early"),
+    [(Mode.BUFFERED, False), (Mode.STREAMED, True), (Mode.FULL_DUPLEX_STREAMED, False)],
+)
+def test_every_body_mode_routes_counts_and_releases_once(request_mode: int, early: bool, response_mode: int) -> None:
+    svc, backend, metrics = servicer()
+    half = len(STREAMING) // 2
+    request = [headers(request_mode=request_mode, response_mode=response_mode, early=early)]
+    if request_mode == Mode.BUFFERED:
+        request.append(body(STREAMING))
+    else:
+        request += [body(STREAMING[:half], end=False), body(STREAMING[half:])]
+    if response_mode == Mode.BUFFERED:
+        response = [response_body(b"".join(SSE), end=True)]
+    else:
+        response = [response_body(SSE[0]), response_body(SSE[1]), response_body(SSE[2], end=True)]
+    replies = run(svc, [*request, response_headers(), *response])
+    assert routed_headers(replies)["x-gateway-destination-endpoint"] == E0
+    # a reply per message Envoy sent; full duplex answers the held chunks with one streamed body
+    request_replies = 2 if request_mode == Mode.FULL_DUPLEX_STREAMED else len(request)
+    assert len(replies) == request_replies + 1 + len(response)
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+    assert metrics.generated_tokens._value.get() == 2
+    passed = replies[-len(response) :]
+    if response_mode == Mode.FULL_DUPLEX_STREAMED:  # every byte comes back, the last chunk ends it
+        out = [r.response_body.response.body_mutation.streamed_response for r in passed]
+        assert b"".join(o.body for o in out) == b"".join(SSE)
+        assert [o.end_of_stream for o in out] == [False, False, True]
+    sent = json.loads(
+        b"".join(
+            r.request_body.response.body_mutation.streamed_response.body or r.request_body.response.body_mutation.body
+            for r in replies
+            if r.HasField("request_body")
+        )
+        or STREAMING
+    )
+    assert sent["stream_options"]["include_usage"] is True
+
+
+def test_streamed_request_bodies_without_early_sending_ask_envoy_for_the_whole_body() -> None:
+    svc, _, _ = servicer()
+    replies = run(svc, [headers(request_mode=Mode.STREAMED), body(COMPLETION)])
+    assert replies[0].mode_override.request_body_mode == Mode.BUFFERED
+    assert routed_headers(replies)["x-gateway-destination-endpoint"] == E0
+
+
+def test_full_duplex_non_stream_response_bytes_all_come_back() -> None:
+    svc, _, _ = servicer()
+    chunks = [b'{"id": "x", ', b'"choices": []}']
+    replies = run(
+        svc,
+        [headers(request_mode=Mode.FULL_DUPLEX_STREAMED, response_mode=Mode.FULL_DUPLEX_STREAMED), body(COMPLETION),
+         response_headers(200, "application/json"), response_body(chunks[0]), response_body(chunks[1], end=True)],
+    )  # fmt: skip
+    out = [r.response_body.response.body_mutation.streamed_response for r in replies[-2:]]
+    assert [o.body for o in out] == chunks and out[-1].end_of_stream
+
+
+# -- the rest of the protocol ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("subset", [[], "", ["not an address" * 40]])
+def test_an_empty_subset_hint_gets_503(subset: list[str] | str) -> None:
+    svc, backend, _ = servicer()
+    replies = run(svc, [headers(subset=subset), body(COMPLETION)])
+    assert replies[0].immediate_response.status.code == 503
+    assert backend.scheduled == []
+
+
+@pytest.mark.parametrize("subset", [[E1, E2], f"{E1}, {E2}"])
+def test_the_subset_hint_reaches_the_scheduler(subset: list[str] | str) -> None:
+    svc, backend, _ = servicer()
+    run(svc, [headers(subset=subset), body(COMPLETION)])
+    assert sorted(backend.scheduled[0].candidate_addresses) == [E1, E2]
+
+
+def test_the_fallback_pick_stays_inside_the_subset_hint() -> None:
+    svc, _, _ = servicer(FakeBackend(crash=False, refuse=None))
+    router = Router(None, parse_instances([f"e0={E0}", f"e1={E1}", f"e2={E2}"]), breaker=CircuitBreaker(3, 1.0))
+    svc = ExtProcServicer(router, lambda t: [1], frozenset(), 1 << 20, ExtProcMetrics())
+    picks = {routed_headers(run(svc, [headers(subset=[E2]), body(COMPLETION)]))["x-gateway-destination-endpoint"]
+             for _ in range(4)}  # fmt: skip
+    assert picks == {E2}
+    replies = run(svc, [headers(subset=["127.0.0.9:1"]), body(COMPLETION)])
+    assert replies[-1].immediate_response.status.code == 503
+
+
+@pytest.mark.parametrize("status", [503, 429])
+def test_a_scheduler_refusal_is_the_clients_answer_with_retry_after(status: int) -> None:
+    svc, _, _ = servicer(FakeBackend(refuse=RequestError(status, "every engine is filtered out", retry_after=1)))
+    replies = run(svc, [headers(), body(COMPLETION)])
+    answer = replies[-1].immediate_response
+    assert answer.status.code == status and b"filtered out" in answer.body
+    assert set_headers(answer.headers)["retry-after"] == "1"
+
+
+@pytest.mark.parametrize("fallbacks", [0, 2])
+def test_header_and_metadata_carry_the_same_list(fallbacks: int) -> None:
+    svc, _, _ = servicer(destination_fallbacks=fallbacks)
+    replies = run(svc, [headers(), body(COMPLETION)])
+    expected = ",".join([E0, E1, E2][: 1 + fallbacks])
+    routed = next(r for r in replies if r.HasField("dynamic_metadata"))
+    lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value.fields["x-gateway-destination-endpoint"]
+    assert lb.string_value == routed_headers(replies)["x-gateway-destination-endpoint"] == expected
+    assert routed.dynamic_metadata.fields["pilotfish"].struct_value.fields["destination"].string_value == E0
+
+
+def test_a_request_served_elsewhere_moves_its_load_there() -> None:
+    svc, backend, metrics = servicer()
+    run(svc, [headers(), body(COMPLETION), response_headers(200, "application/json", served=E2)])
+    assert backend.reports and backend.reports[0][2] == E2
+    assert metrics.served_elsewhere._value.get() == 1
+
+
+def test_a_prefill_decode_pair_goes_to_the_decode_engine_told_its_prefill_engine() -> None:
+    svc, _, _ = servicer(FakeBackend(decode_address=E2), destination_fallbacks=2)
+    routed = routed_headers(run(svc, [headers(), body(COMPLETION)]))
+    assert routed["x-gateway-destination-endpoint"] == E2
+    assert routed["x-prefiller-host-port"] == E0
+
+
+def test_subset_hint_entries_are_bounded() -> None:
+    from pilotfish.ext_proc import messages
+
+    metadata = base_pb2.Metadata()
+    value = metadata.filter_metadata["envoy.lb.subset_hint"].fields["x-gateway-destination-endpoint-subset"]
+    value.list_value.extend([f"10.0.{i // 256}.{i % 256}:8000" for i in range(10_000)])
+    value.list_value.values.append(struct_pb2.Value(number_value=1))
+    assert len(messages.subset_hint(metadata) or ()) == messages.MAX_SUBSET_ENTRIES

@@ -27,8 +27,12 @@ from pilotfish.procs import StartError
 log = logging.getLogger(__name__)
 
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
-# Health names the Gateway API Inference Extension's endpoint pickers answer to.
-HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+# Health names the Gateway API Inference Extension's endpoint pickers answer to: liveness as soon as
+# the server runs; readiness (and the overall and ext_proc names) once the engines are known.
+LIVE_SERVICES = ("liveness",)
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
+HEALTH_SERVICES = LIVE_SERVICES + READY_SERVICES
 
 
 class ExtProcServer:
@@ -62,6 +66,8 @@ class ExtProcServer:
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
+        self.ready = False  # readiness: the first discovery sync is done (at once without discovery)
+        self._ready_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._discovery_task: asyncio.Task[None] | None = None
 
@@ -77,13 +83,25 @@ class ExtProcServer:
             registry, host = self.metrics.registry, self.config.host
             self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port)
         await self.server.start()
-        if discovery_configured(self.config):
-            self._discovery_task = asyncio.get_running_loop().create_task(
-                follow(self.config, self.router.instance_added, self.router.instance_removed)
-            )
         for name in HEALTH_SERVICES:
-            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            serving = name in LIVE_SERVICES
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING)
+        if discovery_configured(self.config):
+            # ready only once discovery has been read: before, every request would get a 503
+            self._discovery_task = asyncio.get_running_loop().create_task(
+                follow(self.config, self.router.instance_added, self.router.instance_removed, self._mark_ready)
+            )
+        else:
+            self._mark_ready()
         return self.port
+
+    def _mark_ready(self) -> None:
+        self.ready = True
+        self._ready_task = asyncio.get_running_loop().create_task(self._serve_ready())
+
+    async def _serve_ready(self) -> None:
+        for name in READY_SERVICES:
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
 
     async def stop(self, grace: float = 2.0) -> None:
         for name in HEALTH_SERVICES:

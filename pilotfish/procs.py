@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -133,8 +135,30 @@ def group_members(pgid: int) -> list[int]:
     return [pid for pid in pids if (fields := stat_fields(pid)) and fields[2] == str(pgid)]
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _killed_with(parent: int) -> Callable[[], None] | None:
+    """A preexec_fn asking Linux to SIGKILL the child when `parent` (this thread) dies; None
+    elsewhere. A parent that died before the request took hold is caught by the ppid check."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up before the fork, not in the child
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
 class Child:
-    """One child process, in its own process group, stopped by PID."""
+    """One child process, in its own process group, stopped by PID.
+
+    With `die_with_parent`, Linux kills it when the thread that started it dies, so a parent that
+    is SIGKILLed (and cannot stop its children) leaves nothing behind holding its ports.
+    """
 
     def __init__(
         self,
@@ -144,11 +168,13 @@ class Child:
         env: dict[str, str] | None = None,
         log_path: Path | None = None,
         cwd: str | Path | None = None,
+        die_with_parent: bool = False,
     ) -> None:
         self.name = name
         self.argv = list(argv)
         self.env = env
         self.cwd = cwd
+        self.die_with_parent = die_with_parent
         self.log_path = log_path
         self._log = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
         try:
@@ -160,6 +186,7 @@ class Child:
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # Ctrl-C reaches the parent only; it stops us in order
+                preexec_fn=_killed_with(os.getpid()) if die_with_parent else None,
             )
         except OSError as exc:
             self._close_log()
@@ -189,7 +216,14 @@ class Child:
         this one must have exited. Its log file is closed here."""
         assert self.proc.poll() is not None, f"{self.name} (pid {self.pid}) is still running"
         self._close_log()
-        return Child(self.name, self.argv, env=self.env, log_path=self.log_path, cwd=self.cwd)
+        return Child(
+            self.name,
+            self.argv,
+            env=self.env,
+            log_path=self.log_path,
+            cwd=self.cwd,
+            die_with_parent=self.die_with_parent,
+        )
 
     def _log_tail(self, lines: int = 5) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -221,12 +255,15 @@ class Child:
 
 
 class ChildGroup:
-    """Children started in order and stopped in reverse order."""
+    """Children started in order and stopped in reverse order; `die_with_parent` for each one
+    it starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, die_with_parent: bool = False) -> None:
         self.children: list[Child] = []
+        self.die_with_parent = die_with_parent
 
     def start(self, name: str, argv: Sequence[str], **kwargs: object) -> Child:
+        kwargs.setdefault("die_with_parent", self.die_with_parent)
         child = Child(name, argv, **kwargs)  # type: ignore[arg-type]
         self.children.append(child)
         return child

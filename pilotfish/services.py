@@ -195,8 +195,12 @@ def _launch(attempt: Callable[[], RunningService]) -> RunningService:
     raise AssertionError("unreachable")
 
 
-def start_redis(work_dir: Path, port: int | None = None, *, timeout: float = 30.0) -> RunningService:
-    """redis-server on 127.0.0.1, configured on the command line, with no persistence."""
+def start_redis(
+    work_dir: Path, port: int | None = None, *, timeout: float = 30.0, die_with_parent: bool = False
+) -> RunningService:
+    """redis-server on 127.0.0.1, configured on the command line, with no persistence.
+
+    `die_with_parent`: see `procs.Child`."""
     binary = redis_binary()
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "redis.log"
@@ -216,7 +220,7 @@ def start_redis(work_dir: Path, port: int | None = None, *, timeout: float = 30.
             "--logfile", "",  # stdout, which Child appends to log_path
             "--loglevel", "warning",
         ]  # fmt: skip
-        child = Child("redis-server", argv, log_path=log_path, cwd=work_dir)
+        child = Child("redis-server", argv, log_path=log_path, cwd=work_dir, die_with_parent=die_with_parent)
         service = RunningService("redis", f"redis://{LOOPBACK}:{p}/0", p, child, work_dir, log_path)
         return _wait_ready(service, lambda: redis_answers_ping(p), timeout, [] if port else [p])
 
@@ -280,6 +284,7 @@ def start_envoy(
     concurrency: int | None = None,
     extra_args: Sequence[str] = (),
     timeout: float = 60.0,
+    die_with_parent: bool = False,
 ) -> RunningService:
     """Envoy with `bootstrap_yaml`, ready once its admin `/ready` answers LIVE.
 
@@ -287,7 +292,8 @@ def start_envoy(
     127.0.0.1:`admin_port` (a free port when None), merged over whatever the bootstrap says,
     so the caller renders only listeners and clusters. `.url` and `.port` are the admin's.
     Hot restart is disabled, so Envoys never share a base id or shared-memory region and any
-    number run at once. Files are `<name>.yaml` and `<name>.log` in `work_dir`.
+    number run at once, and a restarted one binds the same ports at once. Files are `<name>.yaml`
+    and `<name>.log` in `work_dir`. `die_with_parent`: see `procs.Child`.
     """
     binary = envoy_binary()
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -310,7 +316,7 @@ def start_envoy(
         if concurrency is not None:
             argv += ["--concurrency", str(concurrency)]
         argv += list(extra_args)
-        child = Child(name, argv, log_path=log_path, cwd=work_dir)
+        child = Child(name, argv, log_path=log_path, cwd=work_dir, die_with_parent=die_with_parent)
         admin_url = f"http://{LOOPBACK}:{admin}"
         service = RunningService(name, admin_url, admin, child, work_dir, log_path, config_path)
         picked = [] if admin_port else [admin]

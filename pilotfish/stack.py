@@ -139,7 +139,9 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         ext_proc_ports=[ext_proc_port],
         default_endpoints=[("127.0.0.1", port) for _, port in engines],
     )
-    envoy_service = start_envoy(bootstrap, log_dir, admin_port, timeout=spec.start_timeout)
+    envoy_service = start_envoy(
+        bootstrap, log_dir, admin_port, timeout=spec.start_timeout, die_with_parent=group.die_with_parent
+    )
     envoy = envoy_service.child
     assert envoy is not None
     group.children.append(envoy)  # stopped with the rest, in reverse start order

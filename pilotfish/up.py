@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="pilotfish-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    group = ChildGroup()
+    group = ChildGroup(die_with_parent=True)  # a SIGKILLed `up` leaves no child holding its ports
     # Handle SIGINT ourselves too: a shell starts background jobs with SIGINT ignored.
     previous = {sig: signal.signal(sig, _raise_stopped) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         )
         ready: dict[str, Callable[[], bool]] = {}
         if config.full:
-            redis = start_redis(log_dir / "redis")
+            redis = start_redis(log_dir / "redis", die_with_parent=True)
             assert redis.child is not None
             group.children.append(redis.child)  # stopped last, after everything that uses it
             ready[redis.child.name] = lambda port=redis.port: redis_answers_ping(port)

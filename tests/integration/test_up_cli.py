@@ -333,3 +333,12 @@ def test_full_mode_restarts_its_redis_and_scheduling_resumes(
             alive=up.alive,
         )
         assert up.proc.poll() is None
+
+
+def test_a_sigkilled_up_leaves_no_child_behind(envoy_binary: Path, tmp_path: Path) -> None:
+    with running_up(tmp_path) as up:
+        assert len(up.pids()) == 4
+        os.kill(up.proc.pid, signal.SIGKILL)  # no chance to stop its children: the kernel does
+        assert up.proc.wait(60) == -signal.SIGKILL
+        wait_until(lambda: processes_with(up.marker) == [], 30, "every child of a SIGKILLed pilotfish up to exit")
+        wait_until(lambda: not port_answers(up.port), 30, "Envoy's listener to close")

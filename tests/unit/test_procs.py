@@ -210,3 +210,53 @@ def test_respawn_runs_the_same_command_with_the_same_log_in_its_place(tmp_path: 
     wait_until(lambda: log.read_text().count("ready second") == 2, READY_TIMEOUT, "the respawned child")
     group.stop_all()
     assert (tmp_path / "terms").read_text().split() == ["third", "second", "first"]  # order kept
+
+
+# Starts a sleeping Child (die_with_parent as argv[1] says), prints its pid, then sleeps itself.
+_PARENT = """
+import sys, time
+from pilotfish.procs import Child
+child = Child("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"], die_with_parent=sys.argv[1] == "1")
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def _gone_or_zombie(pid: int) -> bool:
+    fields = stat_fields(pid)
+    return fields is None or fields[0] == "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("die_with_parent", [True, False])
+def test_a_child_started_to_die_with_its_parent_goes_when_the_parent_is_killed(
+    tmp_path: Path, die_with_parent: bool
+) -> None:
+    log = tmp_path / "parent.log"
+    parent = Child("parent", [sys.executable, "-c", _PARENT, "1" if die_with_parent else "0"], log_path=log)
+    grandchild = 0
+    try:
+        wait_until(
+            lambda: log.exists() and log.read_text().strip(), READY_TIMEOUT, "the child's pid", alive=parent.exited
+        )
+        grandchild = int(log.read_text().split()[0])
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.proc.wait(READY_TIMEOUT)
+        if die_with_parent:
+            wait_until(lambda: _gone_or_zombie(grandchild), READY_TIMEOUT, "the child of a killed parent to die")
+        else:
+            assert not _gone_or_zombie(grandchild)  # the default: it outlives its parent
+    finally:
+        if grandchild and not _gone_or_zombie(grandchild):
+            os.kill(grandchild, signal.SIGKILL)  # the process this test started, by PID
+        parent.stop()
+
+
+def test_respawn_keeps_die_with_parent(tmp_path: Path) -> None:
+    group = ChildGroup(die_with_parent=True)
+    child = group.start("quick", [sys.executable, "-c", "pass"], log_path=tmp_path / "quick.log")
+    assert child.die_with_parent
+    child.proc.wait(READY_TIMEOUT)
+    again = group.respawn(child)
+    assert again.die_with_parent
+    group.stop_all()

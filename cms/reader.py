@@ -6,7 +6,7 @@ Two paths, as DESIGN.md says:
   each write; the reader GETs that one key and hands the decoded record over at once;
 - **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
   lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
-  A value identical to the one last seen is not decoded again.
+  A value identical to the one last seen (by its digest) is not decoded again.
 
 Values are read with GETRANGE 0..MAX_RECORD_BYTES, so a record over the size bound is refused
 without being transferred whole, let alone decoded. Records are decoded by `cms.records`
@@ -76,7 +76,8 @@ class CmsReader:
         self.sink = sink
         self.poll_interval = poll_interval
         self._client: Any = None
-        self._last_raw: dict[str, bytes] = {}
+        # a digest of the last value each key held and handed over: records are never kept whole
+        self._last_digest: dict[str, bytes] = {}
         self._rejected: dict[str, Rejected] = {}
         self._refusals = RefusalLog(log, what="rejected CMS record")
         self._note_refused = getattr(sink, "record_refused", None)
@@ -233,14 +234,14 @@ class CmsReader:
 
     async def _apply(self, key: str, kind: str, raw: bytes | Exception) -> bool:
         """Decode and hand over; True if the key holds a valid record (changed or not)."""
-        if isinstance(raw, bytes) and self._last_raw.get(key) == raw:
-            return True
         instance_id = keys.instance_of(key)
         if isinstance(raw, Exception):  # not a string key: nothing a writer of ours would leave
             raw_digest, size = b"", 0
             failure = BadRecord(f"{kind} key holds no string ({raw})", MALFORMED)
         else:
             raw_digest, size = digest(raw), len(raw)
+            if self._last_digest.get(key) == raw_digest:
+                return True  # unchanged since it was handed over
             held = self._rejected.get(key)
             if held is not None and held.digest == raw_digest:
                 return False  # the same refused value, polled again
@@ -262,7 +263,7 @@ class CmsReader:
             self._reject(key, instance_id, failure, size, raw_digest)
             return False
         self._rejected.pop(key, None)
-        self._last_raw[key] = raw  # type: ignore[assignment]
+        self._last_digest[key] = raw_digest
         if kind == keys.META:
             self.sink.apply_metadata(record)
         else:
@@ -281,7 +282,7 @@ class CmsReader:
 
     def _forget(self, key: str) -> bool:
         self._rejected.pop(key, None)
-        return self._last_raw.pop(key, None) is not None
+        return self._last_digest.pop(key, None) is not None
 
     def forget_all(self, instances: Iterable[str]) -> None:
         for instance_id in instances:

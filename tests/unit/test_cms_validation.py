@@ -454,6 +454,32 @@ async def test_an_oversized_record_is_refused_and_only_its_summary_kept() -> Non
     assert [s.update_id for s in sink.statuses] == [3] and key not in reader.rejected()
 
 
+async def test_a_record_handed_over_is_not_kept_whole_by_the_reader() -> None:
+    """The sink decides (and may refuse, as the view refuses a forged status); the reader keeps a
+    digest to skip the same value next poll, never the bytes."""
+
+    class Refusing(_Sink):
+        def apply_status(self, status: cms_pb2.InstanceStatus) -> bool:
+            return False
+
+    reader = CmsReader("redis://127.0.0.1:1/0", "c", Refusing())
+    key = keys.status_key("c", "a")
+    big = status(U64_MAX, timestamp_ms=U64_MAX, admitted_request_ids=[f"{k:048d}" for k in range(4000)])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        raw = big.SerializeToString()
+        assert len(raw) > 190_000
+        assert await reader._apply(key, keys.STATUS, raw)
+        assert await reader._apply(key, keys.STATUS, raw)  # the same value again: skipped
+        del raw
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 16 * 1024, f"{kept} bytes kept after handing over a record"
+
+
 async def test_a_bad_record_is_summarised_not_kept(caplog: pytest.LogCaptureFixture) -> None:
     sink = _Sink()
     reader = CmsReader("redis://127.0.0.1:1/0", "c", sink)

@@ -46,7 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     parser.add_argument("--trace", default=DEFAULT_TRACE,
                         help="Mooncake .jsonl, Azure .csv (name in ../shared/traces or a path), or "
-                             "synthetic[:groups=8,prompts=32,system=1024,question=128,output=128,rate=10,seed=0]")
+                             "synthetic[:groups=8,prompts=32,system=1024,question=128,output=128,rate=10,seed=0], or "
+                             "family:<system-prompt|multi-turn|tenants>[:knob=value,...] "
+                             "(simulator/traces/families.py; ranges as low-high)")
     parser.add_argument("--trace-dir", default=None, help="folder of the shared traces (unset: ../shared/traces)")
     parser.add_argument("--duration", type=float, default=600.0,
                         help="seconds of the trace's own timeline to replay, taken before compression (0: all)")
@@ -86,6 +88,13 @@ def load_trace(spec: str, trace_dir: str | None, seed: int) -> tuple[Trace, str]
         shared_prefix_trace,
     )
 
+    if spec.startswith("family:"):  # a seeded workload family (simulator/traces/families.py)
+        from pilotfish.simulator.traces.families import family_trace
+
+        try:
+            return family_trace(spec.partition(":")[2], seed), spec
+        except ValueError as exc:
+            raise SystemExit(f"--trace {spec}: {exc}") from None
     if spec == "synthetic" or spec.startswith("synthetic:"):
         values: dict[str, Any] = {"seed": seed}
         for item in filter(None, spec.partition(":")[2].split(",")):

@@ -1,0 +1,206 @@
+"""Seeded synthetic workload families: prefix structures that real chat fleets see, as traces.
+
+Every family returns a `Trace` (simulator/traces/model.py), so the virtual-time cluster, the
+HTTP replay and the tests read it like any loaded trace. A prompt is a list of segments; equal
+keys mean equal tokens, so what a family shares is exactly what an engine can cache. Each
+family is a pure function of its knobs and `seed`: the same call gives the same trace, and a
+different seed gives different lengths, order and arrivals with the same statistics.
+
+Families (`FAMILIES`, also `--trace family:<name>[:knob=value,...]` in `pilotfish bench cluster`):
+
+- `system-prompt`: one system prompt shared by every request, then a turn of its own. The
+  trace that made cache-first ranking send everything to one engine.
+- `multi-turn`: conversations whose prompts grow turn by turn: turn k's prompt is the system
+  prompt, then every earlier user message and answer, then the new user message, so each
+  turn's prompt starts with the previous turn's prompt.
+- `tenants`: several tenants, each with its own system prompt; tenant popularity is Zipf
+  skewed, so one tenant's prefix is hot and the rest are warm.
+
+Lengths are a fixed int or an inclusive (low, high) range drawn uniformly; arrivals are
+Poisson at `rate` requests (for `multi-turn`: conversations) per second.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from pilotfish.simulator.traces.model import Segment, Trace, TraceRequest
+from pilotfish.simulator.traces.synthetic import Length, poisson_arrivals
+
+
+def _draw(rng: random.Random, length: Length) -> int:
+    if isinstance(length, tuple):
+        low, high = length
+        if low < 0 or high < low:
+            raise ValueError(f"length range {length!r}: need 0 <= low <= high")
+        return rng.randint(low, high)
+    if length < 0:
+        raise ValueError(f"length {length!r} is negative")
+    return length
+
+
+def _request(request_id: str, at: float, segments: list[Segment], output: int) -> TraceRequest:
+    kept = tuple(s for s in segments if s[1] > 0)
+    return TraceRequest(request_id, at, sum(n for _, n in kept), max(1, output), kept)
+
+
+def system_prompt_trace(
+    *,
+    requests: int = 2000,
+    system: Length = 512,
+    turn: Length = (32, 512),
+    output: Length = (32, 256),
+    rate: float = 20.0,
+    seed: int = 0,
+    namespace: str = "fam-sys",
+) -> Trace:
+    """One shared system prompt, then a unique turn per request.
+
+    requests: how many; system: system-prompt tokens, the same prompt for all (drawn once when a
+    range); turn: each request's own tokens after it; output: tokens to generate; rate: Poisson
+    arrivals per second; seed: lengths and arrivals; namespace: segment-key prefix (two traces
+    with different namespaces share nothing).
+    """
+    rng = random.Random(f"{namespace}:{seed}")
+    system_len = _draw(rng, system)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    sys_key = f"{namespace}:{seed}:sys"
+    return [
+        _request(
+            f"{namespace}-{i}",
+            at,
+            [(sys_key, system_len), (f"{namespace}:{seed}:t:{i}", max(1, _draw(rng, turn)))],
+            _draw(rng, output),
+        )
+        for i, at in enumerate(arrivals)
+    ]
+
+
+def multi_turn_trace(
+    *,
+    conversations: int = 400,
+    turns: Length = (2, 8),
+    system: Length = 512,
+    user: Length = (32, 256),
+    answer: Length = (64, 384),
+    think: float = 10.0,
+    rate: float = 4.0,
+    shared_system: bool = True,
+    seed: int = 0,
+    namespace: str = "fam-mt",
+) -> Trace:
+    """Conversations whose prompts grow turn by turn.
+
+    conversations: how many, starting as Poisson arrivals at `rate` per second; turns: turns per
+    conversation; system: system-prompt tokens (one prompt for all conversations when
+    `shared_system`, else one per conversation); user: tokens of each user message; answer: tokens
+    of each answer, which is the turn's output and part of every later turn's prompt; think:
+    mean seconds (exponential) between a turn's arrival and the next one's; seed; namespace.
+
+    Turn k's prompt is [system, user 1, answer 1, ..., user k]. The answers in later prompts are
+    their own segments (the engine's generated tokens are not these), so a turn reuses the
+    previous turn's prompt, not what the engine generated after it: as a gateway that re-sends
+    the transcript sees it.
+    """
+    rng = random.Random(f"{namespace}:{seed}")
+    starts = poisson_arrivals(conversations, rate, seed)
+    shared_len = _draw(rng, system)
+    out: Trace = []
+    for c, start in enumerate(starts):
+        sys_key = f"{namespace}:{seed}:sys" if shared_system else f"{namespace}:{seed}:sys:{c}"
+        sys_len = shared_len if shared_system else _draw(rng, system)
+        history: list[Segment] = [(sys_key, sys_len)]
+        at = start
+        for k in range(max(1, _draw(rng, turns))):
+            history.append((f"{namespace}:{seed}:u:{c}:{k}", max(1, _draw(rng, user))))
+            reply = max(1, _draw(rng, answer))
+            out.append(_request(f"{namespace}-{c}-{k}", at, list(history), reply))
+            history.append((f"{namespace}:{seed}:a:{c}:{k}", reply))
+            at += rng.expovariate(1.0 / think) if think > 0 else 0.0
+    out.sort(key=lambda r: (r.arrival, r.request_id))
+    return out
+
+
+def tenants_trace(
+    *,
+    requests: int = 2000,
+    tenants: int = 8,
+    skew: float = 1.0,
+    system: Length = (256, 2048),
+    turn: Length = (32, 512),
+    output: Length = (32, 256),
+    rate: float = 20.0,
+    seed: int = 0,
+    namespace: str = "fam-ten",
+) -> Trace:
+    """Several tenants, each with its own system prompt, then a unique turn per request.
+
+    requests: how many; tenants: how many system prompts; skew: Zipf exponent of tenant
+    popularity (tenant t is picked with weight 1 / (t + 1) ** skew; 0 = uniform); system: each
+    tenant's system-prompt tokens (drawn once per tenant); turn, output, rate, seed, namespace as
+    in `system_prompt_trace`.
+    """
+    if tenants < 1:
+        raise ValueError("tenants must be >= 1")
+    rng = random.Random(f"{namespace}:{seed}")
+    lengths = [_draw(rng, system) for _ in range(tenants)]
+    weights = [1.0 / (t + 1) ** skew for t in range(tenants)]
+    arrivals = poisson_arrivals(requests, rate, seed)
+    out: Trace = []
+    for i, at in enumerate(arrivals):
+        t = rng.choices(range(tenants), weights)[0]
+        segments = [
+            (f"{namespace}:{seed}:sys:{t}", lengths[t]),
+            (f"{namespace}:{seed}:t:{i}", max(1, _draw(rng, turn))),
+        ]
+        out.append(_request(f"{namespace}-{i}", at, segments, _draw(rng, output)))
+    return out
+
+
+FAMILIES: dict[str, Callable[..., Trace]] = {
+    "system-prompt": system_prompt_trace,
+    "multi-turn": multi_turn_trace,
+    "tenants": tenants_trace,
+}
+
+
+def _parse_value(raw: str, default: Any) -> Any:
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{raw!r} is not a boolean")
+    if isinstance(default, float):
+        return float(raw)
+    if isinstance(default, int | tuple):  # a Length: `n` or `low-high`
+        low, sep, high = raw.partition("-")
+        return (int(low), int(high)) if sep else int(low)
+    return raw
+
+
+def family_trace(spec: str, seed: int = 0) -> Trace:
+    """The trace named by `name[:knob=value,...]`: a range is `low-high` (`turn=32-512`).
+
+    `seed` applies unless the spec sets one. Raises ValueError naming an unknown family or knob.
+    """
+    import inspect
+
+    name, _, knobs = spec.partition(":")
+    make = FAMILIES.get(name)
+    if make is None:
+        raise ValueError(f"unknown workload family {name!r} (known: {', '.join(FAMILIES)})")
+    params = inspect.signature(make).parameters
+    values: dict[str, Any] = {"seed": seed}
+    for item in filter(None, knobs.split(",")):
+        key, eq, raw = item.partition("=")
+        if not eq or key not in params:
+            known = ", ".join(params)
+            raise ValueError(f"family {name}: {item!r} is not knob=value with a knob of {known}")
+        try:
+            values[key] = _parse_value(raw, params[key].default)
+        except ValueError as exc:
+            raise ValueError(f"family {name}: {key}={raw!r}: {exc}") from None
+    return make(**values)

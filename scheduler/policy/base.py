@@ -44,6 +44,13 @@ class Metric(abc.ABC):
     # the value depends only on instance state whose changes are notified (LRS, status,
     # in-flight account) — not on the request or the clock — so a LoadIndex may order by it
     indexable: bool = True
+    # ranks by where the request's prefix is cached (the prefix index), so a cache_aware selector
+    # may put it first; the core keeps a prefix index for a policy that reads one
+    cache_locality: ClassVar[bool] = False
+    # (abs, rel): as the cache_aware selector's load metric, a value within
+    # max(least + abs, least * rel) of the least loaded instance counts as balanced, so a prefix
+    # hit may pick among such instances; (0, 1): only instances as loaded as the least
+    balance_band: ClassVar[tuple[float, float]] = (0.0, 1.0)
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         self.ctx = ctx if ctx is not None else default_context()

@@ -22,6 +22,12 @@ the remaining metrics (for cache_aware_all_prefills_tokens_num: by all_prefills_
 to which every instance without a hit adds the same prompt length), the instances with a hit
 are keyed explicitly, and the walk merges the two sorted streams.
 
+The cache_aware selector (selectors/cache_aware.py) ranks by load unless a prefix hit picks among
+the instances within the load band: the index keys by its load metrics alone, finds the least
+load from the first instance that passes, visits the instances with a hit explicitly, and merges
+them with the walk's in-band instances without one (kv_cache_hit_len 0, or all_prefills_tokens_num
+plus the whole prompt when the band's metric is all_prefills_tokens_num).
+
 Predictor-enhanced all_prefills_tokens_num moves with the clock, so no static order ranks it;
 `PredictedLoadIndex` answers it exactly all the same. Between two changes of an instance its
 predicted value P(now) = F + max(0, U - r * elapsed) (in-flight F, the status's uncomputed U,
@@ -50,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -59,6 +66,7 @@ from typing import TYPE_CHECKING
 from pilotfish.scheduler.policy.base import Candidate
 from pilotfish.scheduler.policy.filters.failover import DomainBlocker, FailoverFilter
 from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
+from pilotfish.scheduler.policy.selectors.cache_aware import CacheAwareSelector
 from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
@@ -70,6 +78,7 @@ _KEY_REQUEST = RequestInfo(request_id="", model="")
 
 HIT_LEN = "kv_cache_hit_len"
 CACHE_AWARE = "cache_aware_all_prefills_tokens_num"
+PREFILLS = "all_prefills_tokens_num"
 # sorts after every instance id: (value, _LAST) bounds all keys with that value
 _LAST = "\U0010ffff"
 
@@ -77,6 +86,14 @@ _LAST = "\U0010ffff"
 def _key_metrics(pipeline: Pipeline) -> tuple[str | None, list[tuple[str, Callable[..., float], float]]] | None:
     """(cache head name or None, what the index keys by as (name, value, sign)); None: not indexable."""
     metrics = list(pipeline.selector.metrics)
+    if isinstance(pipeline.selector, CacheAwareSelector):
+        # keyed by load alone; a cache value without a hit must follow the walk's order
+        head, load = metrics[0], metrics[1:]
+        if not all(m.indexable for m in load) or head.name not in (HIT_LEN, CACHE_AWARE):
+            return None
+        if head.name == CACHE_AWARE and load[0].name != PREFILLS:
+            return None
+        return head.name, [(m.name, m.value, m.sign) for m in load]
     head = None
     if metrics and metrics[0].name in (HIT_LEN, CACHE_AWARE):
         head = metrics.pop(0)
@@ -100,7 +117,7 @@ def _predicted_metric(pipeline: Pipeline) -> Metric | None:
 
 
 def indexable_pipeline(pipeline: Pipeline) -> bool:
-    if not isinstance(pipeline.selector, MetricBasedSelector):
+    if not isinstance(pipeline.selector, MetricBasedSelector | CacheAwareSelector):
         return False
     if _key_metrics(pipeline) is None and _predicted_metric(pipeline) is None:
         return False
@@ -242,6 +259,8 @@ class LoadIndex:
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         """The scan's answer by walking the index; None when nothing passes (the scan explains why)."""
         selector = pipeline.selector
+        if isinstance(selector, CacheAwareSelector):
+            return self._run_banded(pipeline, selector, req, count)
         need = max(selector.top_k, count)  # type: ignore[attr-defined]
         names = [m.name for m in selector.metrics]
         signs = [m.sign for m in selector.metrics]
@@ -266,6 +285,113 @@ class LoadIndex:
             if picked:
                 return [c.inst for c in selector.pick(picked, count)]  # type: ignore[attr-defined]
         return None
+
+    def _run_banded(
+        self, pipeline: Pipeline, selector: CacheAwareSelector, req: RequestInfo, count: int
+    ) -> list[InstanceView] | None:
+        """CacheAwareSelector.select over the walk: load order, the band from its first passing
+        instance, the instances with a hit visited explicitly."""
+        cache, *load = selector.metrics
+        names = [m.name for m in load]
+        signs = [m.sign for m in load]
+        extra = [m for m in pipeline.metrics if m.name not in names]
+        need = max(selector.top_k, count)
+        members = self.members
+        hits = {i: h for i, h in cache.ctx.prefix_hits(req).items() if i in members}
+        for fallback in (False, True):
+            filters, blockers = self._pass(pipeline, fallback)
+
+            def admit(key: tuple, filters: list = filters, blockers: list = blockers) -> Candidate | None:
+                inst = members[key[-1]]
+                values = {name: key[i] * signs[i] for i, name in enumerate(names)}
+                for m in extra:
+                    values[m.name] = m.value(inst, req)
+                cand = Candidate(inst, values)
+                if not all(f.passes(cand, req) for f in filters) or any(b.blocks(inst) for b in blockers):
+                    return None
+                return cand
+
+            walk = iter(self._sorted)
+            passing: list[tuple[tuple, Candidate]] = []  # the candidates that pass, in load order, as walked
+
+            def walked(j: int, walk: Iterator[tuple] = walk, passing: list = passing, admit: Callable = admit) -> bool:
+                """Walk until `passing` holds j + 1 entries; False when the walk ends first."""
+                while len(passing) <= j:
+                    for key in walk:
+                        cand = admit(key)
+                        if cand is not None:
+                            passing.append((key, cand))
+                            break
+                    else:
+                        return False
+                return True
+
+            if not walked(0):
+                continue
+            if hits:
+                ranked = self._affinity(selector, cache, hits, passing, walked, admit, req, need, count)
+                if ranked is not None:
+                    return ranked
+            walked(need - 1)
+            return [c.inst for c in selector.load_ranking.pick([c for _, c in passing[:need]], count)]
+        return None
+
+    def _affinity(
+        self,
+        selector: CacheAwareSelector,
+        cache: Metric,
+        hits: dict[str, int],
+        passing: list[tuple[tuple, Candidate]],
+        walked: Callable[[int], bool],
+        admit: Callable[[tuple], Candidate | None],
+        req: RequestInfo,
+        need: int,
+        count: int,
+    ) -> list[InstanceView] | None:
+        """The in-band ranking when the hits tell in-band candidates apart; None when they do not."""
+        limit = selector.band_limit(passing[0][0][0])
+        banded = []
+        for instance_id in hits:
+            key = self._key[instance_id]
+            if key[0] <= limit:
+                cand = admit(key)
+                if cand is not None:
+                    banded.append((key, cand))
+        if not banded:
+            return None
+        seen = {hits[key[-1]] for key, _ in banded}
+        j = 0
+        while walked(j) and passing[j][0][-1] in hits:
+            j += 1
+        if j < len(passing) and passing[j][0][0] <= limit:
+            seen.add(0)  # an in-band candidate without a hit
+        if len(seen) < 2:
+            return None
+        sign = cache.sign
+        explicit = sorted(((c.values[cache.name] * sign, *key), c) for key, c in banded)
+        prompt = float(req.prompt_tokens)
+        hit_len = cache.name == HIT_LEN
+
+        def without_hit() -> Iterator[tuple[tuple, Candidate]]:
+            k = 0
+            while walked(k):
+                key, c = passing[k]
+                if key[0] > limit:
+                    return
+                if key[-1] not in hits:
+                    yield ((0.0 * sign if hit_len else key[0] + prompt, *key), c)
+                k += 1
+
+        head = [c for _, c in itertools.islice(heapq.merge(explicit, without_hit(), key=lambda e: e[0]), need)]
+        ranked = selector.load_ranking.pick(head, len(head))
+        if len(ranked) < count:  # the fallbacks after them: the next by load alone
+            taken = {c.inst.instance_id for c in ranked}
+            k = 0
+            while len(ranked) < count and walked(k):
+                if passing[k][0][-1] not in taken:
+                    ranked.append(passing[k][1])
+                k += 1
+        return [c.inst for c in ranked[:count]]
 
 
 # the drain-time bound is bisected with this much slack, so rounding never leaves a contender out

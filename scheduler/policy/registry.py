@@ -45,6 +45,7 @@ from pilotfish.scheduler.policy.metrics.load import (
     KvCacheUsageRatioProjected,
     NumWaitingRequests,
 )
+from pilotfish.scheduler.policy.selectors.cache_aware import CacheAwareSelector
 from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
 from pilotfish.scheduler.policy.selectors.round_robin import RoundRobinSelector
 from pilotfish.scheduler.view.types import InferType
@@ -98,6 +99,7 @@ FILTERS.register(FailoverMigrationSrcFilter)
 SELECTORS: Registry[Selector] = Registry("selector")
 SELECTORS.register(MetricBasedSelector)
 SELECTORS.register(RoundRobinSelector)
+SELECTORS.register(CacheAwareSelector)
 
 # the spec's verifyDispatchLoadMetric: lite mode has only the LRS counts to rank by
 LITE_DISPATCH_LOAD_METRICS = ("num_requests", "num_tokens")
@@ -220,9 +222,22 @@ def _threshold(metric: str, threshold: float | None) -> list[dict[str, Any]]:
     return [{"name": "metric_based", "metric": metric, "threshold": threshold, "not_skip_when_fallback": False}]
 
 
+def _ranking(cache_first: list[str], metric: str, top_k: int) -> dict[str, Any]:
+    """The selector: load alone, or (cache-aware) the cached prefix first within the load metric's
+    balance band, so affinity never outweighs load (selectors/cache_aware.py)."""
+    if cache_first:
+        return {"name": "cache_aware", "metrics": [*cache_first, metric], "top_k": top_k}
+    return {"name": "metric_based", "metrics": [metric], "top_k": top_k}
+
+
 def load_balance_spec(config: SchedulerConfig) -> dict[str, Any]:
     """Lowest load wins. Full mode: health filters, threshold, failover, per infer type;
-    lite mode: neutral only, a threshold, ranked by num_requests or num_tokens."""
+    lite mode: neutral only, a threshold, ranked by num_requests or num_tokens.
+
+    Cache-aware: the spec puts the cache-locality metric before load; here it ranks first only
+    among the instances within the load metric's balance band of the least loaded one (the
+    cache_aware selector), since a prefix everyone shares would otherwise send every request to
+    the instance that cached it first."""
     cache_first = [config.cache_aware_metric] if config.enable_cache_aware_scheduling else []
     if config.enable_cache_aware_scheduling and config.cache_aware_metric not in CACHE_AWARE_METRICS:
         raise ConfigError(
@@ -236,7 +251,7 @@ def load_balance_spec(config: SchedulerConfig) -> dict[str, Any]:
         return {
             "neutral": {
                 "filters": _threshold(metric, config.dispatch_load_threshold),
-                "selector": {"name": "metric_based", "metrics": [*cache_first, metric], "top_k": top_k},
+                "selector": _ranking(cache_first, metric, top_k),
             }
         }
     spec: dict[str, Any] = {}
@@ -245,10 +260,9 @@ def load_balance_spec(config: SchedulerConfig) -> dict[str, Any]:
         METRICS.get(metric)
         threshold = getattr(config, f"dispatch_{kind}_load_threshold")
         # cache locality matters where the prompt is computed; a decode instance receives KV
-        ranked = [*cache_first, metric] if kind != "decode" else [metric]
         spec[kind] = {
             "filters": [*_health(config), *_threshold(metric, threshold), _failover(config)],
-            "selector": {"name": "metric_based", "metrics": ranked, "top_k": top_k},
+            "selector": _ranking(cache_first if kind != "decode" else [], metric, top_k),
         }
     return spec
 

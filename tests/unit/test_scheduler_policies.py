@@ -21,6 +21,7 @@ from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, Stal
 from pilotfish.scheduler.policy.filters.metric_based import MetricBasedFilter
 from pilotfish.scheduler.policy.index import LoadIndex, indexable_pipeline
 from pilotfish.scheduler.policy.registry import METRICS, build_policy, policy_spec
+from pilotfish.scheduler.policy.selectors.cache_aware import CacheAwareSelector
 from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
 from pilotfish.scheduler.view.predictor import StepTimeModel
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
@@ -115,13 +116,18 @@ def test_cache_aware_puts_the_locality_metric_first(kind: str, first: str) -> No
     assert spec[kind]["selector"]["metrics"][0] == first
 
 
-def test_cache_aware_prefers_the_cached_instance_over_the_idler_one() -> None:
+def test_cache_aware_prefers_the_cached_instance_over_the_idler_one_within_the_band() -> None:
     index = PrefixIndex()
     index.record_dispatch("busy", [1, 2, 3])
     policy = build_policy(full(enable_cache_aware_scheduling=True), ctx=ctx(prefix_index=index))
-    views = [view("busy", uncomputed_prefill_tokens=900), view("idle")]
+    # all_prefills_tokens_num's band is 512 tokens over the least loaded instance
+    views = [view("busy", uncomputed_prefill_tokens=500), view("idle")]
     assert policy.schedule(views, REQ, 1).target.instance_id == "busy"
+    # past the band the hit no longer outweighs the load (it used to win at any load: the lock-in)
+    views = [view("busy", uncomputed_prefill_tokens=900), view("idle")]
+    assert policy.schedule(views, REQ, 1).target.instance_id == "idle"
     # without the feature, load alone decides
+    views = [view("busy", uncomputed_prefill_tokens=500), view("idle")]
     assert build_policy(full(), ctx=ctx()).schedule(views, REQ, 1).target.instance_id == "idle"
 
 
@@ -304,7 +310,9 @@ FILTER_SETS = [
 
 
 def _pipeline(names: list[str], metrics: list[str], top_k: int, seed: int, c: PolicyContext) -> Pipeline:
-    ms = [METRICS.get(n)(c) for n in metrics]
+    """`metrics` ranked by metric_based; after a leading "cache_aware", by that selector."""
+    banded = metrics[0] == "cache_aware"
+    ms = [METRICS.get(n)(c) for n in metrics[banded:]]
     filters = []
     for name in names:
         if name == "schedulability":
@@ -315,6 +323,8 @@ def _pipeline(names: list[str], metrics: list[str], top_k: int, seed: int, c: Po
             filters.append(MetricBasedFilter(ms[0], 3000))
         else:
             filters.append(FailoverFilter(name.removeprefix("failover-")))
+    if banded:
+        return Pipeline(filters, CacheAwareSelector(ms, top_k=top_k, rng=random.Random(seed)))
     return Pipeline(filters, MetricBasedSelector(ms, top_k=top_k, rng=random.Random(seed)))
 
 
@@ -340,6 +350,9 @@ instance_state = st.tuples(
             ["kv_cache_hit_len", "all_prefills_tokens_num"],
             ["cache_aware_all_prefills_tokens_num"],
             ["cache_aware_all_prefills_tokens_num", "num_requests"],
+            ["cache_aware", "kv_cache_hit_len", "all_prefills_tokens_num"],
+            ["cache_aware", "kv_cache_hit_len", "num_requests", "kv_cache_usage_ratio_projected"],
+            ["cache_aware", "cache_aware_all_prefills_tokens_num", "all_prefills_tokens_num", "num_requests"],
         ]
     ),
     top_k=st.integers(1, 3),
@@ -400,6 +413,21 @@ def test_index_walk_equals_scan(
         ([], MetricBasedSelector([METRICS.get("kv_cache_hit_len")()]), True),  # sparse head, merged
         ([], MetricBasedSelector([METRICS.get("predicted_ttft")()]), False),
         ([], MetricBasedSelector([METRICS.get("num_requests")(), METRICS.get("kv_cache_hit_len")()]), False),
+        ([], CacheAwareSelector([METRICS.get("kv_cache_hit_len")(), METRICS.get("num_requests")()]), True),
+        (
+            [],
+            CacheAwareSelector(
+                [METRICS.get("cache_aware_all_prefills_tokens_num")(), METRICS.get("all_prefills_tokens_num")()]
+            ),
+            True,
+        ),
+        # a cost head whose non-hit values do not follow the band metric's order: scanned
+        (
+            [],
+            CacheAwareSelector([METRICS.get("cache_aware_all_prefills_tokens_num")(), METRICS.get("num_requests")()]),
+            False,
+        ),
+        ([], CacheAwareSelector([METRICS.get("kv_cache_hit_len")(), METRICS.get("predicted_ttft")()]), False),
         (
             [MetricBasedFilter(METRICS.get("num_requests")(), 3), SchedulabilityFilter()],
             MetricBasedSelector([METRICS.get("num_requests")()]),

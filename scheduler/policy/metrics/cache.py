@@ -18,6 +18,7 @@ class KvCacheHitLen(Metric):
     name = "kv_cache_hit_len"
     lower_is_better = False
     indexable = False
+    cache_locality = True
     # the prefix index is fed by dispatch decisions too, so lite mode has it
     lite = True
 
@@ -32,6 +33,7 @@ class CacheAwareAllPrefillsTokensNum(Metric):
 
     name = "cache_aware_all_prefills_tokens_num"
     indexable = False
+    cache_locality = True
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)

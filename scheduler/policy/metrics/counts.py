@@ -16,6 +16,7 @@ class NumRequests(Metric):
     name = "num_requests"
     lower_is_better = True
     lite = True
+    balance_band = (4.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         if self.ctx.full_mode:
@@ -35,6 +36,7 @@ class NumTokens(Metric):
     name = "num_tokens"
     lower_is_better = True
     lite = True
+    balance_band = (2048.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         return inst.lrs.num_tokens

@@ -17,6 +17,7 @@ class PredictedTtft(Metric):
     plus the decode batch's share of every chunked-prefill step (TPOT table)."""
 
     name = "predicted_ttft"
+    balance_band = (50.0, 1.1)
     indexable = False
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
@@ -40,6 +41,7 @@ class PredictedTpot(Metric):
     with this request's prompt joining the batch)."""
 
     name = "predicted_tpot"
+    balance_band = (2.0, 1.1)
     indexable = False
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:

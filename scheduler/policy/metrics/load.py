@@ -21,6 +21,7 @@ class KvCacheUsageRatioProjected(Metric):
     + tokens of in-flight decode requests) / total KV tokens."""
 
     name = "kv_cache_usage_ratio_projected"
+    balance_band = (0.05, 1.1)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         s = inst.status or EMPTY
@@ -34,6 +35,7 @@ class DecodeBatchSize(Metric):
     """Requests that will decode in the next steps: waiting (past prefill), loading, running and in-flight."""
 
     name = "decode_batch_size"
+    balance_band = (4.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         s = inst.status or EMPTY
@@ -44,6 +46,7 @@ class NumWaitingRequests(Metric):
     """Queue pressure: waiting requests plus in-flight dispatches."""
 
     name = "num_waiting_requests"
+    balance_band = (2.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         s = inst.status or EMPTY
@@ -55,6 +58,8 @@ class AllPrefillsTokensNum(Metric):
     minus (predictor-enhanced) the tokens forward-predicted as computed since the status."""
 
     name = "all_prefills_tokens_num"
+    # about one shared system prompt of prefill; no relative slack: a hit saves a fixed number of tokens
+    balance_band = (512.0, 1.0)
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)
@@ -102,6 +107,7 @@ class AllDecodesTokensNum(Metric):
     """Decode token load: sum of sequence lengths of the running decode batch + tokens of in-flight decode requests."""
 
     name = "all_decodes_tokens_num"
+    balance_band = (4096.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         s = inst.status or EMPTY

@@ -26,7 +26,7 @@ setup(
     package_dir=package_dir,
     package_data={
         "pilotfish": ["py.typed"],
-        "pilotfish.envoy": ["*.yaml", "gateway-api/*.yaml"],
+        "pilotfish.envoy": ["*.yaml", "gateway-api/*.yaml", "gateways/*.yaml"],
         "pilotfish.protos": ["*.proto", "*.pyi"],
         "pilotfish.simulator": ["profiles/*.yaml", "README.md"],
     },

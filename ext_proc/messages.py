@@ -222,9 +222,16 @@ def immediate(status: int, body: bytes, details: str, retry_after: int = 0) -> e
     )
 
 
-@lru_cache(maxsize=4096)  # a handful of engines x two sources x two modes; replies are never mutated
-def response_headers_reply(instance_id: str, source: str, stream_body: bool) -> ep.ProcessingResponse:
-    """Tag the response with the routing decision; stop body streaming unless it is SSE."""
+@lru_cache(maxsize=4096)  # a handful of engines x two sources x three modes; replies are never mutated
+def response_headers_reply(
+    instance_id: str, source: str, stream_body: bool, buffered: bool = False
+) -> ep.ProcessingResponse:
+    """Tag the response with the routing decision; stop body streaming unless it is SSE.
+
+    `buffered`: the filter buffers response bodies, which would hold every token of a stream until
+    its end; a stream asks for STREAMED instead (honoured where the filter allows mode overrides;
+    elsewhere the whole stream is counted at its end).
+    """
     reply = ep.ProcessingResponse(
         response_headers=ep.HeadersResponse(
             response=ep.CommonResponse(
@@ -235,5 +242,9 @@ def response_headers_reply(instance_id: str, source: str, stream_body: bool) -> 
     if not stream_body:
         reply.mode_override.CopyFrom(
             processing_mode_pb2.ProcessingMode(response_body_mode=processing_mode_pb2.ProcessingMode.NONE)
+        )
+    elif buffered:
+        reply.mode_override.CopyFrom(
+            processing_mode_pb2.ProcessingMode(response_body_mode=processing_mode_pb2.ProcessingMode.STREAMED)
         )
     return reply

@@ -341,7 +341,8 @@ class ExtProcServicer:
             self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
         if decision is None:
             return messages.response_headers_reply("", "", stream_body=False)
-        return messages.response_headers_reply(decision.instance_id, decision.source, stream_body)
+        buffered = s.response_mode == BUFFERED
+        return messages.response_headers_reply(decision.instance_id, decision.source, stream_body, buffered)
 
     def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
         counter = s.counter

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pilotfish.envoy_bootstrap import render_sidecar
+from pilotfish.envoy_bootstrap import render_gateway, render_sidecar
 from pilotfish.procs import Child, ChildGroup, free_port, port_answers, wait_until
 from pilotfish.services import LOOPBACK, envoy_binary, envoy_is_live, start_envoy
 
@@ -35,6 +35,12 @@ class StackSpec:
     cms_cluster: str = "pilotfish"
     with_scheduler: bool = True
     engine_args: list[str] = field(default_factory=list)
+    # Envoy as Pilotfish's sidecar ("sidecar", with its body modes) or as one of the gateways that
+    # host an InferencePool picker (envoy_bootstrap.GATEWAYS), with the pool's failure mode
+    gateway: str = "sidecar"
+    request_body_mode: str = "BUFFERED"
+    response_body_mode: str = "STREAMED"
+    failure_mode_allow: bool = False
 
 
 @dataclass(slots=True)
@@ -132,13 +138,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     )  # fmt: skip
     wait_ready(ext_proc, _answering(ext_proc_port, ext_proc_metrics_port))
 
-    bootstrap = render_sidecar(
-        listen_host=spec.listen_host,
-        listen_port=listen_port,
-        admin_port=admin_port,
-        ext_proc_ports=[ext_proc_port],
-        default_endpoints=[("127.0.0.1", port) for _, port in engines],
-    )
+    bootstrap = _bootstrap(spec, listen_port, admin_port, ext_proc_port, [("127.0.0.1", port) for _, port in engines])
     envoy_service = start_envoy(
         bootstrap, log_dir, admin_port, timeout=spec.start_timeout, die_with_parent=group.die_with_parent
     )
@@ -151,3 +151,26 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
         ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
     )  # fmt: skip
+
+
+def _bootstrap(
+    spec: StackSpec, listen_port: int, admin_port: int, ext_proc_port: int, engines: list[tuple[str, int]]
+) -> str:
+    if spec.gateway != "sidecar":
+        return render_gateway(
+            spec.gateway,
+            listen_host=spec.listen_host,
+            listen_port=listen_port,
+            ext_proc_ports=[ext_proc_port],
+            default_endpoints=engines,
+            failure_mode_allow=spec.failure_mode_allow,
+        )
+    return render_sidecar(
+        listen_host=spec.listen_host,
+        listen_port=listen_port,
+        admin_port=admin_port,
+        ext_proc_ports=[ext_proc_port],
+        default_endpoints=engines,
+        request_body_mode=spec.request_body_mode,
+        response_body_mode=spec.response_body_mode,
+    )

@@ -28,7 +28,7 @@ def test_inference_pool_points_at_the_pilotfish_picker():
     assert spec["selector"]["matchLabels"]
     assert all(isinstance(p["number"], int) for p in spec["targetPorts"])
     ref = spec["endpointPickerRef"]
-    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    assert ref["failureMode"] == "FailClose"  # a picker down must not let a client's header route
     services = {s["metadata"]["name"]: s for s in by_kind(docs, "Service")}
     picker = services[ref["name"]]
     assert ref["port"]["number"] in [p["port"] for p in picker["spec"]["ports"]]
@@ -47,13 +47,30 @@ def test_manifest_commands_parse_with_the_real_cli():
             assert args.port in ports
 
 
-def test_envoy_gateway_policy_buffers_requests_and_streams_responses():
-    (policy,) = documents("envoy-gateway-extension-policy.yaml")
-    assert policy["kind"] == "EnvoyExtensionPolicy"
+def test_envoy_gateway_policy_buffers_requests_streams_responses_and_fails_closed():
+    docs = documents("envoy-gateway-extension-policy.yaml")
+    (policy,) = by_kind(docs, "EnvoyExtensionPolicy")
     ext_proc = policy["spec"]["extProc"][0]
     assert ext_proc["processingMode"]["request"]["body"] == "Buffered"
     assert ext_proc["processingMode"]["response"]["body"] == "Streamed"
     assert ext_proc["backendRefs"][0]["name"] == "pilotfish-epp"
+    assert ext_proc["failOpen"] is False
+
+
+def test_envoy_gateway_strips_every_picker_header_before_routing():
+    from pilotfish.ext_proc import messages
+
+    (policy,) = by_kind(documents("envoy-gateway-extension-policy.yaml"), "ClientTrafficPolicy")
+    removed = set(policy["spec"]["headers"]["earlyRequestHeaders"]["remove"])
+    picker_headers = {
+        messages.DESTINATION_HEADER,
+        messages.SUBSET_METADATA_KEY,
+        messages.SERVED_METADATA_KEY,
+        messages.PREFILL_HEADER,
+        messages.INSTANCE_HEADER,
+        messages.ROUTE_SOURCE_HEADER,
+    }
+    assert picker_headers <= removed
 
 
 def test_sidecar_bootstrap_renders_to_valid_yaml():

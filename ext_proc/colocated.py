@@ -51,7 +51,11 @@ class LocalScheduler:
             raise RequestError(status, str(exc), retry_after=1 if status in (429, 503) else 0) from None
         target, decode = decision.target, decision.decode_target
         fallbacks = tuple(f.address for f in decision.fallbacks)
-        return Decision(target.instance_id, target.address, SCHEDULER, fallbacks, decode.address if decode else "")
+        if decode is not None:
+            return Decision(
+                target.instance_id, target.address, SCHEDULER, fallbacks, decode.address, decode.instance_id
+            )
+        return Decision(target.instance_id, target.address, SCHEDULER, fallbacks)
 
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
         if served_address:

@@ -342,7 +342,8 @@ class ExtProcServicer:
         if decision is None:
             return messages.response_headers_reply("", "", stream_body=False)
         buffered = s.response_mode == BUFFERED
-        return messages.response_headers_reply(decision.instance_id, decision.source, stream_body, buffered)
+        served_by = decision.decode_instance_id or decision.instance_id
+        return messages.response_headers_reply(served_by, decision.source, stream_body, buffered)
 
     def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
         counter = s.counter

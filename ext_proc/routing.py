@@ -31,8 +31,9 @@ class Decision:
     address: str
     source: str  # SCHEDULER or FALLBACK
     fallbacks: tuple[str, ...] = ()
-    # prefill/decode disaggregation: the decode engine's "ip:port" (then `address` is the prefill's)
+    # prefill/decode disaggregation: the decode engine (then `address` is the prefill engine's)
     decode_address: str = ""
+    decode_instance_id: str = ""
 
 
 class SchedulerUnavailable(Exception):

@@ -66,9 +66,11 @@ def _rpc_failure(exc: grpc.aio.AioRpcError) -> Exception:
 
 
 def _decision(reply: scheduler_pb2.ScheduleResponse) -> Decision:
-    target = reply.target
-    decode = reply.decode_target.address if reply.HasField("decode_target") else ""
-    return Decision(target.instance_id, target.address, SCHEDULER, tuple(f.address for f in reply.fallbacks), decode)
+    target, fallbacks = reply.target, tuple(f.address for f in reply.fallbacks)
+    if reply.HasField("decode_target"):
+        decode = reply.decode_target
+        return Decision(target.instance_id, target.address, SCHEDULER, fallbacks, decode.address, decode.instance_id)
+    return Decision(target.instance_id, target.address, SCHEDULER, fallbacks)
 
 
 class _SessionBase:

@@ -26,15 +26,13 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
     max_model_len: Annotated[int, Meta(ge=2, description="longest prompt + output one request may have")] = 8192
     block_size: Annotated[int, Meta(ge=1, description="tokens per KV-cache block")] = 16
     num_gpu_blocks: Annotated[int, Meta(ge=1, description="KV-cache blocks per engine")] = 8192
-    enable_prefix_caching: Annotated[
-        bool, Meta(description="reuse cached KV blocks of identical prompt prefixes")
-    ] = True
-    profile: Annotated[
-        str, Meta(description="step-time profile: a name in simulator/profiles/ or a YAML path")
-    ] = "llama3-8b-a100"
-    step_ms: Annotated[
-        float | None, Meta(description="fixed cost of one step in ms (overrides the profile)")
-    ] = None
+    enable_prefix_caching: Annotated[bool, Meta(description="reuse cached KV blocks of identical prompt prefixes")] = (
+        True
+    )
+    profile: Annotated[str, Meta(description="step-time profile: a name in simulator/profiles/ or a YAML path")] = (
+        "llama3-8b-a100"
+    )
+    step_ms: Annotated[float | None, Meta(description="fixed cost of one step in ms (overrides the profile)")] = None
     prefill_ms_per_token: Annotated[
         float | None, Meta(description="step cost per prefill token in ms (overrides the profile)")
     ] = None
@@ -72,9 +70,7 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
         list[int], Meta(description="explicit ports, one per engine (overrides --engines and --base-port)")
     ] = msgspec.field(default_factory=list)
     model: Annotated[str, Meta(description="model name served and reported in /v1/models")] = "pilotfish-sim"
-    engine_id_prefix: Annotated[
-        str, Meta(description="engine ids are <prefix>-0, <prefix>-1, ...")
-    ] = "sim"
+    engine_id_prefix: Annotated[str, Meta(description="engine ids are <prefix>-0, <prefix>-1, ...")] = "sim"
     tokenizer_path: Annotated[
         str | None, Meta(description="tokenizer.json for prompt tokens (unset: deterministic fallback)")
     ] = None
@@ -83,8 +79,9 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
     ] = 64
     kv_events_endpoint: Annotated[
         str | None,
-        Meta(description="publish vLLM KV events over ZMQ PUB: engine i binds this tcp://HOST:PORT plus i "
-             "(unset: off)"),
+        Meta(
+            description="publish vLLM KV events over ZMQ PUB: engine i binds this tcp://HOST:PORT plus i (unset: off)"
+        ),
     ] = None
     kv_events_topic: Annotated[str, Meta(description="ZMQ topic of the KV event messages (vLLM's default: empty)")] = ""
     kv_events_engines: Annotated[
@@ -96,6 +93,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
              "empty: none"),
     ] = ""  # fmt: skip
     cms_cluster: Annotated[str, Meta(description="cluster name: the namespace of the llumlets' CMS keys")] = "default"
+    infer_types: Annotated[
+        list[str],
+        Meta(description="prefill/decode role of each engine in order: neutral, prefill or decode (empty: all "
+             "neutral); the llumlet reports it, and a decode engine serves a request naming its prefill engine "
+             "in x-prefiller-host-port (one of this fleet's engines) on the KV that engine computed"),
+    ] = []  # fmt: skip
 
     def resolved_ports(self) -> list[int]:
         """One port per engine; 0 asks the kernel for a free one."""

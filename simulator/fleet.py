@@ -110,6 +110,12 @@ async def serve_engines(
     publishers: list[Any] = []
     llumlets: list[Any] = []
     fleet: Fleet | None = None
+    roles = list(serve.infer_types) or ["neutral"] * len(ports)
+    if len(roles) != len(ports):
+        raise ConfigError(f"--infer-types: {len(roles)} roles for {len(ports)} engines")
+    if bad := [r for r in roles if r not in ("neutral", "prefill", "decode")]:
+        raise ConfigError(f"--infer-types: {bad[0]!r} is not neutral, prefill or decode")
+    peers: set[str] = set()  # every engine of this fleet, filled as they bind: who may prefill for whom
     try:
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
             engine_id = f"{serve.engine_id_prefix}-{i}"
@@ -131,7 +137,7 @@ async def serve_engines(
             driver = EngineDriver(core, publisher)
             driver.start()
             drivers.append(driver)
-            app = EngineApp(engine_id, serve, config, driver, tokenizer).build()
+            app = EngineApp(engine_id, serve, config, driver, tokenizer, peers).build()
             # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
             await runner.setup()
@@ -139,9 +145,10 @@ async def serve_engines(
             site = web.TCPSite(runner, serve.host, port, reuse_address=True)
             await site.start()
             bound = _bound_port(runner, port)
+            peers.add(f"{serve.host}:{bound}")
             llumlet = None
             if serve.cms_url:
-                llumlet = _attach_llumlet(serve, config, driver, engine_id, bound, kv_endpoint)
+                llumlet = _attach_llumlet(serve, config, driver, engine_id, bound, kv_endpoint, roles[i])
                 llumlets.append(llumlet)
             engines.append(SimEngine(EngineAddress(engine_id, serve.host, bound), config, driver, llumlet))
         fleet = Fleet(engines)
@@ -161,13 +168,21 @@ async def serve_engines(
 
 
 def _attach_llumlet(
-    serve: ServeConfig, config: EngineConfig, driver: EngineDriver, engine_id: str, port: int, kv_events_endpoint: str
+    serve: ServeConfig,
+    config: EngineConfig,
+    driver: EngineDriver,
+    engine_id: str,
+    port: int,
+    kv_events_endpoint: str,
+    infer_type: str = "neutral",
 ) -> Any:
     """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs, migration included."""
     from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
     from pilotfish.vllm_plugin.config import LlumletConfig
 
-    llumlet_config = LlumletConfig(cms_url=serve.cms_url, cluster=serve.cms_cluster, instance_id=engine_id)
+    llumlet_config = LlumletConfig(
+        cms_url=serve.cms_url, cluster=serve.cms_cluster, instance_id=engine_id, infer_type=infer_type
+    )
     return attach_llumlet(
         driver.core,
         config,

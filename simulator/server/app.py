@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import time
@@ -33,9 +34,14 @@ log = logging.getLogger(__name__)
 
 ENGINE_HEADER = "x-pilotfish-engine"
 REQUEST_ID_HEADER = "x-request-id"
+# llm-d's prefill/decode convention: the gateway routes to the decode engine and names its prefill
+# engine here; the decode side has that engine prefill (max_tokens 1), then decodes on the KV it got.
+PREFILLER_HEADER = "x-prefiller-host-port"
+PREFILLED_BY_HEADER = "x-pilotfish-prefilled-by"  # on the response: the prefill engine that served it
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+PREFILLED_BY_KEY = web.RequestKey("prefilled_by", str)
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -51,8 +57,13 @@ class EngineApp:
         engine: EngineConfig,
         driver: EngineDriver,
         tokenizer: Tokenizer,
+        prefill_peers: set[str] | None = None,
     ) -> None:
         self.engine_id = engine_id
+        # the engines this one may ask to prefill for it ("host:port"): never an address a request names
+        # beyond them, so the header cannot send the engine anywhere else
+        self.prefill_peers = prefill_peers if prefill_peers is not None else set()
+        self._client: Any = None  # aiohttp.ClientSession, opened on the first remote prefill
         self.serve = serve
         self.engine = engine
         self.driver = driver
@@ -71,13 +82,46 @@ class EngineApp:
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
+        app.on_cleanup.append(self._close_client)
         return app
+
+    async def _close_client(self, app: web.Application) -> None:
+        if self._client is not None:
+            await self._client.close()
+
+    async def _remote_prefill(self, http: web.Request, data: dict[str, Any], prefiller: str, prompt_len: int) -> None:
+        """Have `prefiller` compute the prompt (one output token, as llm-d's sidecar asks), then wait
+        out the KV transfer; the request then decodes here on the transferred KV."""
+        import aiohttp
+
+        if prefiller not in self.prefill_peers:
+            raise ApiError(400, f"prefill engine {prefiller!r} is not a peer of this engine", "BadRequestError")
+        if self._client is None:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300))
+        body = {**data, "max_tokens": 1, "stream": False}
+        body.pop("max_completion_tokens", None)
+        body.pop("stream_options", None)
+        # the same id, so the prefill engine's llumlet confirms the request the scheduler accounted there
+        request_id = http.headers.get(REQUEST_ID_HEADER)
+        headers = {REQUEST_ID_HEADER: request_id} if request_id else {}
+        try:
+            async with self._client.post(f"http://{prefiller}{http.path}", json=body, headers=headers) as reply:
+                await reply.read()
+                status = reply.status
+        except aiohttp.ClientError as exc:
+            raise ApiError(502, f"prefill engine {prefiller} failed: {exc}", "BadGatewayError") from None
+        if status != 200:
+            raise ApiError(502, f"prefill engine {prefiller} answered {status}", "BadGatewayError")
+        await asyncio.sleep(self.engine.kv_transfer_seconds(prompt_len))
 
     async def _tag_response(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers[ENGINE_HEADER] = self.engine_id
         request_id = request.headers.get(REQUEST_ID_HEADER)
         if request_id:
             response.headers[REQUEST_ID_HEADER] = request_id
+        prefilled_by = request.get(PREFILLED_BY_KEY)
+        if prefilled_by:
+            response.headers[PREFILLED_BY_HEADER] = prefilled_by
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -125,9 +169,15 @@ class EngineApp:
             if prompt_len + max_tokens > limit:
                 raise context_length_error(limit, prompt_len, max_tokens)
 
+        prefiller = http.headers.get(PREFILLER_HEADER)
+        if prefiller:
+            await self._remote_prefill(http, data, prefiller, prompt_len)
+            http[PREFILLED_BY_KEY] = prefiller
         base_id = http.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         internal_id = f"{base_id}#{next(self._seq)}"
         sim_request = SimRequest(internal_id, parsed.prompt_token_ids, max_tokens, stop_after, time.monotonic())
+        if prefiller:  # the prompt's KV came from the prefill engine: like a prefix-cache hit
+            sim_request.num_external_computed_tokens = prompt_len
         shape = ResponseShape(base_id, parsed.model, chat, prompt_len)
         finished = False
         response: web.StreamResponse | None = None

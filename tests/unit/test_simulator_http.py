@@ -67,7 +67,7 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
         if not line:
             continue
         assert line.startswith("data: ")
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         events.append(data if data == "[DONE]" else json.loads(data))
     return events
 
@@ -82,8 +82,11 @@ def words(n: int) -> str:
 async def test_completion_shape_and_usage(fleet: Fleet, http: aiohttp.ClientSession) -> None:
     url = fleet.urls[0]
     prompt = "Hello world, how are you today?"
-    async with http.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5},
-                         headers={"x-request-id": "req-1"}) as resp:
+    async with http.post(
+        f"{url}/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 5},
+        headers={"x-request-id": "req-1"},
+    ) as resp:
         assert resp.status == 200
         assert resp.headers["x-pilotfish-engine"] == "sim-0"
         assert resp.headers["x-request-id"] == "req-1"
@@ -183,8 +186,12 @@ async def test_chat_stream_with_include_usage(fleet: Fleet, http: aiohttp.Client
 
 
 async def test_continuous_usage_stats(fleet: Fleet, http: aiohttp.ClientSession) -> None:
-    payload = {"prompt": "a b", "max_tokens": 3, "stream": True,
-               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    payload = {
+        "prompt": "a b",
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+    }
     async with http.post(f"{fleet.urls[0]}/v1/completions", json=payload) as resp:
         events = await read_sse(resp)
     tokens = events[:3]
@@ -206,16 +213,28 @@ ERRORS: list[tuple[str, str, bytes | dict[str, Any], int]] = [
     ("message without role", "/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400),
     ("max_tokens zero", "/v1/completions", {"prompt": "x", "max_tokens": 0}, 400),
     ("max_tokens string", "/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400),
-    ("max_completion_tokens negative", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1}, 400),
+    (
+        "max_completion_tokens negative",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -1},
+        400,
+    ),
     ("n two", "/v1/completions", {"prompt": "x", "n": 2}, 400),
     ("stream not bool", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400),
-    ("stream_options without stream", "/v1/completions",
-     {"prompt": "x", "stream_options": {"include_usage": True}}, 400),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+    ),
     ("context too long", "/v1/completions", {"prompt": "x", "max_tokens": 100_000}, 400),
     ("unknown model", "/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404),
-    ("unknown model chat", "/v1/chat/completions",
-     {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404),
+    (
+        "unknown model chat",
+        "/v1/chat/completions",
+        {"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]},
+        404,
+    ),
 ]
 
 
@@ -254,8 +273,14 @@ async def test_health_and_models(fleet: Fleet, http: aiohttp.ClientSession) -> N
 
 
 async def test_metrics_follow_running_and_waiting_requests(http: aiohttp.ClientSession) -> None:
-    engine = EngineConfig(step_ms=1, prefill_ms_per_token=0, decode_ms_per_token=0, max_num_seqs=1,
-                          max_model_len=1_000_000, num_gpu_blocks=70_000)
+    engine = EngineConfig(
+        step_ms=1,
+        prefill_ms_per_token=0,
+        decode_ms_per_token=0,
+        max_num_seqs=1,
+        max_model_len=1_000_000,
+        num_gpu_blocks=70_000,
+    )
     async with serve_engines(ServeConfig(engines=1, base_port=0), engine) as f:
         url = f.urls[0]
         before = await metrics(http, url)
@@ -300,8 +325,14 @@ async def test_metrics_follow_running_and_waiting_requests(http: aiohttp.ClientS
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "non-streaming"])
 async def test_client_abort_frees_the_slot(http: aiohttp.ClientSession, stream: bool) -> None:
-    engine = EngineConfig(step_ms=1, prefill_ms_per_token=0, decode_ms_per_token=0, max_num_seqs=1,
-                          max_model_len=1_000_000, num_gpu_blocks=70_000)
+    engine = EngineConfig(
+        step_ms=1,
+        prefill_ms_per_token=0,
+        decode_ms_per_token=0,
+        max_num_seqs=1,
+        max_model_len=1_000_000,
+        num_gpu_blocks=70_000,
+    )
     async with serve_engines(ServeConfig(engines=1, base_port=0), engine) as f:
         url = f.urls[0]
         payload = {"prompt": "long one", "max_tokens": 500_000, "stream": stream}
@@ -343,8 +374,9 @@ async def test_repeated_prompt_hits_the_prefix_cache(fleet: Fleet, http: aiohttp
 
 async def test_preemption_shows_in_metrics_and_loses_no_token(http: aiohttp.ClientSession) -> None:
     # 8 blocks of 4 tokens: three requests growing to 12 tokens each cannot all stay resident
-    engine = EngineConfig(step_ms=0.2, prefill_ms_per_token=0, decode_ms_per_token=0, block_size=4,
-                          num_gpu_blocks=8, max_model_len=32)
+    engine = EngineConfig(
+        step_ms=0.2, prefill_ms_per_token=0, decode_ms_per_token=0, block_size=4, num_gpu_blocks=8, max_model_len=32
+    )
     async with serve_engines(ServeConfig(engines=1, base_port=0), engine) as f:
         url = f"{f.urls[0]}/v1/completions"
 
@@ -385,8 +417,9 @@ async def test_two_engines_answer_on_their_own_ports(http: aiohttp.ClientSession
         assert len({a.port for a in f.addresses}) == 2
         for address in f.addresses:
             headers = {"x-request-id": f"to-{address.engine_id}"}
-            async with http.post(f"{address.url}/v1/completions", json={"prompt": "x", "max_tokens": 1},
-                                 headers=headers) as resp:
+            async with http.post(
+                f"{address.url}/v1/completions", json={"prompt": "x", "max_tokens": 1}, headers=headers
+            ) as resp:
                 assert resp.headers["x-pilotfish-engine"] == address.engine_id
                 assert resp.headers["x-request-id"] == f"to-{address.engine_id}"
                 assert (await resp.json())["id"] == f"cmpl-to-{address.engine_id}"
@@ -394,10 +427,10 @@ async def test_two_engines_answer_on_their_own_ports(http: aiohttp.ClientSession
 
 
 def test_cli_serves_until_sigterm_and_exits_zero() -> None:
-    argv = [sys.executable, "-m", "pilotfish", "sim", "serve", "--engines", "2", "--base-port", "0",
-            "--step-ms", "1"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    argv = [sys.executable, "-m", "pilotfish", "sim", "serve", "--engines", "2", "--base-port", "0", "--step-ms", "1"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline().strip() for _ in range(2)]
@@ -409,3 +442,24 @@ def test_cli_serves_until_sigterm_and_exits_zero() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_decode_engine_prefills_only_on_an_engine_of_its_own_fleet(http: aiohttp.ClientSession) -> None:
+    """x-prefiller-host-port names the prefill engine; anything outside the fleet is refused unread."""
+    async with serve_engines(ServeConfig(engines=2, base_port=0, default_output_tokens=3), FAST) as pair:
+        prefill, decode = pair.urls
+        prefill_address = prefill.removeprefix("http://")
+        body = {"model": MODEL, "prompt": "hello there", "max_tokens": 3}
+        before = (await metrics(http, prefill))["vllm:request_success_total.length"]
+        headers = {"x-prefiller-host-port": prefill_address}
+        async with http.post(f"{decode}/v1/completions", json=body, headers=headers) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-pilotfish-prefilled-by"] == prefill_address
+            assert (await resp.json())["usage"]["completion_tokens"] == 3
+        assert (await metrics(http, prefill))["vllm:request_success_total.length"] == before + 1
+        for outsider in ("127.0.0.1:1", "169.254.169.254:80", "example.com:80"):
+            async with http.post(
+                f"{decode}/v1/completions", json=body, headers={"x-prefiller-host-port": outsider}
+            ) as resp:
+                assert resp.status == 400
+                assert "not a peer" in (await resp.json())["message"]

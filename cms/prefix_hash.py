@@ -29,6 +29,10 @@ HASH_KEY = b"pilotfish-prefix-v1"
 _U64 = struct.Struct("<Q")
 
 
+# Tokens per hashed block that the gateway sends and the scheduler expects unless an operator sets
+# both: coarser than an engine's block is fine for routing and cheaper to hash.
+DEFAULT_BLOCK_SIZE = 64
+
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int]:
     """Chained 64-bit hashes of the full blocks of `token_ids`, first block first.
 

@@ -6,6 +6,7 @@ from typing import Annotated
 
 from msgspec import Meta
 
+from pilotfish.cms.prefix_hash import DEFAULT_BLOCK_SIZE
 from pilotfish.discovery.config import DiscoveryConfig
 
 
@@ -83,7 +84,7 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             description="tokens per prefix block hashed for the scheduler's prefix index (cms/prefix_hash.py); "
             "coarser than the engine's block is fine for routing and cheaper; 0: no hashes",
         ),
-    ] = 64
+    ] = DEFAULT_BLOCK_SIZE
     destination_fallbacks: Annotated[
         int,
         Meta(

@@ -3,8 +3,9 @@
 The token ids give the prompt token count and the prefix block hashes the scheduler matches.
 Tokenizers come from a local file (`--tokenizer-path`) or from an installed Python package
 that ships one (`--tokenizer-name package` or `package:path/inside/it`); nothing is ever
-downloaded. Without one, the simulator's fallback tokenizer is used: exact for simulated
-engines, an estimate for real ones (about one token per word or punctuation mark).
+downloaded. Without one, the fallback tokenizer (cms/fallback_tokens.py) is used: exact for
+simulated engines, which use it too, an estimate for real ones (about one token per word or
+punctuation mark).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def tokenizer(tokenizer_path: str = "", tokenizer_name: str = "") -> Callable[[s
         if not path.is_file():
             raise FileNotFoundError(f"--tokenizer-path {tokenizer_path}: no tokenizer.json there")
     else:
-        from pilotfish.simulator.tokens import fallback_token_ids
+        from pilotfish.cms.fallback_tokens import fallback_token_ids
 
         return fallback_token_ids
     from tokenizers import Tokenizer

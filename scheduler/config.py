@@ -8,14 +8,9 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.cms.keys import BadId, check_id
+from pilotfish.cms.prefix_hash import DEFAULT_BLOCK_SIZE as _GATEWAY_PREFIX_BLOCK_SIZE
 from pilotfish.config import ConfigError
 from pilotfish.discovery.config import DiscoveryConfig
-from pilotfish.ext_proc.config import ExtProcConfig
-
-# the gateway's default, so the two agree unless an operator changes one of them
-_GATEWAY_PREFIX_BLOCK_SIZE = next(
-    f.default for f in msgspec.structs.fields(ExtProcConfig) if f.name == "prefix_block_size"
-)
 
 
 class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):

@@ -1,38 +1,52 @@
-"""Prompt tokens and generated text, shared by the simulator and the gateway.
+"""The simulated engine's prompt tokens and generated text.
 
-Without a tokenizer file both sides use `fallback_token_ids`, so the gateway's prompt count and
-prefix hashes agree with the engine's exactly. Pieces mimic BPE roughly (a word with its
-leading space is one token, long words split every 10 letters), giving about as many tokens as
-a real English tokenizer without loading one.
+Without a tokenizer file it uses `fallback_token_ids` (cms/fallback_tokens.py), the same function
+the gateway uses, so the gateway's prompt count and prefix hashes agree with the engine's exactly.
 """
 
 from __future__ import annotations
 
-import re
-import zlib
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-# Every character falls in exactly one alternative, so the pieces rejoin to the text.
-_PIECE = re.compile(r" ?[^\W\d_]{1,10}| ?\d{1,3}| ?[^\w\s]| ?_|\s+")
-_VOCAB = 100_000
+from pilotfish.cms.fallback_tokens import VOCAB, fallback_pieces, fallback_token_ids
+
+__all__ = ["WORDS", "Tokenizer", "fallback_pieces", "fallback_token_ids", "load_tokenizer", "render_chat"]
 
 # Generated text cycles through these; each is one fallback token, so a conversation that sends
 # an answer back as its next prompt counts it as the same number of tokens.
 WORDS = (
-    " the", " of", " and", " to", " in", " is", " that", " for", " it", " as",
-    " was", " with", " be", " by", " on", " not", " he", " this", " are", " or",
-    " his", " from", " at", " which", " but", " have", " an", " had", " they", " you",
+    " the",
+    " of",
+    " and",
+    " to",
+    " in",
+    " is",
+    " that",
+    " for",
+    " it",
+    " as",
+    " was",
+    " with",
+    " be",
+    " by",
+    " on",
+    " not",
+    " he",
+    " this",
+    " are",
+    " or",
+    " his",
+    " from",
+    " at",
+    " which",
+    " but",
+    " have",
+    " an",
+    " had",
+    " they",
+    " you",
 )
-
-
-def fallback_pieces(text: str) -> list[str]:
-    return _PIECE.findall(text)
-
-
-def fallback_token_ids(text: str) -> list[int]:
-    """Deterministic token ids for `text` (crc32 of each piece): stable across processes."""
-    return [zlib.crc32(p.encode()) % _VOCAB for p in _PIECE.findall(text)]
 
 
 def render_chat(messages: Sequence[dict[str, Any]]) -> str:
@@ -60,7 +74,7 @@ def generated_word(index: int) -> str:
 
 def generated_token_id(index: int) -> int:
     # above the fallback vocabulary, so generated tokens never collide with prompt pieces
-    return _VOCAB + index % len(WORDS)
+    return VOCAB + index % len(WORDS)
 
 
 class Tokenizer(Protocol):

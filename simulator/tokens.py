@@ -16,37 +16,10 @@ __all__ = ["WORDS", "Tokenizer", "fallback_pieces", "fallback_token_ids", "load_
 # Generated text cycles through these; each is one fallback token, so a conversation that sends
 # an answer back as its next prompt counts it as the same number of tokens.
 WORDS = (
-    " the",
-    " of",
-    " and",
-    " to",
-    " in",
-    " is",
-    " that",
-    " for",
-    " it",
-    " as",
-    " was",
-    " with",
-    " be",
-    " by",
-    " on",
-    " not",
-    " he",
-    " this",
-    " are",
-    " or",
-    " his",
-    " from",
-    " at",
-    " which",
-    " but",
-    " have",
-    " an",
-    " had",
-    " they",
-    " you",
-)
+    " the", " of", " and", " to", " in", " is", " that", " for", " it", " as",
+    " was", " with", " be", " by", " on", " not", " he", " this", " are", " or",
+    " his", " from", " at", " which", " but", " have", " an", " had", " they", " you",
+)  # fmt: skip
 
 
 def render_chat(messages: Sequence[dict[str, Any]]) -> str:

@@ -63,7 +63,8 @@ class LocalScheduler:
         self._core.report(request_id, generated_tokens, prefill_done)  # type: ignore[attr-defined]
 
     def release(self, request_id: str, reason: int) -> None:
-        self._core.release(request_id)  # type: ignore[attr-defined]
+        # the reason feeds the core's engine health (an upstream error is a failure of that engine)
+        self._core.release(request_id, reason)  # type: ignore[attr-defined]
 
     def instance_added(self, instance: Instance) -> None:
         from pilotfish.scheduler.view.types import Endpoint, InstanceView

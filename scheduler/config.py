@@ -214,6 +214,55 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         ),
     ] = 300.0
 
+    # -- engine health in the data path (scheduler/health.py) --
+    outlier_consecutive_failures: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="eject an engine after this many upstream failures in a row (the gateway's Release "
+            "reason UPSTREAM_ERROR: a 5xx or no connection; or a request the gateway served elsewhere); "
+            "0 = never",
+        ),
+    ] = 3
+    outlier_base_ejection_seconds: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="an engine's k-th ejection in a row lasts k times this (capped), then it is let back "
+            "on probation: one failure ejects it again, one success forgives its ejections",
+        ),
+    ] = 5.0
+    outlier_max_ejection_seconds: Annotated[
+        float, Meta(gt=0, description="the longest one ejection lasts, however many came before")
+    ] = 60.0
+    health_probes: Annotated[
+        str,
+        Meta(
+            description="probe each engine's --health-probe-path: auto (lite mode only; in full mode the "
+            "llumlet's CMS status and its staleness already say liveness), on, off"
+        ),
+    ] = "auto"
+    health_probe_path: Annotated[str, Meta(description="HTTP path probed on each engine (GET, 200 = healthy)")] = (
+        "/health"
+    )
+    health_probe_interval_seconds: Annotated[
+        float, Meta(gt=0, description="seconds between two probes of one engine")
+    ] = 2.0
+    health_probe_timeout_seconds: Annotated[
+        float, Meta(gt=0, description="a probe not answered 200 within this fails")
+    ] = 1.0
+    health_probe_failures: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="probes failed in a row that eject an engine, until a probe succeeds; detection "
+            "within interval x this + timeout",
+        ),
+    ] = 2
+    health_probe_concurrency: Annotated[
+        int, Meta(ge=1, le=1024, description="probes in flight at once, across all engines")
+    ] = 32
+
     # -- rescheduling: the rescheduler's settings, checked by rescheduler/settings.py (scheduler/README.md) --
     enable_rescheduling: Annotated[
         bool,
@@ -359,7 +408,23 @@ def validate(config: SchedulerConfig) -> list[tuple[str, str]]:
         raise ConfigError(f"--metrics-port: {config.metrics_port} is also the gRPC --port")
     if config.session_port and config.session_port in (config.port, config.metrics_port):
         raise ConfigError(f"--session-port: {config.session_port} is also the gRPC or metrics port")
+    if config.health_probes not in HEALTH_PROBES:
+        raise ConfigError(f"--health-probes: {config.health_probes!r} is not one of {', '.join(HEALTH_PROBES)}")
+    if config.outlier_max_ejection_seconds < config.outlier_base_ejection_seconds:
+        raise ConfigError("--outlier-max-ejection-seconds: below --outlier-base-ejection-seconds")
+    if not config.health_probe_path.startswith("/"):
+        raise ConfigError(f"--health-probe-path: {config.health_probe_path!r} does not start with /")
     return parsed
+
+
+HEALTH_PROBES = ("auto", "on", "off")
+
+
+def probes_enabled(config: SchedulerConfig) -> bool:
+    """--health-probes auto: lite mode only (full mode has the CMS status and its staleness)."""
+    if config.health_probes == "auto":
+        return not config.enable_full_mode_scheduling
+    return config.health_probes == "on"
 
 
 def validate_service(config: SchedulerConfig) -> None:

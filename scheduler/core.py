@@ -9,6 +9,10 @@ the CMS (`apply_metadata` / `apply_status`, fed by cms.reader), plus the in-flig
 (view/account.py) and forward prediction (view/predictor.py); the LRS still holds each
 request's decision for retries and Release.
 
+Engine health (health.py): the gateway's Release reasons and served-elsewhere reports, and the
+service's health probes, eject engines; an ejected engine is no candidate for any policy (unless
+every engine of the model is ejected), so no pipeline needs a stage for it.
+
 Not thread-safe: one owner (an event loop) calls it.
 """
 
@@ -24,7 +28,7 @@ from typing import cast
 from prometheus_client import CollectorRegistry
 
 from pilotfish.discovery.static import in_subset
-from pilotfish.protos import cms_pb2
+from pilotfish.protos import cms_pb2, scheduler_pb2
 from pilotfish.scheduler import config as scheduler_config
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.errors import (
@@ -33,6 +37,7 @@ from pilotfish.scheduler.errors import (
     NoSchedulableInstanceError,
     UnknownModelError,
 )
+from pilotfish.scheduler.health import EngineHealth
 from pilotfish.scheduler.policy.base import Pipeline, Policy
 from pilotfish.scheduler.policy.index import LoadIndex, load_index
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
@@ -102,6 +107,9 @@ class SchedulerCore:
         self._models = frozenset(config.model)
         self._instances: dict[str, InstanceView] = {}
         self._by_model: dict[str, _ModelGroups] = {}
+        self._clock = clock
+        # ejected engines are no candidates; a change in that set rebuilds the candidate groups
+        self.health = EngineHealth.from_config(config, clock, on_change=self._by_model.clear)
         self.cms: CmsView | None = None
         if self.full_mode:
             self.cms = CmsView(
@@ -145,6 +153,7 @@ class SchedulerCore:
             return False
         self._lrs.drop_instance(instance_id)
         self.account.drop_instance(instance_id)
+        self.health.forget(instance_id)
         self._by_model.clear()
         self._dirty.discard(instance_id)
         return True
@@ -207,6 +216,11 @@ class SchedulerCore:
             if not serving and self.full_mode and not self._models:
                 # full mode learns models from the instances' metadata: none declares this one
                 raise UnknownModelError(f"model {model!r} is not served by any instance")
+            ejected = self.health.ejected
+            if ejected:
+                # ejected engines are no candidates, unless every one is (then all are: a pick
+                # that may fail beats refusing everything, as Envoy's panic threshold does)
+                serving = [i for i in serving if i.instance_id not in ejected] or serving
             groups = _ModelGroups()
             pipelines = self._policy.pipelines
             for inst in serving:
@@ -359,18 +373,48 @@ class SchedulerCore:
             return False
         old_instance_id = held.instance_id
         self._lrs.move(request_id, inst)
-        if self.full_mode and old_instance_id != inst.instance_id:
-            self.account.move(request_id, old_instance_id, inst, held.prompt_tokens)
+        if old_instance_id != inst.instance_id:
+            if self.full_mode:
+                self.account.move(request_id, old_instance_id, inst, held.prompt_tokens)
+            # served elsewhere: the gateway's retry left the scheduled engine before its first byte
+            self._drop(self.health.failure(old_instance_id))
         return True
 
-    def release(self, request_id: str) -> bool:
-        """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent."""
-        held = self._lrs.release(request_id)
+    def release(self, request_id: str, reason: int = scheduler_pb2.RELEASE_REASON_UNSPECIFIED) -> bool:
+        """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent.
+
+        `reason` (scheduler.proto ReleaseReason) feeds engine health: FINISHED is a success of the
+        engine the request is held on, UPSTREAM_ERROR a failure, and such a request keeps its load
+        there while the engine's run of failures lasts (health.py), so failing fast does not make
+        the engine look idle; the others say nothing of the engine.
+        """
+        entry = self._lrs.get(request_id)
         inflight = self.account.release(request_id)
-        return held or inflight
+        if entry is None:
+            return inflight
+        if reason == scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR:
+            self._drop(self.health.failure(entry.instance_id, request_id))
+            return True
+        self._lrs.release(request_id)
+        if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
+            self._drop(self.health.success(entry.instance_id))
+        return True
+
+    def probe_result(self, instance_id: str, ok: bool) -> None:
+        """One health probe of an engine (health.HealthProber); unknown instances are ignored."""
+        if instance_id in self._instances:
+            self._drop(self.health.probe(instance_id, ok))
+
+    def _drop(self, request_ids: list[str]) -> None:
+        """Release requests whose load engine health had kept (held as failures)."""
+        for request_id in request_ids:
+            self._lrs.release(request_id)
 
     def expire(self) -> int:
-        """Drop held requests and in-flight entries past the staleness period; returns how many."""
+        """Drop held requests and in-flight entries past the staleness period; returns how many.
+        Also lets back engines whose ejection ran out (health.py)."""
+        if self.health.due() <= self._clock():
+            self._drop(self.health.tick())
         dropped = self._lrs.expire()
         if dropped:
             log.warning(

@@ -1,8 +1,9 @@
 """The scheduler's gRPC service: translates protos, calls the core, maps errors to status codes.
 
 `SchedulerServer` owns the grpc.aio server (Scheduler + standard health service), the
-Prometheus endpoint, the periodic expiry of the local account and, in full mode, the CMS
-reader that feeds the core's view from Redis, all on one event loop.
+Prometheus endpoint, the periodic expiry of the local account, the engines' health probes
+(--health-probes, scheduler/health.py) and, in full mode, the CMS reader that feeds the core's
+view from Redis, all on one event loop.
 `run_forever` is what `pilotfish scheduler` runs: uvloop, signals, one line when listening.
 """
 
@@ -28,9 +29,10 @@ from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.protos.session_frames import ANSWERED_KEY
-from pilotfish.scheduler.config import SchedulerConfig, validate_service
+from pilotfish.scheduler.config import SchedulerConfig, probes_enabled, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import InvalidRequestError, SchedulerError
+from pilotfish.scheduler.health import HealthProber
 from pilotfish.scheduler.rescheduler.service import colocated_loop
 from pilotfish.scheduler.session_server import SessionSocketServer
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
@@ -152,7 +154,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     ) -> scheduler_pb2.ReleaseResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
-        return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id))
+        return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id, request.reason))
 
     async def Session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], context: grpc.aio.ServicerContext
@@ -201,7 +203,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if message.HasField("report"):
             self._report(message.report.reports)
         elif message.release.request_id:  # an empty id is dropped
-            self.core.release(message.release.request_id)
+            self.core.release(message.release.request_id, message.release.reason)
 
 
 def _session_error(seq: int, code: grpc.StatusCode, message: str) -> scheduler_pb2.SessionResponse:
@@ -228,6 +230,8 @@ class SchedulerServer:
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
         self._discovery_task: asyncio.Task[None] | None = None
+        self.prober: HealthProber | None = None
+        self._probe_task: asyncio.Task[None] | None = None
         self.kv_events: KvEventSubscriber | None = None
         # colocated rescheduling: None unless enabled (bad rescheduling flags fail here, before binding)
         self._rescheduler = colocated_loop(config, self.core)
@@ -267,6 +271,9 @@ class SchedulerServer:
                 await self.stop(0)
                 raise _bind_error(host, self.config.session_port, "--session-port", exc) from None
         self._expiry = asyncio.create_task(self._expire_periodically(), name="scheduler-expiry")
+        if probes_enabled(self.config):
+            self.prober = HealthProber(self.core, self.config)
+            self._probe_task = asyncio.create_task(self.prober.run(), name="scheduler-health-probes")
         if self.core.cms is not None:
             from pilotfish.cms.reader import CmsReader
 
@@ -297,8 +304,9 @@ class SchedulerServer:
         self.metrics_port = self.config.metrics_port
 
     async def _expire_periodically(self) -> None:
-        # Schedule expires lazily too; this keeps the account honest when no requests arrive
-        period = min(self.config.request_local_account_staleness_seconds / 2, 5.0)
+        # Schedule expires lazily too; this keeps the account honest when no requests arrive, and
+        # lets back engines whose ejection ran out (so /metrics says so within a second)
+        period = min(self.config.request_local_account_staleness_seconds / 2, 1.0)
         while True:
             await asyncio.sleep(period)
             self.core.expire()
@@ -309,10 +317,11 @@ class SchedulerServer:
         expiry, server, runner = self._expiry, self._server, self._metrics_runner
         reader, self._reader_task = self._reader_task, None
         discovery, self._discovery_task = self._discovery_task, None
+        probes, self._probe_task = self._probe_task, None
         self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
         if self._rescheduler is not None:
             await self._rescheduler.stop()  # before the reader: no cycle plans over a view being torn down
-        for task in (expiry, reader, discovery):
+        for task in (expiry, reader, discovery, probes):
             if task is not None:
                 task.cancel()
                 # bounded: the CMS reader may be mid-reconnect to a Redis that is gone

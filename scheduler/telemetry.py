@@ -10,6 +10,8 @@ nothing for them; only the decision-latency histogram is observed per decision.
 | `pilotfish_scheduler_inflight_requests{instance}`, `..._inflight_tokens{instance}` | LRS: held requests, tokens |
 | `pilotfish_scheduler_account_size` | requests held (dispatched, not released) |
 | `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
+| `pilotfish_scheduler_ejections_total{instance,reason}` | engine ejections: `upstream_errors`, `health_probes` |
+| `pilotfish_scheduler_instance_ejected{instance}` | 1 while the engine is ejected (no candidate), else 0 |
 | `pilotfish_scheduler_instance_metric{instance,metric}` | every metric the policy uses, per instance (no request) |
 | `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
@@ -32,6 +34,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from pilotfish.scheduler.health import PASSIVE, PROBE
 from pilotfish.scheduler.view.types import RequestInfo
 
 if TYPE_CHECKING:
@@ -76,9 +79,25 @@ class _ViewCollector(Collector):
             "applied it if that is longer (it grows while the CMS reader is cut off).",
             labels=["instance"],
         )
+        ejections = CounterMetricFamily(
+            "pilotfish_scheduler_ejections",
+            "Engine ejections (scheduler/health.py), by instance and reason: upstream_errors (consecutive "
+            "failures the gateway reported) or health_probes (failed probes in a row).",
+            labels=["instance", "reason"],
+        )
+        ejected = GaugeMetricFamily(
+            "pilotfish_scheduler_instance_ejected",
+            "1 while the instance is ejected and not picked, else 0.",
+            labels=["instance"],
+        )
+        health = core.health
         now = core.ctx.wall_clock()
         for inst in core.instances():
             labels = [inst.instance_id]
+            counts = health.ejections(inst.instance_id)
+            for reason in (PASSIVE, PROBE):
+                ejections.add_metric([inst.instance_id, reason], counts[reason])
+            ejected.add_metric(labels, 1.0 if health.is_ejected(inst.instance_id) else 0.0)
             dispatched.add_metric(labels, inst.lrs.num_dispatched)
             requests.add_metric(labels, inst.lrs.num_requests)
             tokens.add_metric(labels, inst.lrs.num_tokens)
@@ -94,7 +113,7 @@ class _ViewCollector(Collector):
             "Held requests dropped for staleness (their Release never came).",
             value=core.num_expired,
         )
-        yield from (dispatched, requests, tokens, size, expired, values)
+        yield from (dispatched, requests, tokens, size, expired, values, ejections, ejected)
         if not core.full_mode:
             return
         account = core.account

@@ -29,7 +29,7 @@ class FakeCore:
     def report_many(self, reports: Any) -> int:
         raise RuntimeError("a bug in the account")
 
-    def release(self, request_id: str) -> bool:
+    def release(self, request_id: str, reason: int = 0) -> bool:
         self.released.append(request_id)
         return True
 

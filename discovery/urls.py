@@ -8,6 +8,9 @@
 | `etcd://host:port[,host:port...]?prefix=pilotfish` (`etcd+https://` for TLS) | etcd lease + Watch |
 | `k8s:?namespace=NS&kubeconfig=PATH&context=C&port_name=P&metadata_port=N&metadata_host=H` | EndpointSlices |
 | `k8s://host:port?...` | the same, against a plain-HTTP API server (`kubectl proxy`, tests) |
+| `k8s-pool:[NS/]POOL?namespace=NS&kubeconfig=PATH&context=C&metadata_port=N` | an InferencePool's ready pods |
+| `k8s-pool://host:port/[NS/]POOL?...` | the same, against a plain-HTTP API server |
+| `k8s-pool://NS/POOL` (no port) | `k8s-pool:NS/POOL` |
 
 Constructors do no I/O: connections open on first use.
 """
@@ -19,14 +22,14 @@ import urllib.parse
 from pilotfish.config import ConfigError
 from pilotfish.discovery.api import ServiceDiscovery, ServiceRegistry
 
-SCHEMES = ("static", "file", "redis", "rediss", "etcd", "etcd+https", "k8s")
+SCHEMES = ("static", "file", "redis", "rediss", "etcd", "etcd+https", "k8s", "k8s-pool")
 
 
 def _split(url: str) -> tuple[str, str]:
     scheme, sep, rest = url.strip().partition(":")
     scheme = scheme.lower()
     if not sep or scheme not in SCHEMES:
-        raise ConfigError(f"--discovery: {url!r} is not one of static:, file:, redis://, etcd://, k8s:")
+        raise ConfigError(f"--discovery: {url!r} is not one of static:, file:, redis://, etcd://, k8s:, k8s-pool:")
     return scheme, rest
 
 
@@ -83,6 +86,48 @@ def _k8s_options(url: str, rest: str):  # type: ignore[no-untyped-def]
     return options, q.get("metadata_host") or "127.0.0.1"
 
 
+def _k8s_pool(url: str, rest: str):  # type: ignore[no-untyped-def]
+    from pilotfish.discovery.backends.k8s import DEFAULT_METADATA_PORT, K8sOptions
+    from pilotfish.discovery.backends.k8s_pool import PoolRef, check_name
+
+    q = _query(url, {"namespace", "kubeconfig", "context", "metadata_port"})
+    parts = urllib.parse.urlsplit(url)
+    api_url = None
+    path = parts.path
+    if rest.startswith("//"):
+        # k8s-pool://HOST:PORT/... names a plain-HTTP API server (as k8s://host:port does);
+        # without a port, k8s-pool://NAMESPACE/POOL is k8s-pool:NAMESPACE/POOL
+        try:
+            port = parts.port
+        except ValueError:
+            raise ConfigError(f"--discovery: {url!r}: the API server's port is not a number") from None
+        if port is None:
+            path = f"{parts.netloc}/{parts.path.strip('/')}"
+        else:
+            api_url = f"http://{parts.netloc}"
+    segments = [s for s in path.strip("/").split("/")]
+    if len(segments) == 1 and segments[0]:
+        namespace, name = q.get("namespace") or None, segments[0]
+    elif len(segments) == 2 and all(segments):
+        namespace, name = segments
+        if q.get("namespace") and q["namespace"] != namespace:
+            raise ConfigError(f"--discovery: {url!r}: namespace {namespace!r} and ?namespace= disagree")
+    else:
+        raise ConfigError(f"--discovery: {url!r} names no InferencePool (k8s-pool:[NAMESPACE/]POOL)")
+    try:
+        metadata_port = int(q.get("metadata_port") or DEFAULT_METADATA_PORT)
+    except ValueError:
+        raise ConfigError(f"--discovery: {url!r}: metadata_port is not a number") from None
+    options = K8sOptions(
+        api_url=api_url,
+        kube_namespace=check_name(namespace, "namespace") if namespace else None,
+        kubeconfig=q.get("kubeconfig") or None,
+        context=q.get("context") or None,
+        metadata_port=metadata_port,
+    )
+    return PoolRef(check_name(name, "InferencePool name"), options)
+
+
 def open_discovery(url: str, *, ttl: float = 10.0, interval: float = 1.0) -> ServiceDiscovery:
     """The reader for `url`; ConfigError names what is wrong with it."""
     scheme, rest = _split(url)
@@ -115,6 +160,10 @@ def open_discovery(url: str, *, ttl: float = 10.0, interval: float = 1.0) -> Ser
 
         prefix = _query(url, {"prefix"}).get("prefix") or "pilotfish"
         return EtcdDiscovery(_etcd_endpoints(url, scheme), prefix=prefix, ttl=ttl, interval=interval)
+    if scheme == "k8s-pool":
+        from pilotfish.discovery.backends.k8s_pool import InferencePoolDiscovery
+
+        return InferencePoolDiscovery(_k8s_pool(url, rest), interval=interval)
     from pilotfish.discovery.backends.k8s import K8sDiscovery
 
     options, _ = _k8s_options(url, rest)
@@ -130,6 +179,11 @@ def open_registry(url: str, *, ttl: float = 10.0) -> ServiceRegistry:
         from pilotfish.discovery.backends.memory import MemoryBackend
 
         return MemoryBackend()
+    if scheme == "k8s-pool":
+        raise ConfigError(
+            f"--discovery: {url!r}: an InferencePool is read-only: pods join it by their labels and readiness "
+            "(register with k8s: to serve /ready and /metadata)"
+        )
     if scheme in ("redis", "rediss"):
         from pilotfish.discovery.backends.redis import RedisRegistry
 

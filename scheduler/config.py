@@ -263,6 +263,83 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         int, Meta(ge=1, le=1024, description="probes in flight at once, across all engines")
     ] = 32
 
+    # -- input bounds and listener limits (scheduler/limits.py, session_server.py; scheduler/README.md) --
+    max_model_len: Annotated[
+        int,
+        Meta(
+            ge=1,
+            description="a Schedule whose prompt_tokens or max_tokens is above this is refused (INVALID_ARGUMENT); "
+            "a Report counts no more generated tokens than the request's max_tokens or this less its prompt",
+        ),
+    ] = 1_048_576
+    max_prefix_block_hashes: Annotated[
+        int, Meta(ge=0, description="most prefix block hashes a Schedule may carry (beyond: INVALID_ARGUMENT)")
+    ] = 65_536
+    max_request_id_length: Annotated[
+        int, Meta(ge=1, le=4096, description="longest request id accepted, in characters (beyond: INVALID_ARGUMENT)")
+    ] = 256
+    max_message_bytes: Annotated[
+        int,
+        Meta(
+            ge=64 * 1024,
+            le=4 * 1024 * 1024,
+            description="largest message received, a Session socket frame or a gRPC message (a Schedule with the "
+            "most prefix hashes is ~0.6 MiB, a Report batch of 10,000 streams ~0.6 MiB); a bigger frame closes "
+            "the socket connection, gRPC answers RESOURCE_EXHAUSTED",
+        ),
+    ] = 1024 * 1024
+    session_max_connections: Annotated[
+        int, Meta(ge=1, description="open Session socket connections at most (one per gateway); beyond: closed at once")
+    ] = 256
+    session_idle_timeout_seconds: Annotated[
+        float,
+        Meta(gt=0, description="close a Session socket connection that sends no complete frame for this long"),
+    ] = 300.0
+    session_frame_timeout_seconds: Annotated[
+        float, Meta(gt=0, description="close a Session socket connection whose frame stays incomplete this long")
+    ] = 10.0
+    session_max_buffered_bytes: Annotated[
+        int,
+        Meta(
+            ge=64 * 1024,
+            description="incomplete frames held across all Session socket connections; a connection whose "
+            "frame would take the total over it is closed (bounds the memory slow senders can hold)",
+        ),
+    ] = 64 * 1024 * 1024
+    peer_schedule_rate: Annotated[
+        float,
+        Meta(ge=0, description="Schedules per second per peer IP, all its connections together (0 = unlimited); "
+             "beyond: RESOURCE_EXHAUSTED, which the gateway answers with 429"),
+    ] = 20_000.0  # fmt: skip
+    peer_report_rate: Annotated[
+        float,
+        Meta(ge=0, description="token reports per second per peer IP (each TokenReport of a batch counts; 0 = "
+             "unlimited); beyond: a Session's dropped and counted, a unary Report RESOURCE_EXHAUSTED"),
+    ] = 200_000.0  # fmt: skip
+    peer_release_rate: Annotated[
+        float,
+        Meta(ge=0, description="Releases per second per peer IP (0 = unlimited); beyond: a Session's dropped and "
+             "counted, a unary Release RESOURCE_EXHAUSTED"),
+    ] = 20_000.0  # fmt: skip
+    peer_rate_burst_seconds: Annotated[
+        float, Meta(gt=0, description="each per-peer rate's bucket holds this many seconds of it (the burst)")
+    ] = 2.0
+    grpc_max_concurrent_streams: Annotated[
+        int, Meta(ge=1, description="gRPC: concurrent calls per connection (HTTP/2 max_concurrent_streams)")
+    ] = 1000
+    grpc_max_connections: Annotated[
+        int,
+        Meta(ge=0, description="gRPC: open connections at most (grpc.max_allowed_incoming_connections; 0 = no cap)"),
+    ] = 1024
+    grpc_max_connection_idle_seconds: Annotated[
+        float,
+        Meta(gt=0, description="gRPC: close a connection with no call for this long (its client reconnects as needed)"),
+    ] = 600.0
+    grpc_keepalive_seconds: Annotated[
+        float,
+        Meta(gt=0, description="gRPC: ping a connection quiet this long; one that does not answer in 20 s is closed"),
+    ] = 60.0
+
     # -- rescheduling: the rescheduler's settings, checked by rescheduler/settings.py (scheduler/README.md) --
     enable_rescheduling: Annotated[
         bool,

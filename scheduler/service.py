@@ -31,10 +31,22 @@ from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.protos.session_frames import ANSWERED_KEY
 from pilotfish.scheduler.config import SchedulerConfig, probes_enabled, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
-from pilotfish.scheduler.errors import InvalidRequestError, SchedulerError
+from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.health import HealthProber
+from pilotfish.scheduler.limits import (
+    ListenerStats,
+    OutOfBounds,
+    PeerBuckets,
+    PeerRates,
+    RateLimited,
+    ReportGuard,
+    RequestBounds,
+    grpc_server_options,
+    peer_host,
+)
 from pilotfish.scheduler.rescheduler.service import colocated_loop
-from pilotfish.scheduler.session_server import SessionSocketServer
+from pilotfish.scheduler.session_server import Answer, SessionSocketServer, SocketLimits
+from pilotfish.scheduler.telemetry import register_listener_stats
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 
@@ -62,7 +74,12 @@ def decision_to_proto(decision: Decision) -> scheduler_pb2.ScheduleResponse:
     return response
 
 
-def request_from_proto(request: scheduler_pb2.ScheduleRequest) -> RequestInfo:
+_BOUNDS = RequestBounds()
+
+
+def request_from_proto(request: scheduler_pb2.ScheduleRequest, bounds: RequestBounds = _BOUNDS) -> RequestInfo:
+    """Raises OutOfBounds (INVALID_ARGUMENT) for a request outside `bounds` (scheduler/limits.py)."""
+    bounds.check(request)
     try:
         hint = InferType(request.infer_type_hint)
     except ValueError:  # a newer gateway's enum value: treat as no hint
@@ -85,7 +102,9 @@ MAX_SUBSET = 4096  # a subset hint names at most this many engines
 
 def _subset(addresses: Sequence[str]) -> frozenset[str]:
     if len(addresses) > MAX_SUBSET:
-        raise InvalidRequestError(f"candidate_addresses names {len(addresses)} engines; at most {MAX_SUBSET}")
+        raise OutOfBounds(
+            f"candidate_addresses names {len(addresses)} engines; at most {MAX_SUBSET}", "candidate_addresses"
+        )
     return frozenset(addresses)
 
 
@@ -113,10 +132,57 @@ def _bind_error(host: str, port: int, flag: str, exc: OSError) -> StartError:
     return StartError(f"cannot listen on {host}:{port} ({flag}): {reason}")
 
 
+def _peer_of(context: grpc.aio.ServicerContext) -> str:
+    peer = getattr(context, "peer", None)
+    return peer_host(peer()) if peer is not None else ""
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, core: SchedulerCore) -> None:
+    def __init__(self, core: SchedulerCore, config: SchedulerConfig | None = None) -> None:
         self.core = core
         self._sessions: set[grpc.aio.ServicerContext] = set()  # open Session streams
+        config = config if config is not None else SchedulerConfig()
+        # input bounds, the report guard and per-peer rates (scheduler/limits.py); refusals counted here
+        self._bounds = RequestBounds.from_config(config)
+        self._guard = ReportGuard(config.max_model_len, config.request_local_account_staleness_seconds)
+        self._rates = PeerRates.from_config(config)
+        self.stats = ListenerStats()
+
+    def _buckets(self, context: grpc.aio.ServicerContext) -> PeerBuckets | None:
+        peer = _peer_of(context)
+        return self._rates.peer(peer) if peer else None
+
+    def _schedule(self, request: scheduler_pb2.ScheduleRequest, buckets: PeerBuckets | None) -> Decision:
+        """Rate, bounds, then the core; raises SchedulerError (RateLimited, OutOfBounds, the core's)."""
+        if buckets is not None and buckets.schedule is not None and not buckets.schedule.take(1, self._rates.clock()):
+            self.stats.refuse("schedule", "rate_limited")
+            raise RateLimited("over this gateway's Schedule rate (--peer-schedule-rate); retry")
+        try:
+            req = request_from_proto(request, self._bounds)
+        except OutOfBounds as exc:
+            self.stats.refuse("schedule", exc.reason)
+            raise
+        decision = self.core.schedule(req)
+        self._guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
+        return decision
+
+    def _admit(self, call: str, n: int, buckets: PeerBuckets | None) -> bool:
+        """Whether `n` reports, or a release, fit the peer's rate; counted when not."""
+        if buckets is None:
+            return True
+        bucket = buckets.report if call == "report" else buckets.release
+        if bucket is None or bucket.take(n, self._rates.clock()):
+            return True
+        self.stats.refuse(call, "rate_limited", n)
+        return False
+
+    def _release_ok(self, request_id: str) -> bool:
+        """A release the guard may forget; False for an id no Schedule could have held."""
+        if self._bounds.check_id(request_id):
+            self.stats.refuse("release", "request_id_length")
+            return False
+        self._guard.released(request_id)
+        return True
 
     async def end_sessions(self) -> None:
         """End every open Session with UNAVAILABLE; its gateway falls back, or opens a new one. A
@@ -129,7 +195,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ScheduleResponse:
         try:
-            decision = self.core.schedule(request_from_proto(request))
+            decision = self._schedule(request, self._buckets(context))
         except SchedulerError as exc:
             # the trailer tells the gateway this is the scheduler's answer, not a transport failure
             await context.abort(getattr(grpc.StatusCode, exc.code), str(exc), ANSWERED_TRAILER)
@@ -138,22 +204,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Report(
         self, request: scheduler_pb2.ReportRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReportResponse:
+        if not self._admit("report", len(request.reports), self._buckets(context)):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over this gateway's report rate; retry")
         return scheduler_pb2.ReportResponse(unknown_requests=self._report(request.reports))
 
     def _report(self, reports: Sequence[scheduler_pb2.TokenReport]) -> int:
         """Apply a batch of reports (a served_address moves the request first); returns how many
-        named a request the scheduler does not hold."""
-        core = self.core
+        named a request the scheduler does not hold. A count beyond what the request's stream can
+        generate is clamped, and one that brings no progress is dropped: it must not renew the
+        held request (ReportGuard)."""
+        core, guard, stats = self.core, self._guard, self.stats
+        max_id = self._bounds.max_request_id_length
+        applied: list[tuple[str, int, bool]] = []
         for r in reports:
+            if len(r.request_id) > max_id:
+                stats.refuse("report", "request_id_length")
+                continue
+            generated, why = guard.admit(r)
+            if why:
+                stats.refuse("report", why)
+                if why == "no_progress":
+                    continue
             if r.served_address:
                 core.reroute(r.request_id, r.served_address)
-        return core.report_many((r.request_id, r.generated_tokens, r.prefill_done) for r in reports)
+            applied.append((r.request_id, generated, r.prefill_done))
+        return core.report_many(applied)
 
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ReleaseResponse:
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        if not self._admit("release", 1, self._buckets(context)):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over this gateway's release rate; retry")
+        if not self._release_ok(request.request_id):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is longer than any held")
         return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id, request.reason))
 
     async def Session(
@@ -163,26 +248,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         await context.send_initial_metadata(())  # the gateway writes nothing before this: the stream is up
         self._sessions.add(context)
         try:
-            async for response in self._session(request_iterator):
+            async for response in self._session(request_iterator, self.answerer(_peer_of(context))):
                 yield response
         finally:
             self._sessions.discard(context)
 
     async def _session(
-        self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest]
+        self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], answer: Answer
     ) -> AsyncIterator[scheduler_pb2.SessionResponse]:
-        answer = self.answer
         async for message in request_iterator:
             reply = answer(message)
             if reply is not None:
                 yield reply
 
+    def answerer(self, peer: str) -> Answer:
+        """`answer` for the messages of one peer (its IP): they count against its rates."""
+        buckets = self._rates.peer(peer) if peer else None
+
+        def answer(message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
+            return self._answer(message, buckets)
+
+        return answer
+
     def answer(self, message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
-        """One Session message (gRPC stream or framed socket): a schedule's reply, or None for the rest."""
+        """One Session message, no peer's rate applied: a schedule's reply, or None for the rest."""
+        return self._answer(message, None)
+
+    def _answer(
+        self, message: scheduler_pb2.SessionRequest, buckets: PeerBuckets | None
+    ) -> scheduler_pb2.SessionResponse | None:
+        """One Session message (gRPC stream or framed socket): a schedule's reply, or None for the
+        rest; a report or release over the peer's rate is dropped and counted."""
         kind = message.WhichOneof("kind")
         if kind == "schedule":
             try:
-                decision = self.core.schedule(request_from_proto(message.schedule))
+                decision = self._schedule(message.schedule, buckets)
             except SchedulerError as exc:
                 return _session_error(message.seq, getattr(grpc.StatusCode, exc.code), str(exc))
             except Exception:  # a bug answers this request, as a unary call would; the stream goes on
@@ -190,6 +290,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 return _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
             return scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
         if kind in ("report", "release"):
+            if kind == "report":
+                if not self._admit("report", len(message.report.reports), buckets):
+                    return None
+            elif not message.release.request_id or not (
+                self._admit("release", 1, buckets) and self._release_ok(message.release.request_id)
+            ):
+                return None  # an empty id is dropped
             try:
                 self._apply(message)
             except Exception:  # a bug loses this message only; the gateway's schedules go on
@@ -223,7 +330,8 @@ class SchedulerServer:
         self.session_port = 0
         self._session_socket: SessionSocketServer | None = None
         self._server: grpc.aio.Server | None = None
-        self._servicer = SchedulerServicer(self.core)
+        self._servicer = SchedulerServicer(self.core, config)
+        register_listener_stats(self.core.registry, self._servicer.stats)
         self._health = health_aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
         self._expiry: asyncio.Task[None] | None = None
@@ -245,7 +353,8 @@ class SchedulerServer:
         if self.config.session_port:
             _probe_port(host, self.config.session_port, "--session-port")
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
-        server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # and the listener limits: message size, streams, connections, idle, keepalive (scheduler/limits.py)
+        server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *grpc_server_options(self.config)])
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
@@ -264,7 +373,9 @@ class SchedulerServer:
                 await self.stop(0)
                 raise
         if self.config.session_port:
-            self._session_socket = SessionSocketServer(self._servicer.answer)
+            self._session_socket = SessionSocketServer(
+                self._servicer.answerer, SocketLimits.from_config(self.config), self._servicer.stats
+            )
             try:
                 self.session_port = await self._session_socket.start(host, self.config.session_port)
             except OSError as exc:

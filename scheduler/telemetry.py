@@ -23,6 +23,9 @@ nothing for them; only the decision-latency histogram is observed per decision.
 | `pilotfish_scheduler_kv_events_gaps_total`, `..._missed_batches_total` | full: sequence gaps, batches they skipped |
 | `pilotfish_scheduler_kv_events_unchained_blocks_total` | full: stored blocks whose parent was never seen |
 | `pilotfish_scheduler_kv_events_subscriptions` | full: engines whose KV events are subscribed |
+| `pilotfish_scheduler_refused_total{call,reason}` | Schedule/Report/Release refused, clamped or dropped (limits.py) |
+| `pilotfish_scheduler_session_closed_total{reason}` | Session socket connections refused or closed by a limit |
+| `pilotfish_scheduler_session_connections` | open Session socket connections |
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from pilotfish.scheduler.view.types import RequestInfo
 
 if TYPE_CHECKING:
     from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.limits import ListenerStats
     from pilotfish.scheduler.view.kv_events import KvEventStats
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
@@ -200,6 +204,47 @@ class KvEventsCollector(Collector):
             "Engines whose KV events are subscribed.",
             value=s.subscriptions,
         )
+
+
+class ListenerCollector(Collector):
+    """Refusals at the scheduler's listeners (limits.ListenerStats), read at scrape time."""
+
+    def __init__(self, stats: ListenerStats) -> None:
+        self._stats = stats
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats
+        refused = CounterMetricFamily(
+            "pilotfish_scheduler_refused",
+            "Schedule, Report and Release messages refused at the listeners, by call and reason: rate_limited, "
+            "a bound (prompt_tokens, max_tokens, request_id_length, ...), or for reports clamped (count over "
+            "what the stream can generate; applied clamped) and no_progress (dropped: it would only renew)",
+            labels=["call", "reason"],
+        )
+        for (call, reason), n in sorted(s.refused.items()):
+            refused.add_metric([call, reason], n)
+        closed = CounterMetricFamily(
+            "pilotfish_scheduler_session_closed",
+            "Session socket connections refused or closed by a limit, by reason: connection_cap, frame_too_large, "
+            "buffer_budget, frame_timeout, idle_timeout, malformed",
+            labels=["reason"],
+        )
+        for reason, n in sorted(s.session_closed.items()):
+            closed.add_metric([reason], n)
+        yield refused
+        yield closed
+        yield GaugeMetricFamily(
+            "pilotfish_scheduler_session_connections", "Open Session socket connections.", value=s.session_connections()
+        )
+
+
+def register_listener_stats(registry: CollectorRegistry, stats: ListenerStats) -> ListenerCollector:
+    collector = ListenerCollector(stats)
+    registry.register(collector)
+    return collector
 
 
 def register_kv_events(registry: CollectorRegistry, stats: KvEventStats) -> KvEventsCollector:

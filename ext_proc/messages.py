@@ -56,15 +56,29 @@ def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
     return out
 
 
-def _set_headers(pairs: list[tuple[str, str]]) -> ep.HeaderMutation:
+def _set_headers(pairs: list[tuple[str, str]], remove: tuple[str, ...] = ()) -> ep.HeaderMutation:
     return ep.HeaderMutation(
         set_headers=[
             base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key=k, raw_value=v.encode()), append_action=_OVERWRITE
             )
             for k, v in pairs
-        ]
+        ],
+        remove_headers=remove,
     )
+
+
+def _routing_mutation(
+    address: str, request_id: str, fallbacks: tuple[str, ...], content_length: int | None, prefill: str
+) -> ep.HeaderMutation:
+    """The routing headers. The engine side reads x-prefiller-host-port, so the picker owns it: set for
+    a prefill/decode pair, removed otherwise, whatever the client sent (as llm-d's picker does)."""
+    headers = [(DESTINATION_HEADER, destination_list(address, fallbacks)), (REQUEST_ID_HEADER, request_id)]
+    if content_length is not None:
+        headers.append(("content-length", str(content_length)))
+    if prefill:
+        headers.append((PREFILL_HEADER, prefill))
+    return _set_headers(headers, () if prefill else (PREFILL_HEADER,))
 
 
 def destination_list(address: str, fallbacks: tuple[str, ...] = ()) -> str:
@@ -115,17 +129,6 @@ def subset_hint(metadata: base_pb2.Metadata) -> frozenset[str] | None:
     return frozenset(e.strip() for e in entries if 0 < len(e.strip()) <= MAX_ADDRESS_CHARS)
 
 
-def _routing_headers(
-    address: str, request_id: str, fallbacks: tuple[str, ...], content_length: int | None, prefill: str
-) -> list[tuple[str, str]]:
-    headers = [(DESTINATION_HEADER, destination_list(address, fallbacks)), (REQUEST_ID_HEADER, request_id)]
-    if content_length is not None:
-        headers.append(("content-length", str(content_length)))
-    if prefill:
-        headers.append((PREFILL_HEADER, prefill))
-    return headers
-
-
 def route_on_headers(
     address: str,
     request_id: str,
@@ -137,7 +140,7 @@ def route_on_headers(
     """Route by answering the request headers: a bodiless request, or a streamed one whose headers
     reply was held back until its body was read (`content_length` when the body was rewritten)."""
     common = ep.CommonResponse(
-        header_mutation=_set_headers(_routing_headers(address, request_id, fallbacks, content_length, prefill)),
+        header_mutation=_routing_mutation(address, request_id, fallbacks, content_length, prefill),
         clear_route_cache=True,
     )
     return ep.ProcessingResponse(
@@ -189,7 +192,7 @@ def route_on_body(
     """Route a request after its buffered body was read: the header mutation rides on the body reply."""
     content_length = None if new_body is None else len(new_body)
     common = ep.CommonResponse(
-        header_mutation=_set_headers(_routing_headers(address, request_id, fallbacks, content_length, prefill)),
+        header_mutation=_routing_mutation(address, request_id, fallbacks, content_length, prefill),
         clear_route_cache=True,
     )
     if new_body is not None:

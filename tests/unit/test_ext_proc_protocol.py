@@ -347,6 +347,15 @@ def test_a_request_served_elsewhere_moves_its_load_there() -> None:
     assert metrics.served_elsewhere._value.get() == 1
 
 
+@pytest.mark.parametrize("mode", [Mode.BUFFERED, Mode.FULL_DUPLEX_STREAMED])
+def test_a_clients_prefill_header_is_removed_when_the_pick_is_not_a_pair(mode: int) -> None:
+    svc, _, _ = servicer()
+    replies = run(svc, [headers(request_mode=mode), body(COMPLETION)])
+    routed = next(r for r in replies if r.HasField("dynamic_metadata"))
+    mutation = (routed.request_headers if routed.HasField("request_headers") else routed.request_body).response
+    assert "x-prefiller-host-port" in mutation.header_mutation.remove_headers
+
+
 def test_a_prefill_decode_pair_goes_to_the_decode_engine_told_its_prefill_engine() -> None:
     svc, _, _ = servicer(FakeBackend(decode_address=E2), destination_fallbacks=2)
     routed = routed_headers(run(svc, [headers(), body(COMPLETION)]))

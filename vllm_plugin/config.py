@@ -40,7 +40,13 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         "127.0.0.1"
     )
     llumlet_port: Annotated[int, _doc("llumlet gRPC port; 0: any free port", ge=0, le=65535)] = 0
-    llumlet_token: Annotated[str, _doc("if set, gRPC callers must send 'authorization: Bearer <token>'")] = ""
+    llumlet_token: Annotated[
+        str,
+        _doc(
+            "if set, gRPC callers must send 'authorization: Bearer <token>'; unset: on loopback every call is "
+            "open, beyond it Abort, Migrate and MigrateIn are refused and GetStatus carries no request ids"
+        ),
+    ] = ""
     serve_grpc: Annotated[
         bool,
         _doc(

@@ -112,10 +112,16 @@ class FakeEngine:
             self.dropped.append(request_id)
 
 
+def any_destination(instance_id: str, address: str) -> str:
+    """No CMS here: every destination is taken as registered (tests/unit/test_llumlet_rpc_guards.py
+    checks the CMS's verdict)."""
+    return address
+
+
 def make_llumlet(instance_id: str, engine: FakeEngine | None, **kw: Any) -> Llumlet:
     cfg = LlumletConfig(cms_url="redis://127.0.0.1:1/0", **kw)
     llumlet = Llumlet(cfg, instance_id, cms_pb2.InstanceMetadata(host="127.0.0.1"), writer=NullWriter(),  # type: ignore[arg-type]
-                      migration_adapter=engine)  # fmt: skip
+                      migration_adapter=engine, destination_check=any_destination)  # fmt: skip
     llumlet.start()
     return llumlet
 

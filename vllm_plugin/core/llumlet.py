@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
 from pilotfish.vllm_plugin.core.state import LoadState
 
 if TYPE_CHECKING:
+    from pilotfish.vllm_plugin.core.destinations import DestinationCheck
     from pilotfish.vllm_plugin.core.export_process import ExportProcess
     from pilotfish.vllm_plugin.core.migration import MigrationCoordinator
 
@@ -73,6 +74,7 @@ class Llumlet:
         writer: CmsWriter | None = None,
         abort_handler: AbortHandler | None = None,
         migration_adapter: MigrationAdapter | None = None,
+        destination_check: DestinationCheck | None = None,
     ) -> None:
         self.config = config
         self.instance_id = instance_id
@@ -86,6 +88,10 @@ class Llumlet:
             self.metadata.unit_id = config.unit_id
         self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
         self.abort_handler = abort_handler
+        # who may receive a migrating request; None: the CMS decides (core/destinations.py)
+        self.destination_check = destination_check
+        # gRPC calls refused for want of credentials, by (method, reason) (core/server.py)
+        self.rpc_refused: Counter[tuple[str, str]] = Counter()
         # Migrate and MigrateIn answer UNIMPLEMENTED without an adapter
         self.migration: MigrationCoordinator | None = None
         self._migration_adapter: MigrationAdapter | None = None

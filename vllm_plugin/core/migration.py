@@ -16,6 +16,11 @@ Destination: MigrateIn admits the request through `adapter.admit` with a relay t
 thread-safe queue; the handler streams from that queue. If the source goes away (the RPC ends
 before the finish), `adapter.drop` frees what the request holds here.
 
+Destinations (core/destinations.py): before anything is detached or sent, the destination must be
+a registered, live llumlet of the same model in the CMS, at the address the Migrate names; the
+registered address is the one dialled, so the request's tokens and the cluster's token never go to
+an address the CMS does not vouch for. Refusals are counted in `refused` (by reason) and logged.
+
 Bounds: at most `max_migrations` requests migrate out at once (each holds a pump thread until
 it finishes, since its tokens pass through here), and at most as many migrate in (each holds a
 gRPC server thread; the server's pool is sized from the same setting). LoadState counts
@@ -30,12 +35,15 @@ import logging
 import math
 import queue
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pilotfish.cms.refusals import RefusalLog
 from pilotfish.protos import llumlet_pb2, llumlet_pb2_grpc
+from pilotfish.vllm_plugin.core.destinations import CmsDestinations, DestinationCheck, DestinationRefused
 from pilotfish.vllm_plugin.core.migration_api import MigratingRequest, MigrationAdapter
 from pilotfish.vllm_plugin.core.selection import select_requests
 
@@ -120,6 +128,27 @@ class MigrationCoordinator:
         self.num_reattached = 0
         self.num_failed = 0
         self.num_migrated_in = 0  # admitted here
+        # Migrates refused because of their destination, by reason (core/destinations.py)
+        self.refused: Counter[str] = Counter()
+        self._refusals = RefusalLog(log, what="refused Migrate to destination")
+        self._cms_destinations: DestinationCheck | None = None
+
+    def _destination(self, request: llumlet_pb2.MigrateRequest) -> str:
+        """The address to dial, once the CMS vouches for the destination; raises MigrationError."""
+        check = self.llumlet.destination_check
+        if check is None:
+            if self._cms_destinations is None:
+                config = self.llumlet.config
+                self._cms_destinations = CmsDestinations(
+                    config.cms_url, config.cluster, lambda: self.llumlet.metadata.model, config.ttl_ms
+                )
+            check = self._cms_destinations
+        try:
+            return check(request.destination_instance_id, request.destination_llumlet_address.strip())
+        except DestinationRefused as exc:
+            self.refused[exc.reason] += 1
+            self._refusals.note(request.destination_instance_id or "?", exc.reason, exc.message)
+            raise MigrationError(exc.code, exc.message) from None
 
     # ---- source: Migrate ------------------------------------------------------------------------
 
@@ -129,6 +158,7 @@ class MigrationCoordinator:
         method = METHODS.get(request.method)
         if method is None:
             raise MigrationError(grpc.StatusCode.INVALID_ARGUMENT, f"unknown migration method {request.method}")
+        destination = self._destination(request)  # before anything is detached or sent
         chosen = self._choose(request)
         if not chosen:
             return llumlet_pb2.MigrateResponse(error="no request on this instance matches the selection")
@@ -137,7 +167,7 @@ class MigrationCoordinator:
         for rid in chosen:
             why = self._reserve(rid)
             if why is None:
-                out = self._start(rid, request.destination_llumlet_address, method)
+                out = self._start(rid, destination, method)
                 if isinstance(out, str):
                     why = out
                 else:

@@ -1,7 +1,13 @@
 """The llumlet's gRPC server: Migrate, MigrateIn, Abort, GetStatus (protos/llumlet.proto).
 
-Bound to loopback unless configured; with a token, every call must carry metadata
-`authorization: Bearer <token>` or gets UNAUTHENTICATED. A small thread pool: the rescheduler and
+Bound to loopback unless configured. Credentials (`_Guard`):
+- with a token (PILOTFISH_LLUMLET_TOKEN), every call must carry metadata
+  `authorization: Bearer <token>` or gets UNAUTHENTICATED;
+- without one, on loopback every call is open (only this machine can call);
+- without one, beyond loopback, the calls that act on users' requests (Abort, Migrate,
+  MigrateIn) are refused with PERMISSION_DENIED, and GetStatus is served without the request ids.
+Each refusal is counted in `Llumlet.rpc_refused` (by method and reason) and logged (WARNING,
+rate-limited per peer). A small thread pool: the rescheduler and
 tools call it rarely, and it must never compete with the engine for cores. Each MigrateIn stream
 holds a thread for as long as its request generates, so the pool has one per allowed incoming
 migration (`max_migrations`) on top of the few the short calls share.
@@ -10,13 +16,16 @@ migration (`max_migrations`) on top of the few the short calls share.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from pilotfish.cms.refusals import RefusalLog
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.migration import MigrationError
@@ -35,30 +44,71 @@ NO_MIGRATION = (
 )
 
 
-class _TokenAuth(grpc.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        self._expected = f"Bearer {token}".encode()
+# the calls that act on users' requests: never open beyond loopback without a token
+CONTROL_METHODS = frozenset({"Abort", "Migrate", "MigrateIn"})
+UNAUTHENTICATED = "unauthenticated"  # a token is configured; the call's is missing or wrong
+NO_TOKEN_CONFIGURED = "no_token_beyond_loopback"
 
+
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches only this machine (0.0.0.0 and :: reach every interface)."""
+    bare = host.strip("[]")
+    if bare == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(bare).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to, not known to be loopback
+
+
+class _Guard(grpc.ServerInterceptor):
+    def __init__(self, token: str, loopback: bool, refused: Counter[tuple[str, str]]) -> None:
+        self._expected = f"Bearer {token}".encode() if token else b""
+        self._loopback = loopback
+        self._refused = refused
+        self._log = RefusalLog(log, what="refused llumlet call from peer")
+
+    def _deny(self, method: str, code: grpc.StatusCode, reason: str, message: str) -> Any:
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>'")
+            self._refused[(method, reason)] += 1
+            self._log.note(context.peer(), reason, f"{method}: {message}")
+            context.abort(code, message)
 
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        return grpc.unary_unary_rpc_method_handler(deny)
 
     def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
-        for key, value in details.invocation_metadata or ():
-            if key == "authorization":
-                given = value.encode() if isinstance(value, str) else value
-                if hmac.compare_digest(given, self._expected):
-                    return continuation(details)
-        return self._deny
+        method = details.method.rsplit("/", 1)[-1]
+        if self._expected:
+            for key, value in details.invocation_metadata or ():
+                if key == "authorization":
+                    given = value.encode() if isinstance(value, str) else value
+                    if hmac.compare_digest(given, self._expected):
+                        return continuation(details)
+            return self._deny(
+                method, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED,
+                "missing or wrong 'authorization: Bearer <token>'",
+            )  # fmt: skip
+        if self._loopback or method not in CONTROL_METHODS:
+            return continuation(details)
+        return self._deny(
+            method, grpc.StatusCode.PERMISSION_DENIED, NO_TOKEN_CONFIGURED,
+            f"{method} is refused: this llumlet listens beyond loopback without a token; set "
+            "PILOTFISH_LLUMLET_TOKEN here and the same token on every llumlet and the scheduler (--llumlet-token)",
+        )  # fmt: skip
 
 
 class LlumletService(llumlet_pb2_grpc.LlumletServicer):
-    def __init__(self, llumlet: Llumlet) -> None:
+    def __init__(self, llumlet: Llumlet, redact_request_ids: bool = False) -> None:
         self.llumlet = llumlet
+        # beyond loopback without a token: callers are unknown, so no request ids for them
+        self.redact_request_ids = redact_request_ids
 
     def GetStatus(self, request: llumlet_pb2.GetStatusRequest, context: grpc.ServicerContext) -> cms_pb2.InstanceStatus:
-        return self.llumlet.status_now()
+        status = self.llumlet.status_now()
+        if self.redact_request_ids and status.admitted_request_ids:
+            del status.admitted_request_ids[:]
+            self.llumlet.rpc_refused[("GetStatus", "request_ids_withheld")] += 1
+        return status
 
     def Abort(self, request: llumlet_pb2.AbortRequest, context: grpc.ServicerContext) -> llumlet_pb2.AbortResponse:
         ids = list(request.request_ids)
@@ -96,7 +146,14 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
 
 def start_server(llumlet: Llumlet, config: LlumletConfig) -> tuple[grpc.Server, int]:
     """Serve on config.llumlet_host:llumlet_port (0: any free port); returns (server, port)."""
-    interceptors = [_TokenAuth(config.llumlet_token)] if config.llumlet_token else []
+    token, loopback = config.llumlet_token, is_loopback(config.llumlet_host)
+    if not token and not loopback:
+        log.warning(
+            "llumlet gRPC on %s without PILOTFISH_LLUMLET_TOKEN: Abort, Migrate and MigrateIn are refused "
+            "and GetStatus carries no request ids until a token is set",
+            config.llumlet_host,
+        )
+    interceptors = [_Guard(token, loopback, llumlet.rpc_refused)]
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=SHORT_CALL_WORKERS + config.max_migrations, thread_name_prefix="pilotfish-llumlet-grpc"
@@ -104,7 +161,8 @@ def start_server(llumlet: Llumlet, config: LlumletConfig) -> tuple[grpc.Server, 
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0)],
     )
-    llumlet_pb2_grpc.add_LlumletServicer_to_server(LlumletService(llumlet), server)
+    service = LlumletService(llumlet, redact_request_ids=not token and not loopback)
+    llumlet_pb2_grpc.add_LlumletServicer_to_server(service, server)
     address = f"[{config.llumlet_host}]" if ":" in config.llumlet_host else config.llumlet_host
     port = server.add_insecure_port(f"{address}:{config.llumlet_port}")
     if port == 0:

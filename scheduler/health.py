@@ -13,7 +13,10 @@ Two signals take it out of the candidates:
   every ejection before (the next one lasts `base_s` again). Any success resets the failure run.
 - **active** (`HealthProber`, where discovery says nothing of readiness): GET each engine's
   health path every interval; `probe_failures` failed probes in a row eject it until a probe
-  succeeds, after which it is on probation as above.
+  succeeds, after which it is on probation as above. A probe that succeeds after one failed
+  also ends a passive ejection early (the engine was down and is back: a restart), as Envoy's
+  `successful_active_health_check_uneject_host` does; an engine that answers its probes all
+  along but fails requests sits out its whole backoff.
 
 An engine is out while either says so. Failed-fast requests must not make an engine look idle:
 a request released as an upstream error keeps its load on its engine until that engine next
@@ -54,6 +57,7 @@ class _State:
     until: float = 0.0  # the passive ejection ends then (0: not passively ejected)
     probe_down: bool = False  # ejected by probes, until one succeeds
     probation: bool = False  # back after an ejection: one failure ejects it again
+    down_seen: bool = False  # a probe failed during the passive ejection: a good one ends it
     total: Counter[str] = field(default_factory=Counter)  # ejections by reason, monotonic
     held: list[str] = field(default_factory=list)  # request ids released as failures, load kept
 
@@ -158,19 +162,25 @@ class EngineHealth:
         state = self._state(instance_id)
         if ok:
             state.probe_failures = 0
-            if state.probe_down:
+            back = state.probe_down or (bool(state.until) and state.down_seen)
+            if back:
                 state.probe_down = False
-                if not state.until:
-                    state.probation = True
+                state.until = 0.0
+                state.down_seen = False
+                state.probation = True
+                state.failures = 0
                 log.warning("instance %s answers its health probe again: back on probation", instance_id)
                 self._update(instance_id, state)
             return []
         state.probe_failures += 1
+        if state.until:
+            state.down_seen = True
         if state.probe_down or state.probe_failures < self.probe_failures:
             return []
         state.probe_down = True
-        state.total[PROBE] += 1
-        log.warning("instance %s ejected: %d health probes failed in a row", instance_id, state.probe_failures)
+        if not state.until:  # already out on its upstream failures: not a second ejection
+            state.total[PROBE] += 1
+            log.warning("instance %s ejected: %d health probes failed in a row", instance_id, state.probe_failures)
         self._update(instance_id, state)
         return self._drop_holds(state)
 
@@ -184,6 +194,7 @@ class EngineHealth:
             if state is None or state.until != until:
                 continue  # forgotten, or ejected again since (a later entry holds the new end)
             state.until = 0.0
+            state.down_seen = False
             state.probation = True
             state.failures = 0
             if not state.probe_down:
@@ -229,6 +240,7 @@ class EngineHealth:
         state.until = self._clock() + seconds
         state.failures = 0
         state.probation = False
+        state.down_seen = False
         state.total[PASSIVE] += 1
         heapq.heappush(self._returns, (state.until, instance_id))
         log.warning(

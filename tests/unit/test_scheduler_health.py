@@ -90,8 +90,11 @@ def succeed_on(core: SchedulerCore, instance: str) -> None:
         (["p-", "p-"], True),
         (["p-", "p+", "p-"], False),
         (["p-", "p-", "p+"], False),
-        # a probe success does not end a passive ejection (an engine may answer /health and 5xx)
+        # a probe success does not end a passive ejection (an engine may answer /health and 5xx)...
         (["f", "f", "f", "p+"], True),
+        # ...unless a probe failed during it: the engine was down and is back (restarted)
+        (["f", "f", "f", "p-", "p+"], False),
+        (["f", "f", "f", "p-", "p+", "f"], True),  # on probation: one failure is enough
     ],
 )
 def test_ejection_table(events: list[str], ejected_after: bool) -> None:

@@ -350,12 +350,20 @@ class GrpcScheduler:
 
     def release(self, request_id: str, reason: int) -> None:
         """Tell the scheduler the request is over; never delays the response path."""
-        self._pending_reports.pop(request_id, None)
-        task = asyncio.get_running_loop().create_task(self._release(request_id, reason))
+        pending = self._pending_reports.pop(request_id, None)
+        # a move not yet sent goes first: the scheduler counts a served-elsewhere request as a
+        # failure of the engine it scheduled, and the release as a success of where it is held
+        moved = pending if pending is not None and pending.served_address else None
+        task = asyncio.get_running_loop().create_task(self._release(request_id, reason, moved))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, request_id: str, reason: int) -> None:
+    async def _release(self, request_id: str, reason: int, moved: scheduler_pb2.TokenReport | None = None) -> None:
+        if moved is not None:
+            report = scheduler_pb2.ReportRequest(reports=[moved])
+            if not await self._send(scheduler_pb2.SessionRequest(report=report)):
+                with contextlib.suppress(grpc.aio.AioRpcError):
+                    await self._stub.Report(report, timeout=self._timeout * 5)
         release = scheduler_pb2.ReleaseRequest(request_id=request_id, reason=reason)  # type: ignore[arg-type]
         if await self._send(scheduler_pb2.SessionRequest(release=release)):
             return

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 from string import Template
 
 from pilotfish.envoy_binary import config_path
@@ -10,13 +12,17 @@ from pilotfish.envoy_binary import config_path
 BODY_MODES = ("BUFFERED", "STREAMED", "FULL_DUPLEX_STREAMED")
 # The gateways that host an InferencePool picker, as the bootstrap each generates (envoy/gateways/).
 GATEWAYS = ("istio", "ai-gateway")
+# the sidecar's cluster of engines for the override_host policy (retries down the picker's list)
+PICKED_POOL = "picked_pool"
+
+
+def _endpoint_list(addresses: list[tuple[str, int]]) -> list[dict]:
+    return [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addresses]
 
 
 def _endpoints(addresses: list[tuple[str, int]]) -> str:
     # JSON is YAML: a flow list drops into the template at any indentation.
-    return json.dumps(
-        [{"endpoint": {"address": {"socket_address": {"address": h, "port_value": p}}}} for h, p in addresses]
-    )
+    return json.dumps(_endpoint_list(addresses))
 
 
 def render_sidecar(
@@ -30,16 +36,38 @@ def render_sidecar(
     ext_proc_timeout_s: float = 5.0,
     request_body_mode: str = "BUFFERED",
     response_body_mode: str = "STREAMED",
+    destination_fallbacks: int = 0,
+    engines: list[tuple[str, int]] | None = None,
+    eds_path: str | Path = "",
 ) -> str:
     """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters.
 
     Body modes are BUFFERED, STREAMED or FULL_DUPLEX_STREAMED each way (measured side by side by
     `pilotfish bench gateway`). A STREAMED request body is sent without waiting for the headers
     reply, so the ext_proc can hold that reply until the body has chosen the engine.
+
+    `destination_fallbacks` is the ext_proc's --destination-fallbacks: 0 routes each request to
+    its one picked address (ORIGINAL_DST, any engine); N > 0 routes through the override_host
+    policy, whose retries (N at most, before any response byte) go down the picker's list. Its
+    members are `eds_path` (a file `write_eds` keeps current) when given, else `engines`
+    (default: `default_endpoints`) as a static list; an address outside them is not reachable
+    that way, so keep them the engines the scheduler may pick.
     """
     for name, mode in (("request_body_mode", request_body_mode), ("response_body_mode", response_body_mode)):
         if mode not in BODY_MODES:
             raise ValueError(f"{name} {mode!r}: expected one of {', '.join(BODY_MODES)}")
+    if destination_fallbacks < 0:
+        raise ValueError(f"destination_fallbacks {destination_fallbacks}: expected 0 or more")
+    if eds_path:
+        pool_type = "EDS"
+        members = "eds_cluster_config: " + json.dumps(
+            {"eds_config": {"path_config_source": {"path": str(eds_path)}, "resource_api_version": "V3"}}
+        )
+    else:
+        pool_type = "STATIC"
+        members = "load_assignment: " + json.dumps(
+            {"cluster_name": PICKED_POOL, "endpoints": [{"lb_endpoints": _endpoint_list(engines or default_endpoints)}]}
+        )
     template = Template(config_path("sidecar.yaml").read_text())
     return template.substitute(
         listen_host=listen_host,
@@ -56,7 +84,30 @@ def render_sidecar(
         response_trailer_mode="SEND" if response_body_mode == "FULL_DUPLEX_STREAMED" else "SKIP",
         ext_proc_endpoints=_endpoints([("127.0.0.1", p) for p in ext_proc_ports]),
         default_endpoints=_endpoints(default_endpoints),
+        picked_cluster=PICKED_POOL if destination_fallbacks else "picked_endpoint",
+        picked_retries=destination_fallbacks,
+        picked_pool_type=pool_type,
+        picked_pool_members=members,
     )
+
+
+def write_eds(path: str | Path, engines: list[tuple[str, int]], version: str = "") -> None:
+    """Write the sidecar's `picked_pool` members for Envoy's file-based EDS, atomically (a rename,
+    which is what Envoy watches for), so Envoy swaps them in whole when discovery changes."""
+    path = Path(path)
+    response = {
+        "version_info": version or str(len(engines)),
+        "resources": [
+            {
+                "@type": "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment",
+                "cluster_name": PICKED_POOL,
+                "endpoints": [{"lb_endpoints": _endpoint_list(engines)}],
+            }
+        ],
+    }
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(response))
+    os.replace(tmp, path)
 
 
 def render_gateway(

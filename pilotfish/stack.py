@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pilotfish.envoy_bootstrap import render_gateway, render_sidecar
+from pilotfish.envoy_bootstrap import render_gateway, render_sidecar, write_eds
 from pilotfish.procs import Child, ChildGroup, free_port, port_answers, wait_until
 from pilotfish.services import LOOPBACK, envoy_binary, envoy_is_live, start_envoy
 
@@ -41,6 +41,13 @@ class StackSpec:
     request_body_mode: str = "BUFFERED"
     response_body_mode: str = "STREAMED"
     failure_mode_allow: bool = False
+    # the sidecar only: the scheduler's fallbacks the ext_proc lists after the engine it picked
+    # (--destination-fallbacks); N > 0 lets Envoy retry a request that failed before its first
+    # response byte on the next of them (envoy/sidecar.yaml, picked_pool from an EDS file)
+    destination_fallbacks: int = 1
+    # each engine its own `sim serve` process (child "engine <id>"), so one can be killed alone;
+    # lite mode only (the simulated engines' ids would collide in the CMS)
+    separate_engines: bool = False
 
 
 @dataclass(slots=True)
@@ -57,6 +64,8 @@ class Stack:
     # by child name: true once that child answers on every port it was started with, so a
     # supervisor knows when a restarted one is back
     ready: dict[str, Callable[[], bool]] = field(default_factory=dict)
+    # the sidecar's EDS file of engines for its retries (write_eds rewrites it; empty: none)
+    eds_path: str = ""
 
     @property
     def base_url(self) -> str:
@@ -82,6 +91,8 @@ def _answering(*ports: int) -> Callable[[], bool]:
 def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     """Start every piece in dependency order, each waited on until it answers on all its ports."""
     envoy_binary()  # fail before starting anything when Envoy is missing
+    if spec.separate_engines and spec.cms_url:
+        raise ValueError("separate_engines: lite mode only")
     py = [sys.executable, "-m", "pilotfish"]
     engines = [(f"sim-{i}", free_port()) for i in range(spec.engines)]
     scheduler_port = free_port() if spec.with_scheduler else 0
@@ -99,13 +110,26 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         ready[child.name] = condition
         wait_until(condition, spec.start_timeout, child.name, alive=child.exited)
 
-    sim = group.start(
-        "engines",
-        [*py, "sim", "serve", "--ports", ",".join(str(p) for _, p in engines), "--model", spec.model,
-         *cms_engine_args, *spec.engine_args],
-        log_path=log_dir / "engines.log",
-    )  # fmt: skip
-    wait_ready(sim, _answering(*(port for _, port in engines)))
+    if spec.separate_engines:
+        for name, port in engines:
+            sim = group.start(
+                f"engine {name}",
+                [*py, "sim", "serve", "--ports", str(port), "--model", spec.model, *spec.engine_args],
+                log_path=log_dir / f"engine-{name}.log",
+            )  # fmt: skip
+            wait_ready(sim, _answering(port))
+    else:
+        sim = group.start(
+            "engines",
+            [*py, "sim", "serve", "--ports", ",".join(str(p) for _, p in engines), "--model", spec.model,
+             *cms_engine_args, *spec.engine_args],
+            log_path=log_dir / "engines.log",
+        )  # fmt: skip
+        wait_ready(sim, _answering(*(port for _, port in engines)))
+    fallbacks = spec.destination_fallbacks if spec.gateway == "sidecar" else 0
+    eds_path = log_dir / "picked-pool-eds.json" if fallbacks else None
+    if eds_path is not None:
+        write_eds(eds_path, [("127.0.0.1", port) for _, port in engines])
 
     if spec.with_scheduler:
         # full mode finds the engines in the CMS; lite mode is told them
@@ -133,12 +157,15 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
            else ["--instances", instances]),
          "--model", spec.model,
          "--metrics-port", str(ext_proc_metrics_port),
+         *(["--destination-fallbacks", str(fallbacks)] if fallbacks else []),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
     )  # fmt: skip
     wait_ready(ext_proc, _answering(ext_proc_port, ext_proc_metrics_port))
 
-    bootstrap = _bootstrap(spec, listen_port, admin_port, ext_proc_port, [("127.0.0.1", port) for _, port in engines])
+    bootstrap = _bootstrap(
+        spec, listen_port, admin_port, ext_proc_port, [("127.0.0.1", port) for _, port in engines], eds_path
+    )
     envoy_service = start_envoy(
         bootstrap, log_dir, admin_port, timeout=spec.start_timeout, die_with_parent=group.die_with_parent
     )
@@ -150,11 +177,17 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     return Stack(
         engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
         ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
+        eds_path=str(eds_path) if eds_path else "",
     )  # fmt: skip
 
 
 def _bootstrap(
-    spec: StackSpec, listen_port: int, admin_port: int, ext_proc_port: int, engines: list[tuple[str, int]]
+    spec: StackSpec,
+    listen_port: int,
+    admin_port: int,
+    ext_proc_port: int,
+    engines: list[tuple[str, int]],
+    eds_path: Path | None,
 ) -> str:
     if spec.gateway != "sidecar":
         return render_gateway(
@@ -173,4 +206,6 @@ def _bootstrap(
         default_endpoints=engines,
         request_body_mode=spec.request_body_mode,
         response_body_mode=spec.response_body_mode,
+        destination_fallbacks=spec.destination_fallbacks,
+        eds_path=eds_path or "",
     )

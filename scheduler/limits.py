@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+from urllib.parse import unquote
 
 from pilotfish.protos import scheduler_pb2
 from pilotfish.scheduler.errors import InvalidRequestError, SchedulerError
@@ -254,7 +255,7 @@ def peer_host(peer: str) -> str:
     if sep and kind in ("ipv4", "ipv6", "unix", "unix-abstract"):
         if kind.startswith("unix"):
             return peer
-        peer = rest
+        peer = unquote(rest)  # grpc writes an IPv6 peer as ipv6:%5B::1%5D:port
     if peer.startswith("["):
         return peer[1 : peer.find("]")] if "]" in peer else peer
     host, sep, port = peer.rpartition(":")

@@ -25,6 +25,7 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.delay = 0.0
         self.reports: list[scheduler_pb2.ReportRequest] = []
         self.releases: list[str] = []
+        self.order: list[str] = []  # "report <id>" and "release <id>", as they arrived
 
     async def Schedule(self, request, context):
         if self.delay:
@@ -37,10 +38,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Report(self, request, context):
         self.reports.append(request)
+        self.order += [f"report {r.request_id}" for r in request.reports]
         return scheduler_pb2.ReportResponse()
 
     async def Release(self, request, context):
         self.releases.append(request.request_id)
+        self.order.append(f"release {request.request_id}")
         return scheduler_pb2.ReleaseResponse(found=True)
 
 
@@ -79,8 +82,10 @@ class SessionFake(FakeScheduler):
                 task.add_done_callback(tasks.discard)
             elif kind == "report":
                 self.reports.append(message.report)
+                self.order += [f"report {r.request_id}" for r in message.report.reports]
             elif kind == "release":
                 self.releases.append(message.release.request_id)
+                self.order.append(f"release {message.release.request_id}")
 
 
 @pytest.fixture(params=["unary", "session"])
@@ -150,6 +155,22 @@ async def test_reports_are_batched_latest_wins_and_release_drops_pending(fake):
     sent = [(r.request_id, r.generated_tokens) for batch in servicer.reports for r in batch.reports]
     assert sorted(sent) == [("r1", 3), ("r2", 7)]
     assert servicer.releases == ["r3"]
+
+
+async def test_a_release_sends_a_pending_served_elsewhere_move_first(fake):
+    """The scheduler counts a request served elsewhere as a failure of the engine it scheduled, and
+    its release as a success of where it is held: the move must not be dropped, nor come late."""
+    servicer, router = fake
+    assert (await router.choose(request("r1"))).source == SCHEDULER
+    router.report("r1", 0, False, served_address="127.0.0.1:1")
+    router.report("r2", 3, prefill_done=True)  # a plain count pending: still dropped by a release
+    router.release("r1", scheduler_pb2.RELEASE_REASON_FINISHED)
+    router.release("r2", scheduler_pb2.RELEASE_REASON_FINISHED)
+    await router.close()
+    assert sorted(servicer.order) == ["release r1", "release r2", "report r1"]
+    assert servicer.order.index("report r1") < servicer.order.index("release r1")
+    moved = [r for batch in servicer.reports for r in batch.reports]
+    assert [(r.request_id, r.served_address) for r in moved] == [("r1", "127.0.0.1:1")]
 
 
 async def test_no_scheduler_configured_routes_round_robin():

@@ -353,9 +353,13 @@ class InferencePoolDiscovery(ServiceDiscovery):
                     if pods_task is not None:
                         pods_task.remove_done_callback(pods_done)
                         pods_task.cancel()
+                    kept = pods.store if pods is not None else {}
                     pods, pods_task = None, None
                     if new is not None:
                         pods = self._pod_reflector(api_client, new)
+                        # until the new selector's list arrives, pods already known that it selects
+                        # stay (no remove-and-add flap); the list replaces them
+                        pods.store = dict(kept)
                         pods_task = asyncio.create_task(pods.run(recompute), name="k8s-pool-pods")
                         pods_task.add_done_callback(pods_done)
                 spec = new

@@ -30,7 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pilotfish.cli import build_parser
 from pilotfish.config import ConfigError, struct_from_args
-from pilotfish.discovery import StoreUnavailable, open_discovery, open_registry
+from pilotfish.discovery import InstanceRemovedEvent, StoreUnavailable, open_discovery, open_registry
 from pilotfish.discovery.backends.k8s_pool import InferencePoolDiscovery, PoolSpec, pod_instances, pool_spec
 from pilotfish.discovery.config import DiscoveryConfig
 from pilotfish.discovery.follow import follow
@@ -590,3 +590,21 @@ async def test_ext_proc_turns_ready_after_the_pools_first_sync(api: StandInApiSe
         assert await status(port, "readiness") == serving
     finally:
         await server.stop(0)
+
+
+async def test_a_narrowed_selector_keeps_the_pods_it_still_selects(api: StandInApiServer) -> None:
+    await api.apply(POOLS, "ADDED", inference_pool())
+    await api.apply(PODS, "ADDED", pod("a", "127.0.0.2", labels={"app": "vllm", "tier": "gold"}))
+    await api.apply(PODS, "ADDED", pod("b", "127.0.0.3"))
+    discovery = open_discovery(pool_url(api))
+    watcher = Watcher(discovery, NS, COMP)
+    try:
+        await wait_for(lambda: watcher.ids() == {"a", "b"}, "both pods")
+        await api.apply(POOLS, "MODIFIED", inference_pool(labels={"app": "vllm", "tier": "gold"}))
+        await wait_for(lambda: watcher.ids() == {"a"}, "only the pod the new selector matches")
+        await wait_for(lambda: api.watches(PODS)[-1]["labelSelector"] == "app=vllm,tier=gold", "the new pod watch")
+        removed = [e.instance.instance_id for e in watcher.events if isinstance(e, InstanceRemovedEvent)]
+        assert removed == ["b"], "a stays through the restart of the pod watch: no remove-and-add"
+    finally:
+        await watcher.close()
+        await discovery.close()

@@ -177,7 +177,7 @@ def _attach_llumlet(
     infer_type: str = "neutral",
 ) -> Any:
     """Full mode on a simulated engine: the same llumlet core the vLLM plugin runs, migration included."""
-    from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+    from pilotfish.simulator.llumlet_adapter import attach_llumlet
     from pilotfish.vllm_plugin.config import LlumletConfig
 
     llumlet_config = LlumletConfig(

@@ -417,7 +417,7 @@ def test_an_engine_without_the_grpc_server_advertises_no_llumlet_port(redis_serv
     from pilotfish.simulator.config import EngineConfig
     from pilotfish.simulator.engine.scheduler import V1Engine
     from pilotfish.simulator.engine.step_time import load_profile
-    from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+    from pilotfish.simulator.llumlet_adapter import attach_llumlet
 
     engine_config = EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256, block_size=16,
                                  num_gpu_blocks=32)  # fmt: skip

@@ -19,9 +19,9 @@ from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.ext_proc.server import ExtProcServer
 from pilotfish.procs import free_port, wait_until_async
 from pilotfish.protos import scheduler_pb2
+from pilotfish.protos.session_frames import HELLO, frame
 from pilotfish.scheduler.config import SchedulerConfig, validate
 from pilotfish.scheduler.service import SchedulerServer
-from pilotfish.protos.session_frames import HELLO, frame
 
 pytestmark = pytest.mark.integration
 

@@ -19,7 +19,7 @@ from pilotfish.simulator.config import EngineConfig
 from pilotfish.simulator.engine.request import RequestStatus, SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
 from pilotfish.simulator.engine.step_time import StepTimeProfile
-from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
+from pilotfish.simulator.llumlet_adapter import attach_llumlet
 from pilotfish.vllm_plugin.config import LlumletConfig, config_from_env
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 from pilotfish.vllm_plugin.core.state import LoadState, counter_values

@@ -11,8 +11,8 @@ from pilotfish.simulator.config import EngineConfig
 from pilotfish.simulator.engine.request import RequestStatus, SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
 from pilotfish.simulator.engine.step_time import StepTimeProfile
+from pilotfish.simulator.llumlet_adapter import attach_llumlet
 from pilotfish.simulator.tokens import generated_token_id
-from pilotfish.vllm_plugin.adapters.simulator import attach_llumlet
 from pilotfish.vllm_plugin.config import LlumletConfig
 
 PROFILE = StepTimeProfile(name="t", base_ms=1.0, prefill_ms_per_token=0.01, decode_ms_per_token=0.1,

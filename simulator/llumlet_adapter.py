@@ -5,7 +5,7 @@
     llumlet.stop()
 
 With the HTTP driver as well (`driver=`), the llumlet can migrate requests in and out
-(adapters/simulator_migration.py).
+(simulator/llumlet_migration.py).
 
 Observer hooks run inside the simulator's step (on its asyncio loop, or in virtual time); each
 updates the LoadState under the llumlet's lock and wakes the export thread, exactly as the vLLM
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from pilotfish.protos import cms_pb2
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
-from pilotfish.vllm_plugin.adapters.simulator_migration import SimMigrationAdapter
+from pilotfish.simulator.llumlet_migration import SimMigrationAdapter
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 

@@ -1,19 +1,23 @@
 """`pilotfish bench gateway`: what the ext_proc hop costs, side by side with Envoy alone.
 
-All arms run in one process tree at once and are measured in interleaved rounds, so machine
-noise hits them alike; figures are reported as differences and ratios against Envoy alone.
+All arms run in one process tree at once and are measured in interleaved rounds (every phase),
+so machine noise hits them alike; figures are reported as differences against Envoy alone, with
+the spread over rounds.
 
 - latency: sequential small non-streaming completions through each arm (p50/p99, and what
   the ext_proc adds over Envoy alone);
-- throughput: a fixed concurrency for a fixed time, with the CPU time each ext_proc process
-  used, which gives its capacity in requests/s per core independent of what else shares the
-  machine; and the scale-out with 1..--ext-procs ext_procs behind the same Envoy;
-- request body mode: BUFFERED (the sidecar's default) against FULL_DUPLEX_STREAMED with the
-  headers reply held back until the body is complete, in the latency and throughput phases, the
-  ext_proc messages each takes per request (Envoy's own counters), and what a client gets
-  while no ext_proc answers at all;
-- streaming: the delay the ext_proc adds to each SSE event (STREAMED response bodies make
-  Envoy wait for the ext_proc's reply to every chunk).
+- throughput: a fixed concurrency for a fixed time, with the CPU time the arm's Envoy, ext_procs
+  and remote scheduler used per request (the ext_proc's gives its capacity in requests/s per core,
+  independent of what else shares the machine); and the scale-out with 1..--ext-procs ext_procs
+  behind the same Envoy;
+- body modes (--body-modes): the sidecar with each (request, response) body mode pair, and the
+  bootstrap each gateway hosting an InferencePool picker generates (full duplex both ways), all on
+  the default deployment's ext_proc (remote scheduler on the Session socket), in the latency and
+  throughput phases, the ext_proc messages each takes per request (Envoy's own counters), and
+  what a client gets while no ext_proc answers at all;
+- streaming: SSE streams against a paced engine (5 ms decode step) through Envoy alone and each
+  body mode: the time to first token and the gap between events the ext_proc adds, and its CPU
+  per stream (the response body mode decides how many chunks it sees).
 """
 
 from __future__ import annotations
@@ -21,43 +25,108 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 from pilotfish.procs import cpu_seconds
 
 MODEL = "bench-sim"
+SIDECAR = "sidecar"
+DEFAULT_BODY_MODES = (
+    "BUFFERED/STREAMED",
+    "STREAMED/STREAMED",
+    "FULL_DUPLEX_STREAMED/FULL_DUPLEX_STREAMED",
+    "BUFFERED/BUFFERED",
+    "istio",
+    "ai-gateway",
+)
+
+
+class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    requests: Annotated[int, Meta(ge=1, description="sequential requests per arm per round")] = 300
+    rounds: Annotated[int, Meta(ge=1, description="interleaved rounds over all arms, in every phase")] = 3
+    concurrency: Annotated[int, Meta(ge=1, description="requests in flight in the throughput phase")] = 16
+    seconds: Annotated[float, Meta(gt=0, description="length of each arm's throughput run, per round")] = 1.5
+    streams: Annotated[int, Meta(ge=1, description="SSE streams per arm per round in the streaming phase")] = 32
+    stream_concurrency: Annotated[int, Meta(ge=1, description="SSE streams in flight at once")] = 4
+    stream_tokens: Annotated[int, Meta(ge=2, description="tokens per SSE stream")] = 32
+    ext_procs: Annotated[
+        int, Meta(ge=1, description="scale-out: measure 1 up to this many ext_procs behind one Envoy")
+    ] = 3
+    down_requests: Annotated[int, Meta(ge=0, description="requests sent per body mode while no ext_proc answers")] = 50
+    body_modes: Annotated[
+        list[str],
+        Meta(
+            description="Envoy ext_proc configurations to compare: REQUEST/RESPONSE body modes of the sidecar "
+            "(each BUFFERED, STREAMED or FULL_DUPLEX_STREAMED), or a gateway's (istio, ai-gateway)"
+        ),
+    ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
+    vllm_router: Annotated[
+        str, Meta(description="a vllm-router executable (pip install vllm-router) to measure as a peer arm")
+    ] = ""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=300, help="sequential requests per arm per round")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds over all arms")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight in the throughput phase")
-    parser.add_argument("--seconds", type=float, default=6.0, help="length of each throughput run")
-    parser.add_argument("--streams", type=int, default=20, help="streams per arm per round in the streaming phase")
-    parser.add_argument("--stream-tokens", type=int, default=64, help="tokens per stream")
-    parser.add_argument(
-        "--ext-procs", type=int, default=3, help="scale-out: measure 1 up to this many ext_procs behind one Envoy"
-    )
-    parser.add_argument(
-        "--down-requests", type=int, default=50, help="requests sent per body mode while no ext_proc answers"
-    )
-    parser.add_argument(
-        "--vllm-router",
-        default="",
-        metavar="PATH",
-        help="a vllm-router executable (pip install vllm-router) to measure beside Envoy as a peer arm",
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, GatewayBenchConfig)
+
+
+@dataclass(frozen=True)
+class BodyMode:
+    """How Envoy runs the ext_proc: the sidecar with a (request, response) body mode pair, or the
+    bootstrap a gateway generates for an InferencePool picker (full duplex both ways)."""
+
+    request: str
+    response: str
+    gateway: str = SIDECAR
+
+    @property
+    def label(self) -> str:
+        return f"{self.request}/{self.response}" if self.gateway == SIDECAR else self.gateway
+
+
+DEFAULT_MODE = BodyMode("BUFFERED", "STREAMED")  # render_sidecar's default, what `pilotfish up` runs
+
+
+def parse_body_mode(text: str) -> BodyMode:
+    """`REQUEST/RESPONSE` (sidecar body modes) or a gateway name; ConfigError names the flag."""
+    from pilotfish.config import ConfigError
+    from pilotfish.envoy_bootstrap import BODY_MODES, GATEWAYS
+
+    if text in GATEWAYS:
+        return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", text)
+    request, _, response = text.partition("/")
+    if request in BODY_MODES and response in BODY_MODES:
+        return BodyMode(request, response)
+    raise ConfigError(
+        f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)}, "
+        f"or a gateway: {', '.join(GATEWAYS)}"
     )
 
 
-FULL_DUPLEX_ARM = "envoy+ext_proc, colocated, FULL_DUPLEX_STREAMED"
 COLOCATED_ARM = "envoy+ext_proc, colocated scheduler"
 UNARY_ARM = "envoy+ext_proc, remote scheduler, unary calls (no Session)"
 GRPC_SESSION_ARM = "envoy+ext_proc, remote scheduler, gRPC Session stream"
+NO_SCHEDULER_ARM = "envoy+ext_proc, no scheduler"
+DEFAULT_ARM = "envoy+ext_proc"  # the sidecar's default body modes, remote scheduler on the Session socket
+
+
+def mode_arm(mode: BodyMode) -> str:
+    """The arm that measures `mode` on the default deployment's ext_proc."""
+    return DEFAULT_ARM if mode == DEFAULT_MODE else f"envoy+ext_proc, {mode.label}"
+
+
+def _scale_arm(n: int) -> str:
+    return DEFAULT_ARM if n == 1 else f"envoy+{n} ext_procs, remote scheduler"
 
 
 @dataclass
@@ -67,85 +136,85 @@ class Arm:
     ext_proc_pids: list[int] = field(default_factory=list)
     admin_url: str = ""  # Envoy's admin, for its ext_proc message counters
     scheduler_pid: int = 0  # the remote scheduler these ext_procs call, for its CPU per request
+    envoy_pid: int = 0  # for its CPU per request (0: not an Envoy)
+
+
+@dataclass
+class Arms:
+    load: dict[str, Arm]  # the fast engine: latency and throughput phases
+    streaming: dict[str, Arm]  # the paced engine: "envoy", then one per body mode label
+    down: dict[str, Arm]  # per body mode label: no ext_proc answering
+    modes: dict[str, BodyMode]  # label -> mode, in --body-modes order
 
 
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
     from pilotfish.procs import ChildGroup
 
+    cfg = struct_from_args(GatewayBenchConfig, args)
+    modes = {m.label: m for m in map(parse_body_mode, cfg.body_modes)}
     group = ChildGroup()
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="pilotfish-bench-gateway-") as tmp:
         try:
-            arms, streaming_arms, down_arms = _start(Path(tmp), group, args.vllm_router, args.ext_procs)
-            print("stack up; measuring", file=sys.stderr)
-            result = asyncio.run(_measure(args, arms, streaming_arms, down_arms))
+            arms = _start(Path(tmp), group, cfg, modes)
+            setup_s = time.perf_counter() - started
+            print(f"stack up in {setup_s:.0f} s; measuring", file=sys.stderr)
+            raw = asyncio.run(_measure(cfg, arms))
         finally:
             group.stop_all()
-    write_report(args.out, "gateway", result, _markdown(result))
-    print(_markdown(result))
+    raw["phase_seconds"] = {"setup": setup_s, **raw["phase_seconds"], "total": time.perf_counter() - started}
+    settings = msgspec.structs.asdict(cfg) | {"out": str(args.out)}
+    result = summarise(raw, settings, modes)
+    write_report(args.out, "gateway", result, render_markdown(result))
+    print(render_markdown(result))
     return 0
 
 
-def _scale_arm(n: int) -> str:
-    return f"envoy+{n} ext_proc{'s' if n > 1 else ''}, remote scheduler"
+# ---------------------------------------------------------------------------------------------- set-up
 
 
-def _start(
-    tmp: Path, group: Any, vllm_router: str, ext_procs: int
-) -> tuple[dict[str, Arm], dict[str, Arm], dict[str, Arm]]:
-    from pilotfish.envoy_bootstrap import REQUEST_BODY_MODES, render_plain_proxy, render_sidecar
+def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], upstream: int) -> str:
+    """Envoy's bootstrap for `mode`; None: Envoy alone (the sidecar without its ext_proc filter)."""
+    from pilotfish.envoy_bootstrap import render_gateway, render_plain_proxy, render_sidecar
+    from pilotfish.procs import free_port
+
+    endpoints = [("127.0.0.1", upstream)]
+    if mode is not None and mode.gateway != SIDECAR:
+        return render_gateway(
+            mode.gateway, listen_port=listen, ext_proc_ports=ext_proc_ports, default_endpoints=endpoints
+        )
+    sidecar = mode or DEFAULT_MODE
+    text = render_sidecar(
+        listen_port=listen,
+        admin_port=free_port(),  # start_envoy sets the admin address over it
+        ext_proc_ports=ext_proc_ports,
+        default_endpoints=endpoints,
+        request_body_mode=sidecar.request,
+        response_body_mode=sidecar.response,
+    )
+    return render_plain_proxy(text) if mode is None else text
+
+
+def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, BodyMode]) -> Arms:
     from pilotfish.procs import free_port
     from pilotfish.services import start_envoy
 
     py = [sys.executable, "-m", "pilotfish"]
-    fast, paced = free_port(), free_port()
+
+    def engine(name: str, step_ms: str) -> tuple[int, Any]:
+        port = free_port()
+        argv = [*py, "sim", "serve", "--ports", str(port), "--model", MODEL, "--engine-id-prefix", name,
+                "--step-ms", step_ms, "--prefill-ms-per-token", "0", "--decode-ms-per-token", "0"]  # fmt: skip
+        return port, group.start(f"engine-{name}", argv, log_path=tmp / f"{name}.log")
+
     # fast: answers as soon as the loop turns; paced: a 5 ms decode step, for per-event timing
-    fast_engine = group.start(
-        "engine-fast",
-        [
-            *py,
-            "sim",
-            "serve",
-            "--ports",
-            str(fast),
-            "--model",
-            MODEL,
-            "--engine-id-prefix",
-            "fast",
-            "--step-ms",
-            "0.05",
-            "--prefill-ms-per-token",
-            "0",
-            "--decode-ms-per-token",
-            "0",
-        ],
-        log_path=tmp / "fast.log",
-    )
-    paced_engine = group.start(
-        "engine-paced",
-        [
-            *py,
-            "sim",
-            "serve",
-            "--ports",
-            str(paced),
-            "--model",
-            MODEL,
-            "--engine-id-prefix",
-            "paced",
-            "--step-ms",
-            "5",
-            "--prefill-ms-per-token",
-            "0",
-            "--decode-ms-per-token",
-            "0",
-        ],
-        log_path=tmp / "paced.log",
-    )
-    fast_engine.wait_port(fast)
-    paced_engine.wait_port(paced)
+    (fast, fast_child), (paced, paced_child) = engine("fast", "0.05"), engine("paced", "5")
+    fast_child.wait_port(fast)
+    paced_child.wait_port(paced)
 
     sched_port, session_port = free_port(), free_port()
     scheduler = group.start(
@@ -153,218 +222,215 @@ def _start(
         [*py, "scheduler", "--port", str(sched_port), "--session-port", str(session_port),
          "--instances", f"fast=127.0.0.1:{fast}", "--model", MODEL],
         log_path=tmp / "scheduler.log",
-    )
+    )  # fmt: skip
     scheduler.wait_port(sched_port)
     scheduler.wait_port(session_port)
     on_socket = ("--scheduler-session-address", f"127.0.0.1:{session_port}")  # what `pilotfish up` runs
 
-    def ext_proc(name: str, instances: str, with_scheduler: bool, *extra: str) -> tuple[int, int]:
+    pending: list[tuple[Any, int]] = []
+
+    def ext_proc(name: str, upstream: str, with_scheduler: bool, *extra: str) -> tuple[int, int]:
         port = free_port()
-        child = group.start(
-            name,
-            [
-                *py,
-                "ext-proc",
-                "--port",
-                str(port),
-                "--instances",
-                instances,
-                "--model",
-                MODEL,
-                "--scheduler-address",
-                f"127.0.0.1:{sched_port}" if with_scheduler else "",
-                *extra,
-            ],
-            log_path=tmp / f"{name}.log",
-        )
-        child.wait_port(port)
+        argv = [*py, "ext-proc", "--port", str(port), "--instances", upstream, "--model", MODEL,
+                "--scheduler-address", f"127.0.0.1:{sched_port}" if with_scheduler else "", *extra]  # fmt: skip
+        child = group.start(name, argv, log_path=tmp / f"{name}.log")
+        pending.append((child, port))
         return port, child.pid
 
-    scale = [
-        ext_proc(f"ext_proc-{i + 1}", f"fast=127.0.0.1:{fast}", True, *on_socket) for i in range(max(ext_procs, 1))
-    ]
-    xp1 = scale[0]
-    xp_rr = ext_proc("ext_proc-rr", f"fast=127.0.0.1:{fast}", False)
-    xp_grpc = ext_proc("ext_proc-grpc-session", f"fast=127.0.0.1:{fast}", True)
-    xp_unary = ext_proc("ext_proc-unary", f"fast=127.0.0.1:{fast}", True, "--no-scheduler-session")
-    xp_colo = ext_proc("ext_proc-colocated", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
-    xp_fd = ext_proc("ext_proc-full-duplex", f"fast=127.0.0.1:{fast}", False, "--colocated-scheduling")
-    xp_paced = ext_proc("ext_proc-paced", f"paced=127.0.0.1:{paced}", False)
+    on_fast, on_paced = f"fast=127.0.0.1:{fast}", f"paced=127.0.0.1:{paced}"
+    # scale[0] is the default deployment's ext_proc: every body mode arm shares it
+    scale = [ext_proc(f"ext_proc-{i + 1}", on_fast, True, *on_socket) for i in range(cfg.ext_procs)]
+    xp_rr = ext_proc("ext_proc-rr", on_fast, False)
+    xp_grpc = ext_proc("ext_proc-grpc-session", on_fast, True)
+    xp_unary = ext_proc("ext_proc-unary", on_fast, True, "--no-scheduler-session")
+    xp_colo = ext_proc("ext_proc-colocated", on_fast, False, "--colocated-scheduling")
+    xp_paced = ext_proc("ext_proc-paced", on_paced, False)
+    for child, port in pending:
+        child.wait_port(port)
 
-    def envoy(name: str, ext_proc_ports: list[int], upstream: int, body_mode: str = "BUFFERED") -> tuple[int, str]:
+    def arm(
+        name: str, xps: list[tuple[int, int]], upstream: int = fast, mode: BodyMode = DEFAULT_MODE, remote: bool = False
+    ) -> Arm:
         listen = free_port()
-        yaml_text = render_sidecar(
-            listen_port=listen,
-            admin_port=free_port(),
-            ext_proc_ports=ext_proc_ports,
-            default_endpoints=[("127.0.0.1", upstream)],
-            request_body_mode=body_mode,
-        )
-        if not ext_proc_ports:
-            yaml_text = render_plain_proxy(yaml_text)
+        bootstrap = _bootstrap(mode if xps else None, listen, [p for p, _ in xps], upstream)
         # one worker thread each: the same share of the machine for every arm
-        service = start_envoy(yaml_text, tmp / name, extra_args=["--concurrency", "1"])
+        service = start_envoy(bootstrap, tmp / re.sub(r"[^\w.-]+", "-", name), extra_args=["--concurrency", "1"])
         assert service.child is not None
         group.children.append(service.child)
         service.child.wait_port(listen)
-        return listen, service.url
+        pids = [pid for _, pid in xps if pid]
+        return Arm(name, listen, pids, service.url, scheduler.pid if remote else 0, service.child.pid)
 
-    def arm(
-        name: str, envoy_name: str, xps: list[tuple[int, int]], body_mode: str = "BUFFERED", remote: bool = False
-    ) -> Arm:
-        port, admin = envoy(envoy_name, [p for p, _ in xps], fast, body_mode)
-        return Arm(name, port, [pid for _, pid in xps], admin, scheduler.pid if remote else 0)
-
-    arms = {
-        "envoy": arm("envoy", "envoy-plain", []),
-        "envoy+ext_proc": arm("envoy+ext_proc", "envoy-xp1", [xp1], remote=True),
-        GRPC_SESSION_ARM: arm(GRPC_SESSION_ARM, "envoy-grpc-session", [xp_grpc], remote=True),
-        UNARY_ARM: arm(UNARY_ARM, "envoy-unary", [xp_unary], remote=True),
-        "envoy+ext_proc, no scheduler": arm("envoy+ext_proc, no scheduler", "envoy-rr", [xp_rr]),
-        COLOCATED_ARM: arm(COLOCATED_ARM, "envoy-colo", [xp_colo]),
-        FULL_DUPLEX_ARM: arm(FULL_DUPLEX_ARM, "envoy-fd", [xp_fd], "FULL_DUPLEX_STREAMED"),
+    load = {
+        "envoy": arm("envoy", []),
+        GRPC_SESSION_ARM: arm(GRPC_SESSION_ARM, [xp_grpc], remote=True),
+        UNARY_ARM: arm(UNARY_ARM, [xp_unary], remote=True),
+        NO_SCHEDULER_ARM: arm(NO_SCHEDULER_ARM, [xp_rr]),
+        COLOCATED_ARM: arm(COLOCATED_ARM, [xp_colo]),
     }
-    for n in range(2, len(scale) + 1):
-        arms[_scale_arm(n)] = arm(_scale_arm(n), f"envoy-xp{n}", scale[:n], remote=True)
-    # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
-    dead = free_port()
-    down = {mode: Arm(mode, envoy(f"envoy-down-{mode}", [dead], fast, mode)[0]) for mode in REQUEST_BODY_MODES}
-    if vllm_router:
+    for n in range(1, len(scale) + 1):
+        load[_scale_arm(n)] = arm(_scale_arm(n), scale[:n], remote=True)
+    for mode in modes.values():
+        if mode_arm(mode) not in load:
+            load[mode_arm(mode)] = arm(mode_arm(mode), scale[:1], mode=mode, remote=True)
+    if cfg.vllm_router:
         port = free_port()
         router = group.start(
             "vllm-router",
-            [
-                vllm_router,
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--worker-urls",
-                f"http://127.0.0.1:{fast}",
-                "--policy",
-                "round_robin",
-                "--log-level",
-                "warning",
-            ],
+            [cfg.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{fast}",
+             "--policy", "round_robin", "--log-level", "warning"],
             log_path=tmp / "vllm-router.log",
-        )
+        )  # fmt: skip
         router.wait_port(port, 60)
-        arms["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
-    streaming = {
-        "envoy": Arm("envoy", envoy("envoy-plain-paced", [], paced)[0]),
-        "envoy+ext_proc": Arm("envoy+ext_proc", envoy("envoy-xp-paced", [xp_paced[0]], paced)[0], [xp_paced[1]]),
+        load["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
+    streaming = {"envoy": arm("paced envoy", [], paced)}
+    streaming |= {label: arm(f"paced {label}", [xp_paced], paced, mode) for label, mode in modes.items()}
+    # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
+    dead = free_port()
+    down = {label: arm(f"down {label}", [(dead, 0)], mode=mode) for label, mode in modes.items()}
+    return Arms(load, streaming, down, modes)
+
+
+# ---------------------------------------------------------------------------------------------- measure
+
+
+def _cpu_time(pid: int) -> float:
+    """CPU seconds of a process so far: its threads' run time in ns (schedstat), where /proc/PID/stat
+    counts 10 ms ticks, too coarse for a few dozen streams; the ticks where schedstat is missing."""
+    if not Path(f"/proc/{pid}/task/{pid}/schedstat").exists():
+        return cpu_seconds(pid)
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0  # gone
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
+def _cpu(arm: Arm) -> dict[str, float]:
+    """CPU seconds so far of the arm's Envoy, its ext_procs and its remote scheduler."""
+    return {
+        "envoy": _cpu_time(arm.envoy_pid) if arm.envoy_pid else 0.0,
+        "ext_proc": sum(_cpu_time(p) for p in arm.ext_proc_pids),
+        "scheduler": _cpu_time(arm.scheduler_pid) if arm.scheduler_pid else 0.0,
     }
-    return arms, streaming, down
 
 
-async def _measure(
-    args: argparse.Namespace, arms: dict[str, Arm], streaming: dict[str, Arm], down: dict[str, Arm]
-) -> dict[str, Any]:
-    import resource
+def _cpu_used(arm: Arm, before: dict[str, float]) -> dict[str, float | None]:
+    """CPU seconds used since `before`; None for a part the arm does not have."""
+    after = _cpu(arm)
+    present = {"envoy": arm.envoy_pid, "ext_proc": arm.ext_proc_pids, "scheduler": arm.scheduler_pid}
+    return {k: after[k] - before[k] if present[k] else None for k in after}
 
+
+async def _measure(cfg: GatewayBenchConfig, arms: Arms) -> dict[str, Any]:
+    """Raw samples, per arm and per round; `summarise` turns them into the report's figures."""
     import aiohttp
 
-    from pilotfish.stats import percentile
-
+    load = arms.load
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
-    latency_arms = ["envoy", "envoy+ext_proc", GRPC_SESSION_ARM, UNARY_ARM, COLOCATED_ARM, FULL_DUPLEX_ARM]
-    latency_arms.append("envoy+ext_proc, no scheduler")
-    latency_arms += [name for name in arms if name.startswith("vllm-router")]
-    latencies: dict[str, list[float]] = {a: [] for a in latency_arms}
-    round_p50: dict[str, list[float]] = {a: [] for a in latency_arms}
+    sbody = {"model": MODEL, "prompt": "hi", "max_tokens": cfg.stream_tokens, "stream": True}
+    mode_arms = [name for name in dict.fromkeys(map(mode_arm, arms.modes.values())) if name != DEFAULT_ARM]
+    latency_arms = ["envoy", DEFAULT_ARM, GRPC_SESSION_ARM, UNARY_ARM, COLOCATED_ARM, NO_SCHEDULER_ARM, *mode_arms]
+    latency_arms += [name for name in load if name.startswith("vllm-router")]
+    scale_arms = [_scale_arm(n) for n in range(1, cfg.ext_procs + 1)]
+    load_arms = ["envoy", COLOCATED_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM, *mode_arms]
+    raw: dict[str, Any] = {
+        "latency": {a: [] for a in latency_arms},
+        "load": {a: [] for a in load_arms},
+        "load_ext_procs": {a: len(load[a].ext_proc_pids) for a in load_arms},
+        "scale_out": scale_arms,
+        "down": {},
+        "streams": {a: [] for a in arms.streaming},
+        "phase_seconds": {},
+    }
+    phases = raw["phase_seconds"]
+    clock = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name] = now - clock
+        clock = now
+
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         # warm every path (connections, Envoy's ORIGINAL_DST hosts, ext_proc streams)
-        for arm in arms.values():
+        for arm in load.values():
             for _ in range(20):
                 await _one(session, arm.port, body)
-        for _ in range(args.rounds):
-            for name in latency_arms:
-                samples = [await _one(session, arms[name].port, body) for _ in range(args.requests)]
-                latencies[name] += samples
-                round_p50[name].append(percentile(samples, 50))
+        for arm in arms.streaming.values():
+            await _streams(session, arm.port, sbody | {"max_tokens": 2}, 2, 2)
+        phase("warm")
 
-        throughput: dict[str, dict[str, float]] = {}
-        scale_arms = ["envoy+ext_proc"] + [_scale_arm(n) for n in range(2, args.ext_procs + 1)]
-        for name in ["envoy", COLOCATED_ARM, FULL_DUPLEX_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM]:
-            arm = arms[name]
-            msgs_before = await _ext_proc_messages(session, arm.admin_url)
-            cpu_before = sum(cpu_seconds(p) for p in arm.ext_proc_pids)
-            sched_before = cpu_seconds(arm.scheduler_pid) if arm.scheduler_pid else 0.0
-            client_before = resource.getrusage(resource.RUSAGE_SELF)
-            done, elapsed = await _saturate(session, arm.port, body, args.concurrency, args.seconds)
-            client_after = resource.getrusage(resource.RUSAGE_SELF)
-            cpu = sum(cpu_seconds(p) for p in arm.ext_proc_pids) - cpu_before
-            client_cpu = sum(getattr(client_after, f) - getattr(client_before, f) for f in ("ru_utime", "ru_stime"))
-            entry = {
-                "requests": done,
-                "seconds": elapsed,
-                "req_per_s": done / elapsed,
-                "client_cpu_share": client_cpu / elapsed,
-            }
-            if arm.ext_proc_pids:
-                entry["ext_proc_processes"] = len(arm.ext_proc_pids)
-                entry["ext_proc_cpu_us_per_request"] = cpu / done * 1e6
-                entry["ext_proc_capacity_req_per_s_per_core"] = done / cpu if cpu else float("inf")
-                if arm.scheduler_pid:
-                    sched_cpu = cpu_seconds(arm.scheduler_pid) - sched_before
-                    entry["scheduler_cpu_us_per_request"] = sched_cpu / done * 1e6
-                msgs_after = await _ext_proc_messages(session, arm.admin_url)
-                # Envoy's counters: ext_proc messages it sent and took back, per HTTP request
-                entry["messages_to_ext_proc_per_request"] = (msgs_after[0] - msgs_before[0]) / done
-                entry["messages_from_ext_proc_per_request"] = (msgs_after[1] - msgs_before[1]) / done
-            throughput[name] = entry
+        for k in range(cfg.rounds):
+            for name in _rotated(latency_arms, k, cfg.rounds):
+                raw["latency"][name].append([await _one(session, load[name].port, body) for _ in range(cfg.requests)])
+        phase("latency")
+
+        for k in range(cfg.rounds):
+            for name in _rotated(load_arms, k, cfg.rounds):
+                raw["load"][name].append(await _load_round(session, load[name], body, cfg))
+        phase("throughput")
 
         # With nothing listening where the ext_proc should be: BUFFERED falls back (failure_mode_allow, then
-        # the route-level default destination); FULL_DUPLEX_STREAMED turns failure_mode_allow off once
-        # body bytes have gone to the ext_proc, so the client gets Envoy's 500.
-        ext_proc_down: dict[str, dict[str, int]] = {}
-        for mode, arm in down.items():
+        # the route-level default destination); full duplex turns failure_mode_allow off once body bytes
+        # have gone to the ext_proc, so the client gets Envoy's 500; the gateways fail closed by default.
+        for label, arm in arms.down.items():
             statuses: dict[str, int] = {}
-            for _ in range(args.down_requests):
+            for _ in range(cfg.down_requests):
                 status = str(await _status(session, arm.port, body))
                 statuses[status] = statuses.get(status, 0) + 1
-            ext_proc_down[mode] = statuses
+            raw["down"][label] = statuses
+        phase("ext_proc_down")
 
-        stream_gaps: dict[str, list[float]] = {a: [] for a in streaming}
-        stream_ttft: dict[str, list[float]] = {a: [] for a in streaming}
-        sbody = {"model": MODEL, "prompt": "hi", "max_tokens": args.stream_tokens, "stream": True}
-        for _ in range(args.rounds):
-            for name, arm in streaming.items():
-                for _ in range(args.streams):
-                    ttft, gaps = await _stream(session, arm.port, sbody)
-                    stream_ttft[name].append(ttft)
-                    stream_gaps[name] += gaps
+        for k in range(cfg.rounds):
+            for name in _rotated(list(arms.streaming), k, cfg.rounds):
+                arm = arms.streaming[name]
+                before = _cpu(arm)
+                results = await _streams(session, arm.port, sbody, cfg.streams, cfg.stream_concurrency)
+                raw["streams"][name].append(
+                    {
+                        "streams": len(results),
+                        "ttft": [ttft for ttft, _ in results],
+                        "gaps": [g for _, gaps in results for g in gaps],
+                        "cpu": _cpu_used(arm, before),
+                    }
+                )
+        phase("streaming")
+    return raw
 
-    def summary(values: list[float]) -> dict[str, float]:
-        return {
-            "p50_ms": percentile(values, 50) * 1e3,
-            "p99_ms": percentile(values, 99) * 1e3,
-            "mean_ms": sum(values) / len(values) * 1e3,
-        }
 
-    base = summary(latencies["envoy"])
-    latency = {}
-    for name in latency_arms:
-        s = summary(latencies[name])
-        s["added_p50_ms"] = s["p50_ms"] - base["p50_ms"]
-        s["added_p99_ms"] = s["p99_ms"] - base["p99_ms"]
-        s["round_p50_ms"] = [v * 1e3 for v in round_p50[name]]
-        latency[name] = s
-    gap = {name: summary(values) for name, values in stream_gaps.items()}
-    ttft = {name: summary(values) for name, values in stream_ttft.items()}
+def _rotated(names: list[str], k: int, rounds: int) -> list[str]:
+    """Round k's order: each round starts 1/rounds of the list further on, so no arm is always
+    measured right after the same neighbour or at the same point of a round."""
+    shift = k * len(names) // rounds
+    return names[shift:] + names[:shift]
+
+
+async def _load_round(session: Any, arm: Arm, body: dict[str, Any], cfg: GatewayBenchConfig) -> dict[str, Any]:
+    import resource
+
+    msgs_before = await _ext_proc_messages(session, arm.admin_url if arm.ext_proc_pids else "")
+    before = _cpu(arm)
+    client_before = resource.getrusage(resource.RUSAGE_SELF)
+    done, elapsed = await _saturate(session, arm.port, body, cfg.concurrency, cfg.seconds)
+    client_after = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = _cpu_used(arm, before)
+    msgs_after = await _ext_proc_messages(session, arm.admin_url if arm.ext_proc_pids else "")
     return {
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
-        "settings": vars(args) | {"out": str(args.out)},
-        "latency": latency,
-        "throughput": throughput,
-        "scale_out": scale_arms,
-        "ext_proc_down": ext_proc_down,
-        "streaming": {
-            "inter_event_gap": gap,
-            "ttft": ttft,
-            "added_per_event_ms": gap["envoy+ext_proc"]["mean_ms"] - gap["envoy"]["mean_ms"],
-        },
+        "requests": done,
+        "seconds": elapsed,
+        "client_cpu": sum(getattr(client_after, f) - getattr(client_before, f) for f in ("ru_utime", "ru_stime")),
+        "cpu": cpu,
+        # Envoy's counters: ext_proc messages it sent and took back
+        "messages_to": msgs_after[0] - msgs_before[0],
+        "messages_from": msgs_after[1] - msgs_before[1],
     }
 
 
@@ -414,62 +480,290 @@ async def _saturate(
     return done, time.perf_counter() - start
 
 
+async def _streams(
+    session: Any, port: int, body: dict[str, Any], count: int, concurrency: int
+) -> list[tuple[float, list[float]]]:
+    """`count` SSE streams, `concurrency` at a time: (TTFT, gaps between events) of each."""
+    import asyncio
+
+    left = count
+    results: list[tuple[float, list[float]]] = []
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            results.append(await _stream(session, port, body))
+
+    await asyncio.gather(*(worker() for _ in range(min(concurrency, count))))
+    return results
+
+
 async def _stream(session: Any, port: int, body: dict[str, Any]) -> tuple[float, list[float]]:
     start = time.perf_counter()
     stamps: list[float] = []
     async with session.post(f"http://127.0.0.1:{port}/v1/completions", json=body) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"port {port}: HTTP {resp.status}")
         async for line in resp.content:
             if line.startswith(b"data:") and b"[DONE]" not in line:
                 stamps.append(time.perf_counter())
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return stamps[0] - start, gaps
+    if not stamps:
+        raise RuntimeError(f"port {port}: a stream with no events")
+    return stamps[0] - start, [b - a for a, b in itertools.pairwise(stamps)]
 
 
-def _markdown(r: dict[str, Any]) -> str:
+# ---------------------------------------------------------------------------------------------- report
+
+
+def _summary(seconds: list[float]) -> dict[str, float]:
+    from pilotfish.stats import percentile
+
+    return {
+        "p50_ms": percentile(seconds, 50) * 1e3,
+        "p99_ms": percentile(seconds, 99) * 1e3,
+        "mean_ms": sum(seconds) / len(seconds) * 1e3 if seconds else float("nan"),
+        "n": len(seconds),
+    }
+
+
+def _per(total: float | None, count: int) -> float | None:
+    """`total` seconds per one of `count`, in µs; None when not measured."""
+    return None if total is None or not count else total / count * 1e6
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def _load_entry(rounds: list[dict[str, Any]], ext_procs: int) -> dict[str, Any]:
+    """Throughput and CPU per request of one arm, over its rounds (each a `_load_round`)."""
+    done = sum(r["requests"] for r in rounds)
+    elapsed = sum(r["seconds"] for r in rounds)
+    entry: dict[str, Any] = {
+        "requests": done,
+        "seconds": elapsed,
+        "req_per_s": done / elapsed,
+        "round_req_per_s": [r["requests"] / r["seconds"] for r in rounds],
+        "client_cpu_share": sum(r["client_cpu"] for r in rounds) / elapsed,
+    }
+    for part in ("envoy", "ext_proc", "scheduler"):
+        if rounds[0]["cpu"][part] is None:
+            continue
+        entry[f"{part}_cpu_us_per_request"] = _per(sum(r["cpu"][part] for r in rounds), done)
+        entry[f"round_{part}_cpu_us_per_request"] = [_per(r["cpu"][part], r["requests"]) for r in rounds]
+    if ext_procs:
+        cpu = sum(r["cpu"]["ext_proc"] for r in rounds)
+        entry["ext_proc_processes"] = ext_procs
+        entry["ext_proc_capacity_req_per_s_per_core"] = done / cpu if cpu else float("inf")
+        entry["messages_to_ext_proc_per_request"] = sum(r["messages_to"] for r in rounds) / done
+        entry["messages_from_ext_proc_per_request"] = sum(r["messages_from"] for r in rounds) / done
+    return entry
+
+
+def _stream_entry(rounds: list[dict[str, Any]], base: dict[str, Any] | None) -> dict[str, Any]:
+    """TTFT, gaps between SSE events and CPU per stream of one arm; added over `base` (Envoy alone)."""
+    from pilotfish.stats import percentile
+
+    streams = sum(r["streams"] for r in rounds)
+    entry: dict[str, Any] = {
+        "streams": streams,
+        "ttft": _summary([t for r in rounds for t in r["ttft"]]),
+        "gap": _summary([g for r in rounds for g in r["gaps"]]),
+        "round_ttft_p50_ms": [percentile(r["ttft"], 50) * 1e3 for r in rounds],
+        "round_gap_mean_ms": [sum(r["gaps"]) / len(r["gaps"]) * 1e3 for r in rounds],
+    }
+    for part in ("envoy", "ext_proc"):
+        if rounds[0]["cpu"][part] is not None:
+            entry[f"{part}_cpu_us_per_stream"] = _per(sum(r["cpu"][part] for r in rounds), streams)
+    if base is not None:
+        entry["added_ttft_p50_ms"] = entry["ttft"]["p50_ms"] - base["ttft"]["p50_ms"]
+        entry["added_ttft_p99_ms"] = entry["ttft"]["p99_ms"] - base["ttft"]["p99_ms"]
+        entry["added_gap_mean_ms"] = entry["gap"]["mean_ms"] - base["gap"]["mean_ms"]
+        entry["added_gap_p99_ms"] = entry["gap"]["p99_ms"] - base["gap"]["p99_ms"]
+        pairs = zip(entry["round_ttft_p50_ms"], base["round_ttft_p50_ms"], strict=True)
+        entry["round_added_ttft_p50_ms"] = [a - b for a, b in pairs]
+        pairs = zip(entry["round_gap_mean_ms"], base["round_gap_mean_ms"], strict=True)
+        entry["round_added_gap_mean_ms"] = [a - b for a, b in pairs]
+        entry["envoy_added_cpu_us_per_stream"] = _minus(
+            entry.get("envoy_cpu_us_per_stream"), base.get("envoy_cpu_us_per_stream")
+        )
+    return entry
+
+
+def summarise(raw: dict[str, Any], settings: dict[str, Any], modes: dict[str, BodyMode]) -> dict[str, Any]:
+    """The report's figures from `_measure`'s raw samples (seconds), all differences against Envoy alone."""
+    from pilotfish.stats import percentile
+
+    latency: dict[str, dict[str, Any]] = {}
+    base_rounds = [percentile(r, 50) * 1e3 for r in raw["latency"]["envoy"]]
+    base = _summary([v for r in raw["latency"]["envoy"] for v in r])
+    for name, rounds in raw["latency"].items():
+        s: dict[str, Any] = _summary([v for r in rounds for v in r])
+        s["added_p50_ms"] = s["p50_ms"] - base["p50_ms"]
+        s["added_p99_ms"] = s["p99_ms"] - base["p99_ms"]
+        s["round_p50_ms"] = [percentile(r, 50) * 1e3 for r in rounds]
+        s["round_added_p50_ms"] = [a - b for a, b in zip(s["round_p50_ms"], base_rounds, strict=True)]
+        latency[name] = s
+
+    throughput = {name: _load_entry(rounds, raw["load_ext_procs"][name]) for name, rounds in raw["load"].items()}
+    plain_envoy_us = throughput["envoy"]["envoy_cpu_us_per_request"] if "envoy" in throughput else None
+    for t in throughput.values():
+        added = _minus(t.get("envoy_cpu_us_per_request"), plain_envoy_us)
+        t["envoy_added_cpu_us_per_request"] = added
+        if "ext_proc_cpu_us_per_request" in t and added is not None:
+            # the whole hop: what Envoy spends over Envoy alone, the ext_procs and the remote scheduler
+            parts = (added, t["ext_proc_cpu_us_per_request"], t.get("scheduler_cpu_us_per_request") or 0.0)
+            t["hop_cpu_us_per_request"] = sum(parts)
+
+    stream_base = _stream_entry(raw["streams"]["envoy"], None)
+    streaming = {"envoy": stream_base}
+    streaming |= {
+        name: _stream_entry(rounds, stream_base) for name, rounds in raw["streams"].items() if name != "envoy"
+    }
+
+    body_modes: dict[str, dict[str, Any]] = {}
+    for label, mode in modes.items():
+        arm = mode_arm(mode)
+        lat, t, st = latency[arm], throughput[arm], streaming.get(label, {})
+        body_modes[label] = {
+            "request": mode.request,
+            "response": mode.response,
+            "envoy_config": mode.gateway,
+            "arm": arm,
+            "added_p50_ms": lat["added_p50_ms"],
+            "added_p99_ms": lat["added_p99_ms"],
+            "round_added_p50_ms": lat["round_added_p50_ms"],
+            "envoy_added_cpu_us_per_request": t.get("envoy_added_cpu_us_per_request"),
+            "ext_proc_cpu_us_per_request": t.get("ext_proc_cpu_us_per_request"),
+            "round_ext_proc_cpu_us_per_request": t.get("round_ext_proc_cpu_us_per_request"),
+            "scheduler_cpu_us_per_request": t.get("scheduler_cpu_us_per_request"),
+            "hop_cpu_us_per_request": t.get("hop_cpu_us_per_request"),
+            "messages_to_ext_proc_per_request": t.get("messages_to_ext_proc_per_request"),
+            "messages_from_ext_proc_per_request": t.get("messages_from_ext_proc_per_request"),
+            "stream": {
+                k: st.get(k)
+                for k in (
+                    "added_ttft_p50_ms",
+                    "added_ttft_p99_ms",
+                    "added_gap_mean_ms",
+                    "added_gap_p99_ms",
+                    "round_added_ttft_p50_ms",
+                    "round_added_gap_mean_ms",
+                    "ext_proc_cpu_us_per_stream",
+                    "envoy_added_cpu_us_per_stream",
+                )
+            },
+            "ext_proc_down": raw["down"].get(label, {}),
+        }
+    return {
+        "machine": {"cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0]},
+        "settings": settings,
+        "phase_seconds": raw.get("phase_seconds", {}),
+        "body_modes": body_modes,
+        "latency": latency,
+        "throughput": throughput,
+        "scale_out": raw["scale_out"],
+        "ext_proc_down": raw["down"],
+        "streaming": streaming,
+    }
+
+
+def _num(value: float | None, fmt: str = ".0f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _span(values: list[float | None] | None, fmt: str = "+.2f") -> str:
+    """min..max over rounds, the spread shown beside a figure."""
+    got = [v for v in values or [] if v is not None]
+    return f"{min(got):{fmt}}..{max(got):{fmt}}" if got else "-"
+
+
+def _statuses(statuses: dict[str, int]) -> str:
+    return ", ".join(f"{n} x {code}" for code, n in sorted(statuses.items())) or "-"
+
+
+def render_markdown(r: dict[str, Any]) -> str:
+    s = r["settings"]
+    phases = ", ".join(f"{k} {v:.0f} s" for k, v in r.get("phase_seconds", {}).items())
     lines = [
         "# Gateway benchmark: Envoy alone vs Envoy + Pilotfish ext_proc",
         "",
         f"Machine: {r['machine']['cpus']} CPUs, 1-min load {r['machine']['load_avg_1m']:.2f} at the end. "
         "Every process (client, Envoys, ext_procs, scheduler, engines) shares these cores; each Envoy runs one "
-        "worker thread.",
+        f"worker thread. {s.get('rounds')} interleaved rounds in every phase; `a..b` is the spread over rounds."
+        + (f" Wall time: {phases}." if phases else ""),
         "",
-        "`envoy+ext_proc` is what `pilotfish up` runs: a remote scheduler process, reached on its plain Session "
-        "socket (`--session-port` / `--scheduler-session-address`). The gRPC Session stream and unary calls are "
-        "measured beside it.",
+        "`envoy+ext_proc` is what `pilotfish up` runs: the sidecar with BUFFERED request and STREAMED response "
+        "bodies, a remote scheduler process reached on its plain Session socket (`--session-port` / "
+        "`--scheduler-session-address`). The gRPC Session stream and unary calls are measured beside it.",
         "",
-        "## Latency (sequential small completions)",
+        "## Body modes",
         "",
-        "| arm | p50 ms | p99 ms | added p50 ms | added p99 ms | per-round p50 ms |",
-        "|---|---:|---:|---:|---:|---|",
+        "Every mode on the same ext_proc and remote scheduler as `envoy+ext_proc`; a gateway's is the bootstrap it "
+        "generates for an InferencePool picker (full duplex both ways; the pool's default failureMode, FailClose). "
+        "CPU per request is at "
+        f"{s.get('concurrency')} in flight: Envoy's above Envoy alone, the ext_proc's, the scheduler's, and their "
+        f"sum (the hop). SSE: {s.get('stream_tokens')}-token streams, {s.get('stream_concurrency')} at a time, "
+        "against a 5 ms decode step, ext_proc without scheduler; added against Envoy alone.",
+        "",
+        "| Envoy config | request / response body | added p50 ms (rounds) | added p99 ms | CPU µs/request: "
+        "Envoy + ext_proc + scheduler = hop | messages to / from ext_proc | SSE added TTFT p50 / p99 ms "
+        "| SSE added gap mean / p99 ms | SSE ext_proc CPU µs/stream | no ext_proc answering |",
+        "|---|---|---:|---:|---|---|---|---|---:|---|",
     ]
-    for name, s in r["latency"].items():
-        rounds = ", ".join(f"{v:.2f}" for v in s["round_p50_ms"])
+    for m in r["body_modes"].values():
+        st = m["stream"]
+        cpu = (
+            f"{_num(m['envoy_added_cpu_us_per_request'])} + {_num(m['ext_proc_cpu_us_per_request'])} + "
+            f"{_num(m['scheduler_cpu_us_per_request'])} = **{_num(m['hop_cpu_us_per_request'])}**"
+        )
+        msgs = (
+            f"{_num(m['messages_to_ext_proc_per_request'], '.2f')} / "
+            f"{_num(m['messages_from_ext_proc_per_request'], '.2f')}"
+        )
         lines.append(
-            f"| {name} | {s['p50_ms']:.2f} | {s['p99_ms']:.2f} | {s['added_p50_ms']:+.2f} | "
-            f"{s['added_p99_ms']:+.2f} | {rounds} |"
+            f"| {m['envoy_config']} | {m['request']} / {m['response']} | **{m['added_p50_ms']:+.2f}** "
+            f"({_span(m['round_added_p50_ms'])}) | {m['added_p99_ms']:+.2f} | {cpu} | {msgs} | "
+            f"{_num(st['added_ttft_p50_ms'], '+.2f')} / {_num(st['added_ttft_p99_ms'], '+.2f')} | "
+            f"{_num(st['added_gap_mean_ms'], '+.3f')} / {_num(st['added_gap_p99_ms'], '+.3f')} | "
+            f"{_num(st['ext_proc_cpu_us_per_stream'])} | {_statuses(m['ext_proc_down'])} |"
         )
     lines += [
         "",
-        "## Throughput",
+        "## Latency (sequential small completions)",
         "",
-        "| arm | req/s | ext_proc CPU µs/request | capacity req/s per core | scheduler CPU µs/request "
-        "| messages to / from ext_proc |",
-        "|---|---:|---:|---:|---:|---|",
+        "| arm | p50 ms | p99 ms | added p50 ms | added p99 ms | per-round p50 ms | per-round added p50 ms |",
+        "|---|---:|---:|---:|---:|---|---|",
+    ]
+    for name, lat in r["latency"].items():
+        rounds = ", ".join(f"{v:.2f}" for v in lat["round_p50_ms"])
+        added = ", ".join(f"{v:+.2f}" for v in lat["round_added_p50_ms"])
+        lines.append(
+            f"| {name} | {lat['p50_ms']:.2f} | {lat['p99_ms']:.2f} | {lat['added_p50_ms']:+.2f} | "
+            f"{lat['added_p99_ms']:+.2f} | {rounds} | {added} |"
+        )
+    lines += [
+        "",
+        f"## Throughput ({s.get('concurrency')} in flight)",
+        "",
+        "| arm | req/s (rounds) | Envoy CPU µs/request (above Envoy alone) | ext_proc CPU µs/request (rounds) "
+        "| capacity req/s per core | scheduler CPU µs/request | messages to / from ext_proc |",
+        "|---|---|---|---|---:|---:|---|",
     ]
     for name, t in r["throughput"].items():
-        cpu = t.get("ext_proc_cpu_us_per_request")
-        cap = t.get("ext_proc_capacity_req_per_s_per_core")
-        sched = t.get("scheduler_cpu_us_per_request")
-        sched_text = f"{sched:.0f}" if sched is not None else "-"
-        msgs = (
-            f"{t['messages_to_ext_proc_per_request']:.2f} / {t['messages_from_ext_proc_per_request']:.2f}"
-            if cpu
-            else "-"
-        )
+        xp = t.get("ext_proc_cpu_us_per_request")
+        envoy = f"{_num(t.get('envoy_cpu_us_per_request'))} ({_num(t.get('envoy_added_cpu_us_per_request'), '+.0f')})"
+        if xp is None:
+            lines.append(
+                f"| {name} | {t['req_per_s']:.0f} ({_span(t['round_req_per_s'], '.0f')}) | {envoy} | - | - | - | - |"
+            )
+            continue
         lines.append(
-            f"| {name} | {t['req_per_s']:.0f} | {cpu:.0f} | {cap:.0f} | {sched_text} | {msgs} |"
-            if cpu
-            else f"| {name} | {t['req_per_s']:.0f} | - | - | - | - |"
+            f"| {name} | {t['req_per_s']:.0f} ({_span(t['round_req_per_s'], '.0f')}) | {envoy} | "
+            f"{xp:.0f} ({_span(t['round_ext_proc_cpu_us_per_request'], '.0f')}) | "
+            f"{t['ext_proc_capacity_req_per_s_per_core']:.0f} | {_num(t.get('scheduler_cpu_us_per_request'))} | "
+            f"{t['messages_to_ext_proc_per_request']:.2f} / {t['messages_from_ext_proc_per_request']:.2f} |"
         )
     base_rps = r["throughput"][r["scale_out"][0]]["req_per_s"]
     lines += [
@@ -485,18 +779,30 @@ def _markdown(r: dict[str, Any]) -> str:
             f"| {t['ext_proc_processes']} | {t['req_per_s']:.0f} | {t['req_per_s'] / base_rps:.2f}x | "
             f"{t['ext_proc_cpu_us_per_request']:.0f} |"
         )
-    lines += ["", "## No ext_proc answering", "", "| request body mode | client statuses |", "|---|---|"]
-    for mode, statuses in r["ext_proc_down"].items():
-        lines.append(f"| {mode} | {', '.join(f'{n} x {code}' for code, n in sorted(statuses.items()))} |")
-    st = r["streaming"]
+    lines += [
+        "",
+        f"## No ext_proc answering ({s.get('down_requests')} requests per body mode)",
+        "",
+        "| body mode | client statuses |",
+        "|---|---|",
+    ]
+    for label, statuses in r["ext_proc_down"].items():
+        lines.append(f"| {label} | {_statuses(statuses)} |")
     lines += [
         "",
         "## Streaming (5 ms decode step)",
         "",
-        "| arm | mean gap between SSE events ms | p99 gap ms | TTFT p50 ms |",
-        "|---|---:|---:|---:|",
+        "| arm | streams | TTFT p50 / p99 ms | gap mean / p99 ms | added TTFT p50 ms (rounds) "
+        "| added gap mean ms (rounds) | added gap p99 ms | Envoy CPU µs/stream (added) | ext_proc CPU µs/stream |",
+        "|---|---:|---|---|---|---|---:|---|---:|",
     ]
-    for name, g in st["inter_event_gap"].items():
-        lines.append(f"| {name} | {g['mean_ms']:.3f} | {g['p99_ms']:.3f} | {st['ttft'][name]['p50_ms']:.2f} |")
-    lines += ["", f"Added delay per SSE event: {st['added_per_event_ms']:+.3f} ms (mean gap difference)."]
+    for name, st in r["streaming"].items():
+        envoy = f"{_num(st.get('envoy_cpu_us_per_stream'))} ({_num(st.get('envoy_added_cpu_us_per_stream'), '+.0f')})"
+        lines.append(
+            f"| {name} | {st['streams']} | {st['ttft']['p50_ms']:.2f} / {st['ttft']['p99_ms']:.2f} | "
+            f"{st['gap']['mean_ms']:.3f} / {st['gap']['p99_ms']:.3f} | "
+            f"{_num(st.get('added_ttft_p50_ms'), '+.2f')} ({_span(st.get('round_added_ttft_p50_ms'))}) | "
+            f"{_num(st.get('added_gap_mean_ms'), '+.3f')} ({_span(st.get('round_added_gap_mean_ms'), '+.3f')}) | "
+            f"{_num(st.get('added_gap_p99_ms'), '+.3f')} | {envoy} | {_num(st.get('ext_proc_cpu_us_per_stream'))} |"
+        )
     return "\n".join(lines)

@@ -15,11 +15,13 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELEASE_REASON_CLIENT_ABORT: _ClassVar[ReleaseReason]
     RELEASE_REASON_UPSTREAM_ERROR: _ClassVar[ReleaseReason]
     RELEASE_REASON_GATEWAY_ERROR: _ClassVar[ReleaseReason]
+    RELEASE_REASON_UPSTREAM_RESET: _ClassVar[ReleaseReason]
 RELEASE_REASON_UNSPECIFIED: ReleaseReason
 RELEASE_REASON_FINISHED: ReleaseReason
 RELEASE_REASON_CLIENT_ABORT: ReleaseReason
 RELEASE_REASON_UPSTREAM_ERROR: ReleaseReason
 RELEASE_REASON_GATEWAY_ERROR: ReleaseReason
+RELEASE_REASON_UPSTREAM_RESET: ReleaseReason
 
 class ScheduleRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses")

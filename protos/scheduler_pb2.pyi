@@ -8,6 +8,13 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class Priority(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PRIORITY_UNSPECIFIED: _ClassVar[Priority]
+    PRIORITY_CRITICAL: _ClassVar[Priority]
+    PRIORITY_STANDARD: _ClassVar[Priority]
+    PRIORITY_SHEDDABLE: _ClassVar[Priority]
+
 class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     RELEASE_REASON_UNSPECIFIED: _ClassVar[ReleaseReason]
@@ -16,6 +23,10 @@ class ReleaseReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     RELEASE_REASON_UPSTREAM_ERROR: _ClassVar[ReleaseReason]
     RELEASE_REASON_GATEWAY_ERROR: _ClassVar[ReleaseReason]
     RELEASE_REASON_UPSTREAM_RESET: _ClassVar[ReleaseReason]
+PRIORITY_UNSPECIFIED: Priority
+PRIORITY_CRITICAL: Priority
+PRIORITY_STANDARD: Priority
+PRIORITY_SHEDDABLE: Priority
 RELEASE_REASON_UNSPECIFIED: ReleaseReason
 RELEASE_REASON_FINISHED: ReleaseReason
 RELEASE_REASON_CLIENT_ABORT: ReleaseReason
@@ -24,7 +35,7 @@ RELEASE_REASON_GATEWAY_ERROR: ReleaseReason
 RELEASE_REASON_UPSTREAM_RESET: ReleaseReason
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses")
+    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses", "priority", "flow", "queue_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +45,9 @@ class ScheduleRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    FLOW_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
@@ -43,7 +57,10 @@ class ScheduleRequest(_message.Message):
     max_tokens: int
     stream: bool
     candidate_addresses: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., candidate_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
+    priority: Priority
+    flow: str
+    queue_timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., candidate_addresses: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., flow: _Optional[str] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Endpoint(_message.Message):
     __slots__ = ("instance_id", "address", "infer_type")
@@ -116,14 +133,22 @@ class SessionRequest(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., schedule: _Optional[_Union[ScheduleRequest, _Mapping]] = ..., report: _Optional[_Union[ReportRequest, _Mapping]] = ..., release: _Optional[_Union[ReleaseRequest, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("seq", "schedule", "error")
+    __slots__ = ("seq", "schedule", "error", "queued")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
     seq: int
     schedule: ScheduleResponse
     error: SessionError
-    def __init__(self, seq: _Optional[int] = ..., schedule: _Optional[_Union[ScheduleResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ...) -> None: ...
+    queued: QueuedNotice
+    def __init__(self, seq: _Optional[int] = ..., schedule: _Optional[_Union[ScheduleResponse, _Mapping]] = ..., error: _Optional[_Union[SessionError, _Mapping]] = ..., queued: _Optional[_Union[QueuedNotice, _Mapping]] = ...) -> None: ...
+
+class QueuedNotice(_message.Message):
+    __slots__ = ("wait_ms",)
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    wait_ms: int
+    def __init__(self, wait_ms: _Optional[int] = ...) -> None: ...
 
 class SessionError(_message.Message):
     __slots__ = ("code", "message")

@@ -1,21 +1,22 @@
 """Prometheus metrics of one scheduling core, on its own CollectorRegistry.
 
 Per-instance figures are read from the live view at scrape time, so the hot path pays
-nothing for them; only the decision-latency histogram is observed per decision.
+nothing for them; only the decision-latency histogram is observed per decision. An engine is
+labelled `engine` (its instance id): `instance` is the target label Prometheus sets itself.
 
 | series | what |
 |---|---|
 | `pilotfish_scheduler_decision_seconds` | histogram: one Schedule decision in the core |
-| `pilotfish_scheduler_dispatch_total{instance}` | requests dispatched |
-| `pilotfish_scheduler_inflight_requests{instance}`, `..._inflight_tokens{instance}` | LRS: held requests, tokens |
+| `pilotfish_scheduler_dispatch_total{engine}` | requests dispatched |
+| `pilotfish_scheduler_inflight_requests{engine}`, `..._inflight_tokens{engine}` | LRS: held requests, tokens |
 | `pilotfish_scheduler_account_size` | requests held (dispatched, not released) |
 | `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
-| `pilotfish_scheduler_ejections_total{instance,reason}` | engine ejections: `upstream_errors`, `health_probes` |
-| `pilotfish_scheduler_instance_ejected{instance}` | 1 while the engine is ejected (no candidate), else 0 |
-| `pilotfish_scheduler_instance_metric{instance,metric}` | every metric the policy uses, per instance (no request) |
+| `pilotfish_scheduler_ejections_total{engine,reason}` | engine ejections: `upstream_errors`, `health_probes` |
+| `pilotfish_scheduler_instance_ejected{engine}` | 1 while the engine is ejected (no candidate), else 0 |
+| `pilotfish_scheduler_policy_<metric>{engine}` | each policy metric, a family each (`POLICY_METRIC_FAMILIES`) |
 | `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
-| `pilotfish_scheduler_view_staleness_seconds{instance}` | full: now - timestamp_ms, or time since applied if longer |
+| `pilotfish_scheduler_view_staleness_seconds{engine}` | full: now - timestamp_ms, or time since applied if longer |
 | `pilotfish_scheduler_cms_records_total{result}` | full: statuses applied / dropped as not newer |
 | `pilotfish_scheduler_cms_records_refused_total{reason}` | full: CMS records refused, by reason |
 | `pilotfish_scheduler_kv_events_applied_total{kind}` | full: engine KV events applied (stored, removed, cleared) |
@@ -45,6 +46,37 @@ if TYPE_CHECKING:
     from pilotfish.scheduler.limits import ListenerStats
     from pilotfish.scheduler.view.kv_events import KvEventStats
 
+# The policy's metrics, one family each so no family mixes units: (family, scale to the family's
+# unit, what it is). The two latency predictions are milliseconds in the policy, seconds here.
+# A metric registered elsewhere gets `pilotfish_scheduler_policy_<name>`, unscaled.
+POLICY_METRIC_FAMILIES: dict[str, tuple[str, float, str]] = {
+    "num_requests": ("pilotfish_scheduler_policy_requests", 1.0, "Requests held (LRS num_requests)"),
+    "num_tokens": ("pilotfish_scheduler_policy_tokens", 1.0, "Tokens of held requests (LRS num_tokens)"),
+    "kv_cache_usage_ratio_projected": (
+        "pilotfish_scheduler_policy_kv_cache_usage_ratio",
+        1.0,
+        "KV cache use, projected with in-flight requests (0..1)",
+    ),
+    "decode_batch_size": ("pilotfish_scheduler_policy_decode_batch_requests", 1.0, "Requests in the next decode step"),
+    "num_waiting_requests": ("pilotfish_scheduler_policy_waiting_requests", 1.0, "Requests waiting"),
+    "all_prefills_tokens_num": ("pilotfish_scheduler_policy_prefill_tokens", 1.0, "Prompt tokens left to prefill"),
+    "all_decodes_tokens_num": ("pilotfish_scheduler_policy_decode_tokens", 1.0, "Tokens of decoding sequences"),
+    "cache_aware_all_prefills_tokens_num": (
+        "pilotfish_scheduler_policy_cache_aware_prefill_tokens",
+        1.0,
+        "Prompt tokens left to prefill, less prefix hits",
+    ),
+    "kv_cache_hit_len": ("pilotfish_scheduler_policy_kv_cache_hit_tokens", 1.0, "Prefix-cache hit of the request"),
+    "predicted_ttft": ("pilotfish_scheduler_policy_predicted_ttft_seconds", 1e-3, "Predicted time to first token"),
+    "predicted_tpot": ("pilotfish_scheduler_policy_predicted_tpot_seconds", 1e-3, "Predicted time per output token"),
+}
+
+
+def policy_metric_family(name: str) -> tuple[str, float, str]:
+    """(family name, scale, help) of the policy metric `name`."""
+    return POLICY_METRIC_FAMILIES.get(name, (f"pilotfish_scheduler_policy_{name}", 1.0, f"Policy metric {name}"))
+
+
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)
 _SCRAPE_REQUEST = RequestInfo(request_id="", model="")
 
@@ -59,40 +91,40 @@ class _ViewCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         core = self._core
         dispatched = CounterMetricFamily(
-            "pilotfish_scheduler_dispatch", "Requests dispatched, by instance.", labels=["instance"]
+            "pilotfish_scheduler_dispatch", "Requests dispatched, by engine.", labels=["engine"]
         )
         requests = GaugeMetricFamily(
             "pilotfish_scheduler_inflight_requests",
-            "Requests dispatched and not yet released (LRS num_requests), by instance.",
-            labels=["instance"],
+            "Requests dispatched and not yet released (LRS num_requests), by engine.",
+            labels=["engine"],
         )
         tokens = GaugeMetricFamily(
             "pilotfish_scheduler_inflight_tokens",
-            "Prompt plus generated tokens of held requests (LRS num_tokens), by instance.",
-            labels=["instance"],
-        )
-        values = GaugeMetricFamily(
-            "pilotfish_scheduler_instance_metric",
-            "Scheduling metric values per instance, as the policy computes them (request-free).",
-            labels=["instance", "metric"],
+            "Prompt plus generated tokens of held requests (LRS num_tokens), by engine.",
+            labels=["engine"],
         )
         metrics = {m.name: m for p in core.policy.pipelines.values() for m in p.metrics}
+        values = {}
+        for name in metrics:
+            family, scale, what = policy_metric_family(name)
+            help_ = f"{what}, per engine, as the policy's {name} computes it (request-free)."
+            values[name] = (GaugeMetricFamily(family, help_, labels=["engine"]), scale)
         staleness = GaugeMetricFamily(
             "pilotfish_scheduler_view_staleness_seconds",
-            "Age of each instance's CMS status: now minus its timestamp_ms, or the time since the scheduler "
+            "Age of each engine's CMS status: now minus its timestamp_ms, or the time since the scheduler "
             "applied it if that is longer (it grows while the CMS reader is cut off).",
-            labels=["instance"],
+            labels=["engine"],
         )
         ejections = CounterMetricFamily(
             "pilotfish_scheduler_ejections",
-            "Engine ejections (scheduler/health.py), by instance and reason: upstream_errors (consecutive "
+            "Engine ejections (scheduler/health.py), by engine and reason: upstream_errors (consecutive "
             "failures the gateway reported) or health_probes (failed probes in a row).",
-            labels=["instance", "reason"],
+            labels=["engine", "reason"],
         )
         ejected = GaugeMetricFamily(
             "pilotfish_scheduler_instance_ejected",
-            "1 while the instance is ejected and not picked, else 0.",
-            labels=["instance"],
+            "1 while the engine is ejected and not picked, else 0.",
+            labels=["engine"],
         )
         health = core.health
         now = core.ctx.wall_clock()
@@ -106,7 +138,8 @@ class _ViewCollector(Collector):
             requests.add_metric(labels, inst.lrs.num_requests)
             tokens.add_metric(labels, inst.lrs.num_tokens)
             for name, metric in metrics.items():
-                values.add_metric([inst.instance_id, name], metric.value(inst, _SCRAPE_REQUEST))
+                family, scale = values[name]
+                family.add_metric(labels, metric.value(inst, _SCRAPE_REQUEST) * scale)
             age = core.cms.status_age(inst.instance_id, now) if core.cms is not None else None
             if age is not None:
                 staleness.add_metric(labels, age)
@@ -117,7 +150,8 @@ class _ViewCollector(Collector):
             "Held requests dropped for staleness (their Release never came).",
             value=core.num_expired,
         )
-        yield from (dispatched, requests, tokens, size, expired, values, ejections, ejected)
+        yield from (dispatched, requests, tokens, size, expired, ejections, ejected)
+        yield from (family for family, _ in values.values())
         if not core.full_mode:
             return
         account = core.account

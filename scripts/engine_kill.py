@@ -79,10 +79,10 @@ def main() -> int:
             )  # fmt: skip
 
             def dispatched() -> float:
-                return metric(stack.scheduler_metrics_port, "pilotfish_scheduler_dispatch_total", instance="sim-1")
+                return metric(stack.scheduler_metrics_port, "pilotfish_scheduler_dispatch_total", engine="sim-1")
 
             def ejections() -> float:
-                return metric(stack.scheduler_metrics_port, "pilotfish_scheduler_ejections_total", instance="sim-1")
+                return metric(stack.scheduler_metrics_port, "pilotfish_scheduler_ejections_total", engine="sim-1")
 
             async def run() -> dict[str, object]:
                 counts: Counter[str] = Counter()

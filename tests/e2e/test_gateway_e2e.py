@@ -26,7 +26,7 @@ MODEL = "pilotfish-sim"
 
 def scheduler_metric(stack: Stack, name: str) -> dict[str, float]:
     """Per-instance values of one of the scheduler's Prometheus series."""
-    return {labels["instance"]: v for labels, v in scrape(stack.scheduler_metrics_port).get(name, [])}
+    return {labels["engine"]: v for labels, v in scrape(stack.scheduler_metrics_port).get(name, [])}
 
 
 async def completion(session: aiohttp.ClientSession, url: str, i: int, stream: bool) -> dict:

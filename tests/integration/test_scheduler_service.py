@@ -186,7 +186,7 @@ async def test_metrics_endpoint(server: SchedulerServer, channel: grpc.aio.Chann
     # urllib blocks; the server lives on this loop, so fetch from a thread
     text = await asyncio.to_thread(lambda: urllib.request.urlopen(url, timeout=5).read().decode())
     assert "pilotfish_scheduler_decision_seconds_count 1.0" in text
-    assert 'pilotfish_scheduler_dispatch_total{instance="127.0.0.1:8002"} 1.0' in text
+    assert 'pilotfish_scheduler_dispatch_total{engine="127.0.0.1:8002"} 1.0' in text
     assert "pilotfish_scheduler_account_size 1.0" in text
 
 

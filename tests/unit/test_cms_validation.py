@@ -292,7 +292,7 @@ def test_refusals_and_honest_staleness_show_in_metrics() -> None:
     sample = next(
         line
         for line in generate_latest(c.registry).decode().splitlines()
-        if line.startswith('pilotfish_scheduler_view_staleness_seconds{instance="a"}')
+        if line.startswith('pilotfish_scheduler_view_staleness_seconds{engine="a"}')
     )
     assert float(sample.split()[-1]) == pytest.approx(30.0)
 

@@ -152,8 +152,8 @@ async def test_standalone_rescheduler_plans_from_the_cms_and_calls_migrate(
                 return response.read().decode()
 
         text = await asyncio.to_thread(scrape)
-        assert 'rescheduling_migrated_requests_count_total{policy="decode_load"}' in text
-        assert "rescheduling_failed_count" in text
+        assert 'pilotfish_rescheduling_migrated_requests_total{policy="decode_load"}' in text
+        assert "pilotfish_rescheduling_failed_total" in text
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), WAIT) == 0
     finally:
@@ -182,7 +182,7 @@ async def test_colocated_scheduler_runs_the_loop_over_its_own_view(
         await eventually(lambda: len(hot.calls) >= 2, "Migrate calls from the scheduler process")
         assert set(migrations(hot)) == {("hot", "cold", "decode_load", "Bearer tok")}
         value = server.core.registry.get_sample_value(
-            "rescheduling_migrated_requests_count_total", {"policy": "decode_load"}
+            "pilotfish_rescheduling_migrated_requests_total", {"policy": "decode_load"}
         )
         assert value is not None and value >= 2
     finally:

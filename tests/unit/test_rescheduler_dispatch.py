@@ -92,11 +92,11 @@ def pair(src: InstanceView, dst: InstanceView, policy: str = "decode_load") -> M
 
 
 def failed(registry: CollectorRegistry, policy: str, reason: str) -> float:
-    return registry.get_sample_value("rescheduling_failed_count_total", {"policy": policy, "reason": reason}) or 0.0
+    return registry.get_sample_value("pilotfish_rescheduling_failed_total", {"policy": policy, "reason": reason}) or 0.0
 
 
 def counted(registry: CollectorRegistry, name: str, policy: str) -> float:
-    return registry.get_sample_value(f"rescheduling_{name}_count_total", {"policy": policy}) or 0.0
+    return registry.get_sample_value(f"pilotfish_rescheduling_{name}_total", {"policy": policy}) or 0.0
 
 
 @pytest.fixture
@@ -268,7 +268,7 @@ async def test_loop_carries_on_through_timeouts_and_never_overlaps(
     assert CountingDispatcher.most == 1
     assert loop.num_errors == 0 and loop.num_cycles >= 4
     assert len(stuck.calls) >= 4 and all(c.destination_instance_id == "cold" for c in stuck.calls)
-    assert core.registry.get_sample_value("rescheduling_cycles_count_total") == loop.num_cycles
+    assert core.registry.get_sample_value("pilotfish_rescheduling_cycles_total") == loop.num_cycles
 
 
 async def test_loop_survives_a_cycle_that_raises(llumlets: Callable[..., Awaitable[FakeLlumlet]]) -> None:

@@ -231,8 +231,8 @@ def test_prometheus_metrics_per_core_registry() -> None:
     first, second = make_core(), make_core()  # two cores in one process must not clash
     first.schedule(req("r"))
     text = generate_latest(first.registry).decode()
-    assert 'pilotfish_scheduler_dispatch_total{instance="a:1"} 1.0' in text
-    assert 'pilotfish_scheduler_inflight_requests{instance="a:1"} 1.0' in text
+    assert 'pilotfish_scheduler_dispatch_total{engine="a:1"} 1.0' in text
+    assert 'pilotfish_scheduler_inflight_requests{engine="a:1"} 1.0' in text
     assert "pilotfish_scheduler_account_size 1.0" in text
     assert "pilotfish_scheduler_decision_seconds_count 1.0" in text
     assert "pilotfish_scheduler_account_size 0.0" in generate_latest(second.registry).decode()

@@ -308,10 +308,10 @@ def test_metrics_count_ejections_and_show_who_is_out() -> None:
     core = make_core(Clock())
     fail_on(core, "a", 3)
     text = generate_latest(core.registry).decode()
-    assert 'pilotfish_scheduler_ejections_total{instance="a",reason="upstream_errors"} 1.0' in text
-    assert 'pilotfish_scheduler_ejections_total{instance="b",reason="health_probes"} 0.0' in text
-    assert 'pilotfish_scheduler_instance_ejected{instance="a"} 1.0' in text
-    assert 'pilotfish_scheduler_instance_ejected{instance="b"} 0.0' in text
+    assert 'pilotfish_scheduler_ejections_total{engine="a",reason="upstream_errors"} 1.0' in text
+    assert 'pilotfish_scheduler_ejections_total{engine="b",reason="health_probes"} 0.0' in text
+    assert 'pilotfish_scheduler_instance_ejected{engine="a"} 1.0' in text
+    assert 'pilotfish_scheduler_instance_ejected{engine="b"} 0.0' in text
 
 
 # -- config ------------------------------------------------------------------------------------------

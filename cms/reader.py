@@ -69,9 +69,20 @@ class CmsSink(Protocol):
 
 
 class CmsReader:
-    def __init__(self, redis_url: str, cluster: str, sink: CmsSink, poll_interval: float = 2.0) -> None:
+    def __init__(
+        self,
+        redis_url: str,
+        cluster: str,
+        sink: CmsSink,
+        poll_interval: float = 2.0,
+        *,
+        redis_options: dict[str, Any] | None = None,
+    ) -> None:
+        """`redis_options`: extra redis-py connection options (the password, rediss:// CA and client
+        certificate: pilotfish/security.py's `redis_options`)."""
         keys.check_id(cluster, "cluster name")
         self.redis_url = redis_url
+        self._redis_options = dict(redis_options or {})
         self.cluster = cluster
         self.sink = sink
         self.poll_interval = poll_interval
@@ -118,6 +129,7 @@ class CmsReader:
             socket_connect_timeout=CONNECT_TIMEOUT,
             socket_timeout=10.0,
             retry=Retry(NoBackoff(), 0),
+            **self._redis_options,
         )
         try:
             async with asyncio.TaskGroup() as group:

@@ -41,7 +41,18 @@ _REPLIES_PER_WRITE = 2  # SET, PUBLISH
 
 
 class CmsWriter:
-    def __init__(self, url: str, cluster: str, instance_id: str, ttl_ms: int, epoch: int | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        cluster: str,
+        instance_id: str,
+        ttl_ms: int,
+        epoch: int | None = None,
+        *,
+        redis_options: dict[str, Any] | None = None,
+    ) -> None:
+        """`redis_options`: extra redis-py connection options (the password, rediss:// CA and client
+        certificate: pilotfish/security.py's `redis_options`)."""
         self.cluster = keys.check_id(cluster, "cluster")
         self.instance_id = keys.check_id(instance_id, "instance_id")
         self.ttl_ms = ttl_ms
@@ -60,6 +71,7 @@ class CmsWriter:
             socket_timeout=SOCKET_TIMEOUT_S,
             socket_connect_timeout=SOCKET_TIMEOUT_S,
             health_check_interval=30,
+            **(redis_options or {}),
         )
         # the held status connection; _fd is its descriptor for non-blocking writes, -1 when
         # there is none or it cannot take them (TLS)

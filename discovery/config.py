@@ -11,9 +11,12 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.config import ConfigError
+from pilotfish.security import SecurityConfig
 
 
-class DiscoveryConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class DiscoveryConfig(SecurityConfig, kw_only=True, forbid_unknown_fields=True):
+    """Discovery's flags, after the security flags every component shares (pilotfish/security.py)."""
+
     discovery: Annotated[
         str,
         Meta(description="where instances are registered and found: static:[LIST], file:PATH, "

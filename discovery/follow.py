@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pilotfish.discovery.api import InstanceAddedEvent, ServiceDiscovery
 from pilotfish.discovery.config import DiscoveryConfig
 from pilotfish.discovery.static import Instance
-from pilotfish.discovery.urls import open_discovery
+from pilotfish.discovery.urls import open_discovery, redis_options
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,10 @@ async def follow(
     only then, so it never answers 503 for a fleet it has not read yet).
     """
     discovery = open_discovery(
-        config.discovery, ttl=config.discovery_ttl_seconds, interval=config.discovery_interval_seconds
+        config.discovery,
+        ttl=config.discovery_ttl_seconds,
+        interval=config.discovery_interval_seconds,
+        redis_options=redis_options(config),
     )
     async with discovery:
         waiting = await _first_listing(discovery, config) if synced is not None else set()

@@ -23,7 +23,7 @@ from pilotfish.discovery.backends.k8s_registry import K8sRegistry
 from pilotfish.discovery.config import SidecarConfig, parse_metadata
 from pilotfish.discovery.health import Endpoint, HealthState, check
 from pilotfish.discovery.static import parse_instance
-from pilotfish.discovery.urls import open_registry
+from pilotfish.discovery.urls import open_registry, redis_options
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ async def run_sidecar(config: SidecarConfig) -> int:
     if scheme in ("static", "file"):
         raise ConfigError(f"--discovery: the sidecar registers to a store: redis://, etcd:// or k8s:, not {scheme}:")
     endpoints = endpoints_from_config(config)
-    registry = open_registry(config.discovery, ttl=config.discovery_ttl_seconds)
+    registry = open_registry(config.discovery, ttl=config.discovery_ttl_seconds, redis_options=redis_options(config))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -18,11 +18,22 @@ Constructors do no I/O: connections open on first use.
 from __future__ import annotations
 
 import urllib.parse
+from typing import Any
 
 from pilotfish.config import ConfigError
 from pilotfish.discovery.api import ServiceDiscovery, ServiceRegistry
 
 SCHEMES = ("static", "file", "redis", "rediss", "etcd", "etcd+https", "k8s", "k8s-pool")
+
+
+def redis_options(config: Any) -> dict[str, Any] | None:
+    """redis-py options from a config's security settings (pilotfish/security.py) when its
+    --discovery is a Redis URL, else None."""
+    if _split(config.discovery)[0] not in ("redis", "rediss"):
+        return None
+    from pilotfish.security import Security
+
+    return Security.from_config(config).redis_options(config.discovery)
 
 
 def _split(url: str) -> tuple[str, str]:
@@ -128,8 +139,11 @@ def _k8s_pool(url: str, rest: str):  # type: ignore[no-untyped-def]
     return PoolRef(check_name(name, "InferencePool name"), options)
 
 
-def open_discovery(url: str, *, ttl: float = 10.0, interval: float = 1.0) -> ServiceDiscovery:
-    """The reader for `url`; ConfigError names what is wrong with it."""
+def open_discovery(
+    url: str, *, ttl: float = 10.0, interval: float = 1.0, redis_options: dict[str, Any] | None = None
+) -> ServiceDiscovery:
+    """The reader for `url`; ConfigError names what is wrong with it. `redis_options`: redis-py
+    connection options for redis:// and rediss:// (pilotfish/security.py's `redis_options`)."""
     scheme, rest = _split(url)
     if scheme == "static":
         from pilotfish.discovery.backends.memory import MemoryBackend
@@ -151,7 +165,11 @@ def open_discovery(url: str, *, ttl: float = 10.0, interval: float = 1.0) -> Ser
 
         try:
             return RedisDiscovery(
-                _without_query(url, {"prefix"}), prefix=_redis_prefix(url), ttl=ttl, interval=interval
+                _without_query(url, {"prefix"}),
+                prefix=_redis_prefix(url),
+                ttl=ttl,
+                interval=interval,
+                redis_options=redis_options,
             )
         except ValueError as exc:
             raise ConfigError(f"--discovery: {url!r}: {exc}") from None
@@ -170,7 +188,7 @@ def open_discovery(url: str, *, ttl: float = 10.0, interval: float = 1.0) -> Ser
     return K8sDiscovery(options, interval=interval)
 
 
-def open_registry(url: str, *, ttl: float = 10.0) -> ServiceRegistry:
+def open_registry(url: str, *, ttl: float = 10.0, redis_options: dict[str, Any] | None = None) -> ServiceRegistry:
     """The writer for `url`; `file:` has none (edit the file), `static:` is in-process only."""
     scheme, rest = _split(url)
     if scheme == "file":
@@ -188,7 +206,9 @@ def open_registry(url: str, *, ttl: float = 10.0) -> ServiceRegistry:
         from pilotfish.discovery.backends.redis import RedisRegistry
 
         try:
-            return RedisRegistry(_without_query(url, {"prefix"}), prefix=_redis_prefix(url), ttl=ttl)
+            return RedisRegistry(
+                _without_query(url, {"prefix"}), prefix=_redis_prefix(url), ttl=ttl, redis_options=redis_options
+            )
         except ValueError as exc:
             raise ConfigError(f"--discovery: {url!r}: {exc}") from None
     if scheme in ("etcd", "etcd+https"):

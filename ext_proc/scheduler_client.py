@@ -9,6 +9,10 @@ With --scheduler-session-address the same messages go over the scheduler's plain
 (scheduler --session-port) instead of the gRPC stream: no HTTP/2 and no grpc poller thread, about
 a third of the gRPC Session's round trip. Reports and releases fall back to unary gRPC while it is
 down, as they do from the gRPC stream.
+
+Security (pilotfish/security.py, the gateway's --tls-* and --auth-token-file): the channel and the
+socket dial TLS when the gateway has a certificate or a CA, and every call carries the token
+(gRPC metadata `authorization: Bearer`; on the socket, the first frame after the scheduler's HELLO).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -26,6 +30,9 @@ from pilotfish.ext_proc.openai import RequestError
 from pilotfish.ext_proc.routing import SCHEDULER, Decision, SchedulerUnavailable
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
 from pilotfish.protos.session_frames import ANSWERED_KEY, HELLO, FrameError, FrameReader, frame
+
+if TYPE_CHECKING:
+    from pilotfish.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -146,9 +153,9 @@ class _Session(_SessionBase):
     have hidden behind a generic error.
     """
 
-    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+    def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, metadata: tuple[tuple[str, str], ...] | None) -> None:
         super().__init__()
-        self._call = stub.Session()
+        self._call = stub.Session(metadata=metadata)
         self._lock = asyncio.Lock()
         self._reader = asyncio.get_running_loop().create_task(self._run())
 
@@ -205,19 +212,25 @@ class _SocketSession(_SessionBase, asyncio.Protocol):
     protos/session_frames.py). A write is a plain transport write: no lock, no await. The
     session is up once the scheduler's HELLO has come."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security | None = None) -> None:
         super().__init__()
         self._address = address
         self._frames = FrameReader()
         self._hello = b""
         self._transport: asyncio.Transport | None = None
+        self._security = security
+        # written right after HELLO, before any message: the scheduler judges the first frame
+        self._auth = frame(security.session_auth_frame()) if security is not None and security.token else b""
         host, _, port = address.rpartition(":")
         self._connecting = asyncio.get_running_loop().create_task(self._connect(host.strip("[]"), int(port)))
 
     async def _connect(self, host: str, port: int) -> None:
+        security = self._security
+        ssl_context = security.client_ssl_context() if security is not None else None
+        tls = {"ssl": ssl_context, "server_hostname": security.server_name or host} if security and ssl_context else {}
         try:
-            await asyncio.get_running_loop().create_connection(lambda: self, host, port)
-        except OSError as exc:
+            await asyncio.get_running_loop().create_connection(lambda: self, host, port, **tls)
+        except OSError as exc:  # ssl.SSLError included: a refused or wrong certificate
             self._fail(f"cannot connect: {exc.strerror or exc}")
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -237,6 +250,8 @@ class _SocketSession(_SessionBase, asyncio.Protocol):
                 self._fail("the peer is not a Pilotfish scheduler's Session socket")
                 return
             self._hello = b""
+            if self._auth and self._transport is not None:
+                self._transport.write(self._auth)
             self._up.set_result(None)
             data = hello[len(HELLO) :]
         try:
@@ -282,12 +297,15 @@ class GrpcScheduler:
         report_interval_s: float,
         session: bool = True,
         session_address: str = "",
+        security: Security | None = None,
     ) -> None:
         self._address = address
         self._session_address = session_address  # the scheduler's Session socket; empty: the gRPC stream
         self._timeout = schedule_timeout_s
         self._report_interval = report_interval_s
-        self._channel = grpc.aio.insecure_channel(address)
+        self._security = security
+        self._metadata = security.metadata if security is not None else None  # the token on every call
+        self._channel = security.aio_channel(address) if security is not None else grpc.aio.insecure_channel(address)
         self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
         self._session: _Session | _SocketSession | None = None
         self._sessions = session  # False also once the scheduler answers Session with UNIMPLEMENTED
@@ -306,9 +324,9 @@ class GrpcScheduler:
                 log.warning("the scheduler at %s has no Session stream: unary calls from now on", self._address)
                 return None
             if self._session_address:
-                session = self._session = _SocketSession(self._session_address)
+                session = self._session = _SocketSession(self._session_address, self._security)
             else:
-                session = self._session = _Session(self._stub)
+                session = self._session = _Session(self._stub, self._metadata)
         return session
 
     async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
@@ -319,7 +337,7 @@ class GrpcScheduler:
             except _NoSession:
                 self._open_session()  # notes it: unary from now on, starting with this request
         try:
-            reply = await self._stub.Schedule(request, timeout=self._timeout)
+            reply = await self._stub.Schedule(request, timeout=self._timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_failure(exc) from None
         return _decision(reply)
@@ -346,7 +364,7 @@ class GrpcScheduler:
             if await self._send(scheduler_pb2.SessionRequest(report=report)):
                 return
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._stub.Report(report, timeout=self._timeout * 5)
+                await self._stub.Report(report, timeout=self._timeout * 5, metadata=self._metadata)
 
     def release(self, request_id: str, reason: int) -> None:
         """Tell the scheduler the request is over; never delays the response path."""
@@ -363,12 +381,12 @@ class GrpcScheduler:
             report = scheduler_pb2.ReportRequest(reports=[moved])
             if not await self._send(scheduler_pb2.SessionRequest(report=report)):
                 with contextlib.suppress(grpc.aio.AioRpcError):
-                    await self._stub.Report(report, timeout=self._timeout * 5)
+                    await self._stub.Report(report, timeout=self._timeout * 5, metadata=self._metadata)
         release = scheduler_pb2.ReleaseRequest(request_id=request_id, reason=reason)  # type: ignore[arg-type]
         if await self._send(scheduler_pb2.SessionRequest(release=release)):
             return
         try:
-            await self._stub.Release(release, timeout=self._timeout * 5)
+            await self._stub.Release(release, timeout=self._timeout * 5, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             # The scheduler's staleness expiry reclaims what a lost Release leaves behind.
             log.debug("Release %s failed: %s", request_id, exc.code().name)

@@ -9,12 +9,14 @@ import signal
 
 import grpc
 from aiohttp import web
+from envoy.service.accesslog.v3 import als_pb2_grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pilotfish.config import ConfigError
 from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import parse_instances
+from pilotfish.ext_proc.access_log import AccessLogReleaser
 from pilotfish.ext_proc.config import ExtProcConfig
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
@@ -23,6 +25,7 @@ from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import tokenizer
 from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
+from pilotfish.security import Security, register_auth_stats
 
 log = logging.getLogger(__name__)
 
@@ -40,13 +43,17 @@ class ExtProcServer:
 
     def __init__(self, config: ExtProcConfig) -> None:
         self.config = config
+        # TLS and the token on its own listener (Envoy's link) and to the scheduler (pilotfish/security.py)
+        self.security = security = Security.from_config(config)
+        security.check_listener(config.host, "--host")
         try:
             instances = parse_instances(config.instances)
         except ValueError as exc:
             raise StartError(f"--instances: {exc}") from None
         self.metrics = ExtProcMetrics()
+        register_auth_stats(self.metrics.registry, security.stats)
         self.router = Router(
-            _scheduler_backend(config, self.metrics),
+            _scheduler_backend(config, self.metrics, security),
             instances,
             breaker=CircuitBreaker(config.breaker_failures, config.breaker_open_seconds),
         )
@@ -59,10 +66,16 @@ class ExtProcServer:
             exact_usage=config.exact_usage,
             prefix_block_size=config.prefix_block_size,
             destination_fallbacks=config.destination_fallbacks,
+            count_response_tokens=config.response_bodies == "count",
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0)], interceptors=[security.aio_interceptor("ext_proc_grpc")]
+        )
         ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
+        # Envoy's access log: the end of each request as Envoy saw it (access_log.py)
+        self.access_log = AccessLogReleaser(self.servicer.release_from_access_log)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self.server)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
@@ -74,14 +87,14 @@ class ExtProcServer:
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = self.security.add_port(self.server, address)
         except RuntimeError:
             self.port = 0
         if not self.port:
             raise StartError(f"cannot listen on {address}: port in use or address unavailable")
         if self.config.metrics_port:
             registry, host = self.metrics.registry, self.config.host
-            self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port)
+            self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port, security=self.security)
         await self.server.start()
         for name in HEALTH_SERVICES:
             serving = name in LIVE_SERVICES
@@ -116,7 +129,9 @@ class ExtProcServer:
             await self._metrics_runner.cleanup()
 
 
-def _scheduler_backend(config: ExtProcConfig, metrics: ExtProcMetrics) -> SchedulerBackend | None:
+def _scheduler_backend(
+    config: ExtProcConfig, metrics: ExtProcMetrics, security: Security | None = None
+) -> SchedulerBackend | None:
     if config.colocated_scheduling:
         from pilotfish.config import load_yaml_mapping, struct_from_mapping
         from pilotfish.ext_proc.colocated import LocalScheduler
@@ -140,6 +155,7 @@ def _scheduler_backend(config: ExtProcConfig, metrics: ExtProcMetrics) -> Schedu
             config.report_interval_ms / 1000,
             session=config.scheduler_session,
             session_address=session_address,
+            security=security,
         )
     return None
 

@@ -1,27 +1,44 @@
-"""Serve one Prometheus registry at /metrics on the service's own event loop (aiohttp)."""
+"""Serve one Prometheus registry at /metrics on the service's own event loop (aiohttp).
+
+With the component's security settings (pilotfish/security.py) it serves TLS from the same files
+as its other listeners (reloaded when they change) and, with a token, answers only requests with
+`Authorization: Bearer <token>` (401 otherwise, counted in pilotfish_auth_refused_total).
+"""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pilotfish.procs import StartError
 
+if TYPE_CHECKING:
+    from pilotfish.security import Security
+
 
 async def serve_metrics(
-    registry: CollectorRegistry, host: str, port: int, flag: str = "--metrics-port"
+    registry: CollectorRegistry,
+    host: str,
+    port: int,
+    flag: str = "--metrics-port",
+    *,
+    security: Security | None = None,
 ) -> web.AppRunner:
     """Start /metrics; a port in use fails with one line naming the flag."""
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app = web.Application()
+    middlewares = [security.metrics_middleware()] if security is not None and security.token else []
+    app = web.Application(middlewares=middlewares)
     app.router.add_get("/metrics", metrics)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
+    ssl_context = security.server_ssl_context() if security is not None else None
     try:
-        await web.TCPSite(runner, host, port, reuse_port=False).start()
+        await web.TCPSite(runner, host, port, reuse_port=False, ssl_context=ssl_context).start()
     except OSError as exc:
         await runner.cleanup()
         raise StartError(f"cannot listen on {host}:{port} ({flag}): {exc.strerror or exc}") from None

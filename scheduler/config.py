@@ -20,10 +20,11 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     scheduling_policy: Annotated[
         str,
         Meta(
-            description="load-balance, slo, round-robin (a baseline), or the name of a policy "
-            "composed under `policies` in the YAML file"
+            description="predicted-latency (the default: least predicted TTFT, then TPOT, with cache affinity "
+            "within the TTFT band; lite and full mode), the spec's load-balance and slo, round-robin (a "
+            "baseline), or the name of a policy composed under `policies` in the YAML file"
         ),
-    ] = "load-balance"
+    ] = "predicted-latency"
     enable_full_mode_scheduling: Annotated[
         bool,
         Meta(
@@ -69,8 +70,9 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     enable_cache_aware_scheduling: Annotated[
         bool,
         Meta(
-            description="rank by cached prefix before load (prefix index fed by dispatches, and by "
-            "engine KV events in full mode); lite mode can use kv_cache_hit_len only"
+            description="load-balance: rank by cached prefix within the load metric's balance band (prefix "
+            "index fed by dispatches, and by engine KV events in full mode); lite mode can use kv_cache_hit_len "
+            "only. predicted-latency always has this affinity (within its TTFT band)"
         ),
     ] = False
     cache_aware_metric: Annotated[
@@ -103,13 +105,17 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "status (online step-time fit) from all_prefills_tokens_num"
         ),
     ] = False
-    ttft_slo: Annotated[float, Meta(ge=0, description="slo policy: TTFT target in ms (0 = rank only)")] = 0.0
-    tpot_slo: Annotated[float, Meta(ge=0, description="slo policy: TPOT target in ms (0 = rank only)")] = 0.0
+    ttft_slo: Annotated[
+        float, Meta(ge=0, description="slo and predicted-latency policies: TTFT target in ms (0 = rank only)")
+    ] = 0.0
+    tpot_slo: Annotated[
+        float, Meta(ge=0, description="slo and predicted-latency policies: TPOT target in ms (0 = rank only)")
+    ] = 0.0
     ttft_slo_dispatch_threshold: Annotated[
-        float, Meta(gt=0, description="slo policy: block instances predicted above ttft-slo x this")
+        float, Meta(gt=0, description="slo, predicted-latency: block instances predicted above ttft-slo x this")
     ] = 1.0
     tpot_slo_dispatch_threshold: Annotated[
-        float, Meta(gt=0, description="slo policy: block instances predicted above tpot-slo x this")
+        float, Meta(gt=0, description="slo, predicted-latency: block instances predicted above tpot-slo x this")
     ] = 1.0
     latency_profile: Annotated[
         str,
@@ -434,7 +440,11 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         float, Meta(gt=0, description="deadline of one Migrate call; a timeout counts as a failed rescheduling")
     ] = 10.0
     llumlet_token: Annotated[
-        str, Meta(description="sent to the llumlets as 'authorization: Bearer <token>' (their --llumlet-token)")
+        str,
+        Meta(
+            description="deprecated (visible in ps): sent to the llumlets as 'authorization: Bearer <token>'; "
+            "use --auth-token-file, the one token of every link"
+        ),
     ] = ""
     tpot_migrate_out_ceil_threshold: Annotated[
         float,
@@ -451,6 +461,91 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "policies are its rescheduling half"
         ),
     ] = False
+    # flow control (scheduler/flow/): hold Schedules while every eligible engine is saturated
+    enable_flow_control: Annotated[
+        bool,
+        Meta(
+            description="flow control: while every eligible engine is saturated (--flow-* bounds), a Schedule "
+            "waits in the scheduler's queue, strict priority between bands and fair between flows, and is "
+            "scheduled by the policy when an engine has room; shed (RESOURCE_EXHAUSTED: the gateway's 429) "
+            "when the queue is full or its wait is over. Only requests whose gateway can hold them "
+            "(queue_timeout_ms) wait"
+        ),
+    ] = False
+    flow_lite_max_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="lite mode: an engine is saturated when the prompt and generated tokens of the requests "
+            "the scheduler holds on it reach this (0: no token bound)",
+        ),
+    ] = 0
+    flow_lite_max_requests: Annotated[
+        int, Meta(ge=0, description="lite mode: an engine is saturated when it holds this many requests (0: no bound)")
+    ] = 0
+    flow_max_queued_prefill_tokens: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="full mode: an engine is saturated when its uncomputed prefill tokens plus the in-flight "
+            "prompt tokens sent to it reach this (0: not judged)",
+        ),
+    ] = 8192
+    flow_max_kv_usage: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: an engine is saturated when its projected KV usage "
+            "(kv_cache_usage_ratio_projected) reaches this (0: not judged)",
+        ),
+    ] = 0.95
+    flow_max_batch_requests: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="full mode: an engine is saturated when its running, loading and waiting requests plus "
+            "in-flight ones reach this (0: its max_num_seqs from the CMS metadata, when known)",
+        ),
+    ] = 0
+    flow_queue_max_requests: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1_000_000,
+            description="requests the queue holds, all bands; past it the newest of a lower band is shed to make "
+            "room, else the arrival",
+        ),
+    ] = 4096
+    flow_critical_max_wait_ms: Annotated[
+        float,
+        Meta(ge=0, description="longest wait of a critical request; then the policy dispatches it, saturated or not"),
+    ] = 3000.0
+    flow_standard_max_wait_ms: Annotated[
+        float, Meta(ge=0, description="longest wait of a standard request; then it is shed")
+    ] = 2000.0
+    flow_sheddable_max_wait_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="longest wait of a sheddable request; it is shed then, or at once when the queue's "
+            "drain rate says it would wait longer",
+        ),
+    ] = 1000.0
+    flow_model_priorities: Annotated[
+        list[str],
+        Meta(
+            description="model=band (critical, standard or sheddable): the band of a request of that model "
+            "that carries none, as an InferenceObjective's priority (default: standard)"
+        ),
+    ] = []
+    flow_recheck_ms: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="while requests wait, engines are judged again this often besides at every release, "
+            "report and engine status",
+        ),
+    ] = 50.0
 
 
 def parse_instance(text: str) -> tuple[str, str]:

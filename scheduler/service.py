@@ -49,6 +49,7 @@ from pilotfish.scheduler.session_server import Answer, SessionSocketServer, Sock
 from pilotfish.scheduler.telemetry import register_listener_stats
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
+from pilotfish.security import Security, register_auth_stats
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -324,6 +325,9 @@ class SchedulerServer:
     def __init__(self, config: SchedulerConfig, core: SchedulerCore | None = None) -> None:
         validate_service(config)
         self.config = config
+        # TLS, the token and the refusal beyond loopback without either (pilotfish/security.py)
+        self.security = security = Security.from_config(config)
+        security.check_listener(config.host, "--host")
         self.core = core if core is not None else SchedulerCore(config)
         self.port = 0
         self.metrics_port = 0
@@ -332,6 +336,7 @@ class SchedulerServer:
         self._server: grpc.aio.Server | None = None
         self._servicer = SchedulerServicer(self.core, config)
         register_listener_stats(self.core.registry, self._servicer.stats)
+        register_auth_stats(self.core.registry, security.stats)
         self._health = health_aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
         self._expiry: asyncio.Task[None] | None = None
@@ -342,7 +347,7 @@ class SchedulerServer:
         self._probe_task: asyncio.Task[None] | None = None
         self.kv_events: KvEventSubscriber | None = None
         # colocated rescheduling: None unless enabled (bad rescheduling flags fail here, before binding)
-        self._rescheduler = colocated_loop(config, self.core)
+        self._rescheduler = colocated_loop(config, self.core, security)
 
     async def start(self) -> None:
         """Bind and serve; raises StartError naming the address when a port cannot be bound."""
@@ -354,11 +359,14 @@ class SchedulerServer:
             _probe_port(host, self.config.session_port, "--session-port")
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
         # and the listener limits: message size, streams, connections, idle, keepalive (scheduler/limits.py)
-        server = self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0), *grpc_server_options(self.config)])
+        server = self._server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), *grpc_server_options(self.config)],
+            interceptors=[self.security.aio_interceptor("scheduler_grpc")],
+        )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         try:
-            self.port = server.add_insecure_port(f"{host}:{port}")
+            self.port = self.security.add_port(server, f"{host}:{port}")
         except RuntimeError:
             self.port = 0
         if not self.port:  # lost a race with another process after the probe
@@ -374,7 +382,7 @@ class SchedulerServer:
                 raise
         if self.config.session_port:
             self._session_socket = SessionSocketServer(
-                self._servicer.answerer, SocketLimits.from_config(self.config), self._servicer.stats
+                self._servicer.answerer, SocketLimits.from_config(self.config), self._servicer.stats, self.security
             )
             try:
                 self.session_port = await self._session_socket.start(host, self.config.session_port)
@@ -389,7 +397,11 @@ class SchedulerServer:
             from pilotfish.cms.reader import CmsReader
 
             self.reader = CmsReader(
-                self.config.redis_url, self.config.cms_cluster, self.core.cms, self.config.cms_poll_interval_seconds
+                self.config.redis_url,
+                self.config.cms_cluster,
+                self.core.cms,
+                self.config.cms_poll_interval_seconds,
+                redis_options=self.security.redis_options(self.config.redis_url),
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
             if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists
@@ -411,7 +423,9 @@ class SchedulerServer:
 
     async def _start_metrics(self) -> None:
         # served on the loop that owns the core, so a scrape sees consistent counts
-        self._metrics_runner = await serve_metrics(self.core.registry, self.config.host, self.config.metrics_port)
+        self._metrics_runner = await serve_metrics(
+            self.core.registry, self.config.host, self.config.metrics_port, security=self.security
+        )
         self.metrics_port = self.config.metrics_port
 
     async def _expire_periodically(self) -> None:

@@ -13,6 +13,12 @@ Limits (`SocketLimits`, from the scheduler's config; each close counted by reaso
   frame_timeout    a frame still incomplete `frame_timeout_s` after its first byte
   idle_timeout     no complete frame for `idle_timeout_s` (a quiet gateway reconnects at its next request)
   malformed        a frame that is not a SessionRequest
+  unauthenticated  with a token configured (--auth-token-file), a first frame that is not the token
+                   (protos/session_frames.py's auth frame, pilotfish/security.py); also counted in
+                   pilotfish_auth_refused_total{listener="scheduler_session"}
+With TLS configured the socket serves TLS from the same files as the gRPC port (reloaded when they
+change; client certificates required when --tls-ca-file is given); a handshake not done within the
+frame timeout is dropped by asyncio.
 So the memory slow senders can hold is bounded by `max_buffered_bytes` (plus the kernel's socket
 buffers), however many connect. Timeouts are checked by one sweep task, not a timer per message.
 """
@@ -34,6 +40,7 @@ from pilotfish.scheduler.limits import ListenerStats
 
 if TYPE_CHECKING:
     from pilotfish.scheduler.config import SchedulerConfig
+    from pilotfish.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +83,8 @@ class _Connection(asyncio.Protocol):
         self.last_frame = 0.0  # loop time of the last complete frame (or of the connection)
         self.partial_since = 0.0  # loop time the incomplete frame's first byte came; 0: none
         self._loop = server.loop
+        # the first frame is judged for the token (pilotfish/security.py) before any message counts
+        self._first_frame = True
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         server = self._server
@@ -125,6 +134,17 @@ class _Connection(asyncio.Protocol):
         answer = self._answer
         assert answer is not None
         for payload in payloads:
+            if self._first_frame:
+                self._first_frame = False
+                security = server.security
+                verdict = security.check_session_auth(payload) if security is not None else None
+                if verdict is False:
+                    if security is not None:
+                        security.stats.refuse("scheduler_session", "unauthenticated")
+                    self._drop("unauthenticated", "the first frame does not carry the token")
+                    return
+                if verdict:
+                    continue  # the auth frame: consumed
             message = scheduler_pb2.SessionRequest()
             try:
                 message.ParseFromString(payload)
@@ -190,8 +210,10 @@ class SessionSocketServer:
         answer_for: AnswerFor,
         limits: SocketLimits | None = None,
         stats: ListenerStats | None = None,
+        security: Security | None = None,
     ) -> None:
         self.answer_for = answer_for
+        self.security = security
         self.limits = limits or SocketLimits()
         self.stats = stats or ListenerStats()
         self.stats.session_connections = lambda: len(self.connections_set)
@@ -205,7 +227,10 @@ class SessionSocketServer:
 
     async def start(self, host: str, port: int) -> int:
         self.loop = loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True)
+        security = self.security
+        ssl_context = security.server_ssl_context() if security is not None else None
+        tls = {"ssl": ssl_context, "ssl_handshake_timeout": self.limits.frame_timeout_s} if ssl_context else {}
+        self._server = await loop.create_server(lambda: _Connection(self), host, port, reuse_address=True, **tls)
         self.port = self._server.sockets[0].getsockname()[1]
         self._sweeper = loop.create_task(self._sweep(), name="scheduler-session-sweep")
         return self.port

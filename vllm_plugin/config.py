@@ -13,11 +13,11 @@ import re
 from collections.abc import Mapping
 from typing import Annotated, Any
 
-import msgspec
 from msgspec import Meta
 
 from pilotfish.cms.keys import BadId, check_id
 from pilotfish.config import ConfigError, _field_info, load_yaml_mapping, struct_from_mapping
+from pilotfish.security import Security, SecurityConfig
 
 ENV_PREFIX = "PILOTFISH_"
 CONFIG_FILE_ENV = "PILOTFISH_LLUMLET_CONFIG"
@@ -28,7 +28,9 @@ def _doc(description: str, **constraints: Any) -> Meta:
     return Meta(description=description, **constraints)
 
 
-class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class LlumletConfig(SecurityConfig, kw_only=True, forbid_unknown_fields=True):
+    """The security settings (PILOTFISH_TLS_*, PILOTFISH_AUTH_TOKEN_FILE, ...) come first, as on every component."""
+
     cms_url: Annotated[str, _doc("Redis URL of the CMS (redis://host:port/db); empty: llumlet off")] = ""
     cluster: Annotated[str, _doc("cluster name, the namespace of every CMS key")] = "default"
     instance_id: Annotated[str, _doc("this engine's id in the CMS; empty: <hostname>-<http port>[-dp<rank>]")] = ""
@@ -43,8 +45,10 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     llumlet_token: Annotated[
         str,
         _doc(
-            "if set, gRPC callers must send 'authorization: Bearer <token>'; unset: on loopback every call is "
-            "open, beyond it Abort, Migrate and MigrateIn are refused and GetStatus carries no request ids"
+            "deprecated, use PILOTFISH_AUTH_TOKEN_FILE (the same token): if set, gRPC callers must send "
+            "'authorization: Bearer <token>'; with neither, on loopback every call is open, beyond it (with "
+            "PILOTFISH_INSECURE or TLS without client certificates) Abort, Migrate and MigrateIn are refused "
+            "and GetStatus carries no request ids"
         ),
     ] = ""
     serve_grpc: Annotated[
@@ -137,6 +141,16 @@ class LlumletConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     @property
     def enabled(self) -> bool:
         return bool(self.cms_url)
+
+
+def llumlet_security(config: LlumletConfig) -> Security:
+    """The llumlet's TLS files, token (PILOTFISH_AUTH_TOKEN_FILE, or the older PILOTFISH_LLUMLET_TOKEN) and
+    Redis password, read now; raises ConfigError naming the setting."""
+    try:
+        return Security.from_config(config, legacy_token=config.llumlet_token, legacy_name="PILOTFISH_LLUMLET_TOKEN")
+    except ConfigError as exc:
+        message = re.sub(r"--([a-z0-9-]+)", lambda m: env_name(m.group(1).replace("-", "_")), str(exc))
+        raise ConfigError(f"llumlet: {message}") from None
 
 
 def env_name(field: str) -> str:

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -43,15 +44,18 @@ def hash_key(prefix: str, namespace: str, component: str) -> str:
     return f"{prefix}:discovery:{namespace}:{component}"
 
 
-def connect(url: str) -> aioredis.Redis:
+def connect(url: str, options: dict[str, Any] | None = None) -> aioredis.Redis:
+    """`options`: the password and rediss:// files (pilotfish/security.py's `redis_options`)."""
     # Timeouts bound a hung call; redis-py's default retry reconnects after a server restart.
-    return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0)
+    return aioredis.Redis.from_url(url, socket_connect_timeout=2.0, socket_timeout=5.0, **(options or {}))
 
 
 class RedisRegistry(StoreRegistry):
-    def __init__(self, url: str, *, prefix: str = "pilotfish", ttl: float = 10.0) -> None:
+    def __init__(
+        self, url: str, *, prefix: str = "pilotfish", ttl: float = 10.0, redis_options: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(ttl)
-        self._redis = connect(url)
+        self._redis = connect(url, redis_options)
         self._prefix = prefix
 
     def _key(self, handle: StoreHandle) -> str:
@@ -91,8 +95,16 @@ class _Poll:
 
 
 class RedisDiscovery(ServiceDiscovery):
-    def __init__(self, url: str, *, prefix: str = "pilotfish", ttl: float = 10.0, interval: float = 1.0) -> None:
-        self._redis = connect(url)
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str = "pilotfish",
+        ttl: float = 10.0,
+        interval: float = 1.0,
+        redis_options: dict[str, Any] | None = None,
+    ) -> None:
+        self._redis = connect(url, redis_options)
         self._prefix = prefix
         self._ttl_ms = ttl * 1000
         self._ttl = ttl

@@ -5,6 +5,10 @@ kept between cycles; those of addresses that left the view are closed by `prune`
 the --llumlet-grpc-timeout-seconds deadline. A failure is counted (rescheduling_failed_count),
 logged (a timeout apart from other errors; WARNING when a source starts failing or fails for
 another reason, DEBUG while it keeps failing the same way) and never stops the others.
+
+Channels dial TLS when the process has a certificate or a CA (pilotfish/security.py, the llumlets
+then verified by --tls-ca-file, this process's certificate presented for mutual TLS), and every
+call carries the token (`authorization: Bearer`, --auth-token-file; or the deprecated --llumlet-token).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pilotfish.protos import llumlet_pb2, llumlet_pb2_grpc
 from pilotfish.scheduler.rescheduler.telemetry import ReschedulerTelemetry
 from pilotfish.scheduler.rescheduler.types import MigrationPair, MigrationResult
 from pilotfish.scheduler.view.types import InstanceView
+from pilotfish.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,11 @@ def migrate_request(pair: MigrationPair) -> llumlet_pb2.MigrateRequest:
 
 
 class _Pool:
-    def __init__(self, address: str, size: int) -> None:
-        self.channels = [grpc.aio.insecure_channel(address) for _ in range(size)]
+    def __init__(self, address: str, size: int, security: Security | None = None) -> None:
+        if security is not None:
+            self.channels = [security.aio_channel(address) for _ in range(size)]
+        else:
+            self.channels = [grpc.aio.insecure_channel(address) for _ in range(size)]
         self.stubs = [llumlet_pb2_grpc.LlumletStub(ch) for ch in self.channels]
         self._turn = itertools.cycle(range(size))
 
@@ -68,11 +76,16 @@ class MigrationDispatcher:
         pool_size: int = 1,
         timeout_s: float = 10.0,
         token: str = "",
+        security: Security | None = None,
     ) -> None:
         self.telemetry = telemetry
         self.pool_size = pool_size
         self.timeout_s = timeout_s
-        self._metadata = (("authorization", f"Bearer {token}"),) if token else None
+        self._security = security
+        if security is not None and security.token:
+            self._metadata = security.metadata
+        else:
+            self._metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._pools: dict[str, _Pool] = {}
         # the last failure reason per source, so a source that keeps failing logs once
         self._failing: dict[str, str] = {}
@@ -98,7 +111,7 @@ class MigrationDispatcher:
         address = pair.source.llumlet_address
         pool = self._pools.get(address)
         if pool is None:
-            pool = self._pools[address] = _Pool(address, self.pool_size)
+            pool = self._pools[address] = _Pool(address, self.pool_size, self._security)
         try:
             response = await pool.stub().Migrate(migrate_request(pair), timeout=self.timeout_s, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:

@@ -15,11 +15,13 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from pilotfish.config import ConfigError
 from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.rescheduler.dispatcher import MigrationDispatcher
 from pilotfish.scheduler.rescheduler.planner import ReschedulingPlanner
 from pilotfish.scheduler.rescheduler.telemetry import ReschedulerTelemetry
 from pilotfish.scheduler.rescheduler.types import MigrationResult
+from pilotfish.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +92,23 @@ class ReschedulingLoop:
         await self.dispatcher.close()
 
 
-def build_loop(core: SchedulerCore, wall_clock: Callable[[], float] | None = None) -> ReschedulingLoop:
-    """A loop over `core`'s view with the core's config; its counters go on the core's registry."""
+def build_loop(
+    core: SchedulerCore, wall_clock: Callable[[], float] | None = None, security: Security | None = None
+) -> ReschedulingLoop:
+    """A loop over `core`'s view with the core's config; its counters go on the core's registry.
+    `security`: the process's (pilotfish/security.py); by default resolved from the core's config."""
     config = core.config
+    if security is None:
+        security = Security.from_config(config)
+    if security.token and config.llumlet_token and config.llumlet_token.encode() != security.token:
+        raise ConfigError("--llumlet-token: differs from --auth-token-file's token; drop --llumlet-token")
     telemetry = ReschedulerTelemetry(core.registry)
     dispatcher = MigrationDispatcher(
         telemetry,
         pool_size=config.llumlet_grpc_connection_pool_size,
         timeout_s=config.llumlet_grpc_timeout_seconds,
         token=config.llumlet_token,
+        security=security,
     )
     return ReschedulingLoop(
         core,

@@ -23,6 +23,7 @@ from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.rescheduler.loop import ReschedulingLoop, build_loop
 from pilotfish.scheduler.rescheduler.settings import colocated
+from pilotfish.security import Security, register_auth_stats
 
 if TYPE_CHECKING:
     from aiohttp import web
@@ -32,9 +33,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def colocated_loop(config: SchedulerConfig, core: SchedulerCore) -> ReschedulingLoop | None:
+def colocated_loop(
+    config: SchedulerConfig, core: SchedulerCore, security: Security | None = None
+) -> ReschedulingLoop | None:
     """The loop `pilotfish scheduler` runs, or None; raises ConfigError on bad rescheduling flags."""
-    return build_loop(core) if colocated(config) else None
+    return build_loop(core, security=security) if colocated(config) else None
 
 
 def standalone_config(config: SchedulerConfig) -> SchedulerConfig:
@@ -55,8 +58,13 @@ class ReschedulerService:
 
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config = standalone_config(config)
+        # its /metrics listener and its calls to the llumlets and Redis (pilotfish/security.py)
+        self.security = security = Security.from_config(config)
+        if config.metrics_port:
+            security.check_listener(config.host, "--host")
         self.core = SchedulerCore(config)
-        self.loop = build_loop(self.core)
+        register_auth_stats(self.core.registry, security.stats)
+        self.loop = build_loop(self.core, security=security)
         self.metrics_port = 0
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -69,10 +77,18 @@ class ReschedulerService:
 
         config = self.config
         if config.metrics_port:
-            self._metrics_runner = await serve_metrics(self.core.registry, config.host, config.metrics_port)
+            self._metrics_runner = await serve_metrics(
+                self.core.registry, config.host, config.metrics_port, security=self.security
+            )
             self.metrics_port = config.metrics_port
         assert self.core.cms is not None  # full mode
-        self.reader = CmsReader(config.redis_url, config.cms_cluster, self.core.cms, config.cms_poll_interval_seconds)
+        self.reader = CmsReader(
+            config.redis_url,
+            config.cms_cluster,
+            self.core.cms,
+            config.cms_poll_interval_seconds,
+            redis_options=self.security.redis_options(config.redis_url),
+        )
         self._reader_task = asyncio.create_task(self.reader.run(), name="rescheduler-cms-reader")
         if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists
             self._discovery_task = asyncio.create_task(

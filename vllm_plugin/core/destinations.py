@@ -73,8 +73,10 @@ class CmsDestinations:
         bounds: Bounds | None = None,
         clock: Callable[[], float] = time.time,
         client: Any = None,
+        redis_options: dict[str, Any] | None = None,
     ) -> None:
         self._url = url
+        self._redis_options = dict(redis_options or {})  # password, rediss:// files (pilotfish/security.py)
         self._cluster = cluster
         self._model = model
         self._max_age_ms = max_age_ms
@@ -85,7 +87,10 @@ class CmsDestinations:
     def _redis(self) -> Any:
         if self._client is None:  # lazily: a llumlet that never migrates never connects for this
             self._client = redis.Redis.from_url(
-                self._url, socket_timeout=_SOCKET_TIMEOUT_S, socket_connect_timeout=_SOCKET_TIMEOUT_S
+                self._url,
+                socket_timeout=_SOCKET_TIMEOUT_S,
+                socket_connect_timeout=_SOCKET_TIMEOUT_S,
+                **self._redis_options,
             )
         return self._client
 

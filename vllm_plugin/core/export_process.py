@@ -250,7 +250,12 @@ class Exporter:
         self.instance_id = instance_id
         self.metadata = metadata
         self.reader = HandoffReader(region, max(int(metadata.block_size), 1))
-        self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
+        if writer is None:
+            from pilotfish.vllm_plugin.config import llumlet_security
+
+            options = llumlet_security(config).redis_options(config.cms_url)
+            writer = CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms, redis_options=options)
+        self.writer = writer
         self.pipe_fd = pipe_fd
         self.engine_pid = engine_pid
         self.engine_pidfd = engine_pidfd

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
-from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.config import LlumletConfig, llumlet_security
 from pilotfish.vllm_plugin.core.handoff import TICK_MAX_BLOCKS, TICK_MAX_US, TICK_SPAN
 from pilotfish.vllm_plugin.core.llumlet_stats import Outage, export_summary
 from pilotfish.vllm_plugin.core.migration_api import MigrationAdapter
@@ -86,7 +86,15 @@ class Llumlet:
             self.metadata.node_id = config.node_id
         if config.unit_id:
             self.metadata.unit_id = config.unit_id
-        self.writer = writer or CmsWriter(config.cms_url, config.cluster, instance_id, config.ttl_ms)
+        # TLS files, the token and the Redis password (pilotfish/security.py), read once
+        self.security = llumlet_security(config)
+        self.writer = writer or CmsWriter(
+            config.cms_url,
+            config.cluster,
+            instance_id,
+            config.ttl_ms,
+            redis_options=self.security.redis_options(config.cms_url),
+        )
         self.abort_handler = abort_handler
         # who may receive a migrating request; None: the CMS decides (core/destinations.py)
         self.destination_check = destination_check

@@ -116,9 +116,10 @@ class MigrationCoordinator:
         self.adapter = adapter
         self.max_migrations = config.max_migrations
         self.accept_timeout_s = config.migration_accept_timeout_ms / 1000
-        token = config.llumlet_token
-        # every llumlet of a cluster shares the token, so the destination checks ours
-        self._call_metadata: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {token}"),) if token else ()
+        # every llumlet of a cluster shares the token, so the destination checks ours; the channel
+        # dials TLS with this llumlet's certificate when it has one (pilotfish/security.py)
+        self._security = llumlet.security
+        self._call_metadata: tuple[tuple[str, str], ...] = llumlet.security.metadata or ()
         self._lock = threading.Lock()
         self._outgoing: dict[str, _Outgoing | None] = {}  # None: slot reserved, detach under way
         self._incoming: dict[str, queue.SimpleQueue[Any]] = {}
@@ -140,7 +141,11 @@ class MigrationCoordinator:
             if self._cms_destinations is None:
                 config = self.llumlet.config
                 self._cms_destinations = CmsDestinations(
-                    config.cms_url, config.cluster, lambda: self.llumlet.metadata.model, config.ttl_ms
+                    config.cms_url,
+                    config.cluster,
+                    lambda: self.llumlet.metadata.model,
+                    config.ttl_ms,
+                    redis_options=self._security.redis_options(config.cms_url),
                 )
             check = self._cms_destinations
         try:
@@ -305,7 +310,7 @@ class MigrationCoordinator:
         """Run the MigrateIn call to its end: None when the destination finished the request,
         else why it did not. Raises _RelayFailed when the client's stream here broke."""
         moving = out.request
-        with grpc.insecure_channel(out.destination) as channel:
+        with self._security.channel(out.destination) as channel:
             call = llumlet_pb2_grpc.LlumletStub(channel).MigrateIn(
                 _migrate_in_request(moving, self.llumlet.instance_id), metadata=self._call_metadata
             )

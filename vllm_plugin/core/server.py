@@ -1,11 +1,17 @@
 """The llumlet's gRPC server: Migrate, MigrateIn, Abort, GetStatus (protos/llumlet.proto).
 
-Bound to loopback unless configured. Credentials (`_Guard`):
-- with a token (PILOTFISH_LLUMLET_TOKEN), every call must carry metadata
-  `authorization: Bearer <token>` or gets UNAUTHENTICATED;
-- without one, on loopback every call is open (only this machine can call);
-- without one, beyond loopback, the calls that act on users' requests (Abort, Migrate,
-  MigrateIn) are refused with PERMISSION_DENIED, and GetStatus is served without the request ids.
+Bound to loopback unless configured. Security (pilotfish/security.py, the PILOTFISH_TLS_*,
+PILOTFISH_AUTH_TOKEN_FILE and PILOTFISH_INSECURE settings every component shares):
+- beyond loopback with neither TLS nor a token the server refuses to start (ConfigError naming the
+  settings), unless PILOTFISH_INSECURE is set;
+- with TLS it serves the certificate files (re-read when they change); with a CA, callers must
+  present a certificate it signed (mutual TLS), which authenticates them;
+- with a token (PILOTFISH_AUTH_TOKEN_FILE, or the older PILOTFISH_LLUMLET_TOKEN), every call must carry
+  metadata `authorization: Bearer <token>` or gets UNAUTHENTICATED;
+- without a token, on loopback every call is open (only this machine can call);
+- without a token or a client certificate, beyond loopback (PILOTFISH_INSECURE, or TLS without a CA),
+  the calls that act on users' requests (Abort, Migrate, MigrateIn) are refused with
+  PERMISSION_DENIED, and GetStatus is served without the request ids.
 Each refusal is counted in `Llumlet.rpc_refused` (by method and reason) and logged (WARNING,
 rate-limited per peer). A small thread pool: the rescheduler and
 tools call it rarely, and it must never compete with the engine for cores. Each MigrateIn stream
@@ -16,8 +22,8 @@ migration (`max_migrations`) on top of the few the short calls share.
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import logging
+import re
 from collections import Counter
 from collections.abc import Iterator
 from concurrent import futures
@@ -26,8 +32,10 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pilotfish.cms.refusals import RefusalLog
+from pilotfish.config import ConfigError
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc
-from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.security import is_loopback
+from pilotfish.vllm_plugin.config import LlumletConfig, env_name
 from pilotfish.vllm_plugin.core.migration import MigrationError
 
 if TYPE_CHECKING:
@@ -50,19 +58,13 @@ UNAUTHENTICATED = "unauthenticated"  # a token is configured; the call's is miss
 NO_TOKEN_CONFIGURED = "no_token_beyond_loopback"
 
 
-def is_loopback(host: str) -> bool:
-    """Whether a bind address reaches only this machine (0.0.0.0 and :: reach every interface)."""
-    bare = host.strip("[]")
-    if bare == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(bare).is_loopback
-    except ValueError:
-        return False  # a host name: whatever it resolves to, not known to be loopback
+def _env_names(message: str) -> str:
+    return re.sub(r"--([a-z0-9-]+)", lambda m: env_name(m.group(1).replace("-", "_")), message)
 
 
 class _Guard(grpc.ServerInterceptor):
     def __init__(self, token: str, loopback: bool, refused: Counter[tuple[str, str]]) -> None:
+        """`loopback`: callers are trusted without a token (a loopback bind, or mutual TLS)."""
         self._expected = f"Bearer {token}".encode() if token else b""
         self._loopback = loopback
         self._refused = refused
@@ -93,7 +95,8 @@ class _Guard(grpc.ServerInterceptor):
         return self._deny(
             method, grpc.StatusCode.PERMISSION_DENIED, NO_TOKEN_CONFIGURED,
             f"{method} is refused: this llumlet listens beyond loopback without a token; set "
-            "PILOTFISH_LLUMLET_TOKEN here and the same token on every llumlet and the scheduler (--llumlet-token)",
+            "PILOTFISH_AUTH_TOKEN_FILE (or PILOTFISH_LLUMLET_TOKEN) here and the same token on every llumlet "
+            "and the scheduler (--auth-token-file), or client certificates (PILOTFISH_TLS_CA_FILE)",
         )  # fmt: skip
 
 
@@ -146,14 +149,20 @@ class LlumletService(llumlet_pb2_grpc.LlumletServicer):
 
 def start_server(llumlet: Llumlet, config: LlumletConfig) -> tuple[grpc.Server, int]:
     """Serve on config.llumlet_host:llumlet_port (0: any free port); returns (server, port)."""
-    token, loopback = config.llumlet_token, is_loopback(config.llumlet_host)
-    if not token and not loopback:
+    security = llumlet.security
+    try:
+        security.check_listener(config.llumlet_host, "--llumlet-host")
+    except ConfigError as exc:  # inside vLLM the operator sets variables
+        raise ConfigError(f"llumlet: {_env_names(str(exc))}") from None
+    token, loopback = security.token.decode(), is_loopback(config.llumlet_host)
+    trusted = loopback or security.mutual  # a client certificate authenticates the caller
+    if not token and not trusted:
         log.warning(
-            "llumlet gRPC on %s without PILOTFISH_LLUMLET_TOKEN: Abort, Migrate and MigrateIn are refused "
-            "and GetStatus carries no request ids until a token is set",
+            "llumlet gRPC on %s without a token or client certificates: Abort, Migrate and MigrateIn are "
+            "refused and GetStatus carries no request ids until PILOTFISH_AUTH_TOKEN_FILE is set",
             config.llumlet_host,
         )
-    interceptors = [_Guard(token, loopback, llumlet.rpc_refused)]
+    interceptors = [_Guard(token, trusted, llumlet.rpc_refused)]
     server = grpc.server(
         futures.ThreadPoolExecutor(
             max_workers=SHORT_CALL_WORKERS + config.max_migrations, thread_name_prefix="pilotfish-llumlet-grpc"
@@ -161,10 +170,13 @@ def start_server(llumlet: Llumlet, config: LlumletConfig) -> tuple[grpc.Server, 
         interceptors=interceptors,
         options=[("grpc.so_reuseport", 0)],
     )
-    service = LlumletService(llumlet, redact_request_ids=not token and not loopback)
+    service = LlumletService(llumlet, redact_request_ids=not token and not trusted)
     llumlet_pb2_grpc.add_LlumletServicer_to_server(service, server)
     address = f"[{config.llumlet_host}]" if ":" in config.llumlet_host else config.llumlet_host
-    port = server.add_insecure_port(f"{address}:{config.llumlet_port}")
+    try:
+        port = security.add_port(server, f"{address}:{config.llumlet_port}")
+    except RuntimeError:
+        port = 0
     if port == 0:
         raise OSError(f"llumlet: cannot bind gRPC to {config.llumlet_host}:{config.llumlet_port}")
     server.start()

@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import socket
+import ssl
 import tempfile
 import urllib.error
 import urllib.parse
@@ -135,12 +136,26 @@ def http_call(url: str, body: bytes | None = None, timeout: float = 2.0) -> tupl
         return exc.code, exc.read()
 
 
-def redis_answers_ping(port: int, host: str = LOOPBACK, timeout: float = 1.0) -> bool:
+def redis_answers_ping(
+    port: int,
+    host: str = LOOPBACK,
+    timeout: float = 1.0,
+    *,
+    password: str = "",
+    ssl_context: ssl.SSLContext | None = None,
+) -> bool:
+    """PING answered (after AUTH with `password`; over TLS with `ssl_context`)."""
     try:
-        with socket.create_connection((host, port), timeout=timeout) as sock:
+        with socket.create_connection((host, port), timeout=timeout) as raw:
+            sock = ssl_context.wrap_socket(raw, server_hostname=host) if ssl_context is not None else raw
+            if password:
+                secret = password.encode()
+                sock.sendall(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
+                if not sock.recv(64).startswith(b"+OK"):
+                    return False
             sock.sendall(b"*1\r\n$4\r\nPING\r\n")
             return sock.recv(64).startswith(b"+PONG")
-    except OSError:
+    except OSError:  # ssl.SSLError included
         return False
 
 
@@ -195,22 +210,63 @@ def _launch(attempt: Callable[[], RunningService]) -> RunningService:
     raise AssertionError("unreachable")
 
 
+@dataclass(frozen=True)
+class RedisTls:
+    """Serve Redis over TLS only (its plaintext port off): this certificate and key, and with a CA,
+    client certificates required (`tls-auth-clients yes`)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    auth_clients: bool = True
+
+
 def start_redis(
-    work_dir: Path, port: int | None = None, *, timeout: float = 30.0, die_with_parent: bool = False
+    work_dir: Path,
+    port: int | None = None,
+    *,
+    timeout: float = 30.0,
+    die_with_parent: bool = False,
+    password_file: Path | None = None,
+    tls: RedisTls | None = None,
 ) -> RunningService:
     """redis-server on 127.0.0.1, configured on the command line, with no persistence.
 
+    `password_file`: a file holding the password Redis requires (`requirepass`), handed to Redis in a
+    config file readable by its owner only, so it never appears on a command line (`ps`).
+    `tls`: serve TLS only, on the port (the URL is then rediss://).
     `die_with_parent`: see `procs.Child`."""
     binary = redis_binary()
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / "redis.log"
+    password = password_file.read_text().strip() if password_file is not None else ""
+    secret_args: list[str] = []
+    if password:
+        conf = work_dir / "redis-secret.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            quoted = password.replace("\\", "\\\\").replace('"', '\\"')
+            f.write(f'requirepass "{quoted}"\n')
+        secret_args = [str(conf)]  # redis-server reads a config file named first
+    ready_ssl: ssl.SSLContext | None = None
+    if tls is not None:
+        ready_ssl = ssl.create_default_context(cafile=str(tls.ca))
+        if tls.auth_clients:
+            ready_ssl.load_cert_chain(str(tls.cert), str(tls.key))
 
     def attempt() -> RunningService:
         p = port or free_port()
+        if tls is None:
+            listen = ["--port", str(p)]
+        else:
+            listen = ["--port", "0", "--tls-port", str(p), "--tls-cert-file", str(tls.cert),
+                      "--tls-key-file", str(tls.key), "--tls-ca-cert-file", str(tls.ca),
+                      "--tls-auth-clients", "yes" if tls.auth_clients else "no"]  # fmt: skip
         argv = [
             str(binary),
+            *secret_args,
             "--bind", LOOPBACK,
-            "--port", str(p),
+            *listen,
             "--protected-mode", "yes",
             "--save", "",
             "--appendonly", "no",
@@ -221,8 +277,13 @@ def start_redis(
             "--loglevel", "warning",
         ]  # fmt: skip
         child = Child("redis-server", argv, log_path=log_path, cwd=work_dir, die_with_parent=die_with_parent)
-        service = RunningService("redis", f"redis://{LOOPBACK}:{p}/0", p, child, work_dir, log_path)
-        return _wait_ready(service, lambda: redis_answers_ping(p), timeout, [] if port else [p])
+        scheme = "rediss" if tls is not None else "redis"
+        service = RunningService("redis", f"{scheme}://{LOOPBACK}:{p}/0", p, child, work_dir, log_path)
+
+        def ready() -> bool:
+            return redis_answers_ping(p, password=password, ssl_context=ready_ssl)
+
+        return _wait_ready(service, ready, timeout, [] if port else [p])
 
     return _launch(attempt)
 

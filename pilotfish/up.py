@@ -1,6 +1,7 @@
 """`pilotfish up`: the embedded default — simulated engines, scheduler, ext_proc and Envoy on loopback.
 
-Lite mode with static discovery: no Redis, etcd or Kubernetes (`--full` adds a Redis CMS). Every
+Lite mode with static discovery: no Redis, etcd or Kubernetes (`--full` adds a Redis CMS, which
+requires a password made for the run and handed to the children in a file, not on a command line). Every
 child serves Prometheus metrics on a loopback port of its own, printed at start with its PID. A
 child that dies is restarted on the same ports (pilotfish.supervise); one that keeps dying stops
 the stack with exit status 1. Every child runs in its own process group and is stopped by PID, in
@@ -10,6 +11,8 @@ reverse start order, on Ctrl-C, on SIGTERM, when the supervisor gives up, and af
 from __future__ import annotations
 
 import argparse
+import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -22,6 +25,7 @@ from msgspec import Meta
 
 from pilotfish.config import add_struct_arguments, struct_from_args
 from pilotfish.procs import Child, ChildGroup, StartError, port_is_free
+from pilotfish.security import env_name, write_secret
 from pilotfish.supervise import GaveUp, SuperviseConfig, Supervisor
 
 
@@ -34,7 +38,8 @@ class UpConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     full: Annotated[
         bool,
         Meta(description="full mode: start a Redis CMS; each engine's llumlet exports its load there and the "
-             "scheduler reads it (needs redis-server)"),
+             "scheduler reads it (needs redis-server; Redis requires a password made for the run, kept in "
+             "LOG_DIR/redis/password)"),
     ] = False  # fmt: skip
     demo_requests: Annotated[int, Meta(ge=1, description="requests the demo sends")] = 40
     demo_concurrency: Annotated[int, Meta(ge=1, description="requests the demo keeps in flight")] = 8
@@ -93,10 +98,17 @@ def run(args: argparse.Namespace) -> int:
         )
         ready: dict[str, Callable[[], bool]] = {}
         if config.full:
-            redis = start_redis(log_dir / "redis", die_with_parent=True)
+            # Redis requires a password made for this run; every child finds it through the file
+            # PILOTFISH_REDIS_PASSWORD_FILE names (inherited), never on a command line (pilotfish/security.py)
+            redis_dir = log_dir / "redis"
+            redis_dir.mkdir(parents=True, exist_ok=True)
+            password = secrets.token_urlsafe(32)
+            password_file = write_secret(redis_dir / "password", password)
+            os.environ[env_name("redis_password_file")] = str(password_file)
+            redis = start_redis(redis_dir, die_with_parent=True, password_file=password_file)
             assert redis.child is not None
             group.children.append(redis.child)  # stopped last, after everything that uses it
-            ready[redis.child.name] = lambda port=redis.port: redis_answers_ping(port)
+            ready[redis.child.name] = lambda port=redis.port: redis_answers_ping(port, password=password)
             spec.cms_url = redis.url
         stack = start_stack(spec, group, log_dir)
         ready.update(stack.ready)

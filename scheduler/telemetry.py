@@ -263,7 +263,7 @@ class ListenerCollector(Collector):
         closed = CounterMetricFamily(
             "pilotfish_scheduler_session_closed",
             "Session socket connections refused or closed by a limit, by reason: connection_cap, frame_too_large, "
-            "buffer_budget, frame_timeout, idle_timeout, malformed",
+            "buffer_budget, frame_timeout, idle_timeout, malformed, unauthenticated",
             labels=["reason"],
         )
         for reason, n in sorted(s.session_closed.items()):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from msgspec import Meta
 
@@ -96,3 +96,12 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             "with Envoy's override_host policy (Istio) retries down a longer list",
         ),
     ] = 0
+    response_bodies: Annotated[
+        Literal["count", "skip"],
+        Meta(
+            description="count: read streamed response bodies to count generated tokens (lite mode needs them) "
+            "and release each request at its stream's end; skip: leave response bodies alone (full mode: the "
+            "llumlets count tokens; the sidecar then asks Envoy for none), and release each request from "
+            "Envoy's access log, which the sidecar sends to this process"
+        ),
+    ] = "count"

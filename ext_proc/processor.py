@@ -35,7 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
-from pilotfish.ext_proc.routing import SCHEDULER, Decision, Router
+from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
 from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.protos import scheduler_pb2
@@ -51,6 +51,7 @@ _REASON_LABELS = {
     CLIENT_ABORT: "client_abort",
     UPSTREAM_ERROR: "upstream_error",
     GATEWAY_ERROR: "gateway_error",
+    scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET: "upstream_reset",
 }
 _Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
@@ -122,8 +123,13 @@ class ExtProcServicer:
         exact_usage: bool = True,
         prefix_block_size: int = 0,
         destination_fallbacks: int = 0,
+        count_response_tokens: bool = True,
     ) -> None:
         self._prefix_block_size = prefix_block_size
+        # False: response bodies are not read (full mode: the llumlets count tokens); Envoy is asked
+        # for none, and every release comes from Envoy's access log (release_from_access_log), once
+        # per request, when Envoy has really finished it: the ext_proc stream ends at the headers
+        self._count_tokens = count_response_tokens
         self._destination_fallbacks = destination_fallbacks
         self._router = router
         self._tokenize = tokenize
@@ -206,7 +212,7 @@ class ExtProcServicer:
             inst = self._router.pick_round_robin(s.subset or frozenset())
         except RequestError as exc:
             return self._reject(s, exc)
-        return messages.route_on_headers(inst.address, s.request_id)
+        return messages.route_on_headers(inst.address, s.request_id, source=FALLBACK)
 
     async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if s.rejected:
@@ -237,8 +243,9 @@ class ExtProcServicer:
             return [self._reject(s, exc)]
         decision = s.decision
         assert decision is not None
-        return [messages.route_on_body(self._destination(decision), s.request_id, new_body,
-                                       self._fallbacks(decision), self._prefill_of(decision))]  # fmt: skip
+        destination, prefill = self._destination(decision), self._prefill_of(decision)
+        fallbacks = self._fallbacks(decision)
+        return [messages.route_on_body(destination, s.request_id, new_body, fallbacks, prefill, decision.source)]
 
     async def _finish_held(self, s: _Stream, end_of_stream: bool) -> list[ep.ProcessingResponse]:
         """The whole body is here: the held headers reply routes, then the body goes on."""
@@ -254,6 +261,7 @@ class ExtProcServicer:
         routed = messages.route_on_headers(
             self._destination(decision), s.request_id, self._fallbacks(decision),
             content_length=None if new_body is None else len(new_body), prefill=self._prefill_of(decision),
+            source=decision.source,
         )  # fmt: skip
         if s.request_mode == FULL_DUPLEX:
             return [routed, messages.streamed_request_body(whole if new_body is None else new_body, end_of_stream)]
@@ -271,7 +279,7 @@ class ExtProcServicer:
         parsed = parse_request(s.path, body)
         if self._models and parsed.model not in self._models:
             raise RequestError(404, f"The model `{parsed.model}` does not exist.", "model")
-        if parsed.stream and not parsed.include_usage and self._exact_usage:
+        if parsed.stream and not parsed.include_usage and self._exact_usage and self._count_tokens:
             new_body = parsed.body_requesting_usage()
             s.stripper = UsageStripper()
         token_ids = parsed.prompt_token_ids
@@ -334,7 +342,10 @@ class ExtProcServicer:
             and h.get("content-type", "").startswith("text/event-stream")
         )
         if stream_body:
-            s.counter = s.stripper.counter if s.stripper is not None else TokenCounter()
+            if self._count_tokens:
+                s.counter = s.stripper.counter if s.stripper is not None else TokenCounter()
+            else:  # not read: the stream's end comes from Envoy's access log
+                stream_body = False
         elif decision is not None:
             # Not a stream: an engine sends a whole response's headers only once it is done (or
             # failed), so nothing more can change the request's load.
@@ -379,10 +390,20 @@ class ExtProcServicer:
         s.released = True
         if s.counter is not None:
             self._metrics.generated_tokens.inc(s.counter.tokens)
-        # A round-robin fallback was never scheduled, so the scheduler holds nothing to release.
-        if s.decision is not None and s.decision.source == SCHEDULER:
-            self._metrics.releases.labels(_REASON_LABELS[reason]).inc()
-            self._router.release(s.request_id, reason)
+        # A round-robin fallback was never scheduled, so the scheduler holds nothing to release; with
+        # response bodies skipped, the release comes from Envoy's access log instead.
+        if s.decision is not None and s.decision.source == SCHEDULER and self._count_tokens:
+            self._send_release(s.request_id, reason)
+
+    def release_from_access_log(self, request_id: str, reason: int) -> None:
+        """Envoy finished a request the scheduler placed (access_log.py); the release path when
+        response bodies are skipped, ignored when the streams themselves release."""
+        if not self._count_tokens:
+            self._send_release(request_id, reason)
+
+    def _send_release(self, request_id: str, reason: int) -> None:
+        self._metrics.releases.labels(_REASON_LABELS[reason]).inc()
+        self._router.release(request_id, reason)
 
     def _reject(self, s: _Stream, exc: RequestError) -> ep.ProcessingResponse:
         s.rejected = True

@@ -25,6 +25,22 @@ def _endpoints(addresses: list[tuple[str, int]]) -> str:
     return json.dumps(_endpoint_list(addresses))
 
 
+# Envoy's gRPC access log to the ext_proc: one entry per finished request, flushed every 50 ms.
+_ACCESS_LOG = {
+    "name": "envoy.access_loggers.http_grpc",
+    "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.access_loggers.grpc.v3.HttpGrpcAccessLogConfig",
+        "common_config": {
+            "log_name": "pilotfish",
+            "transport_api_version": "V3",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "pilotfish_ext_proc"}},
+            "buffer_flush_interval": "0.05s",
+        },
+        "additional_request_headers_to_log": ["x-request-id"],
+    },
+}
+
+
 def render_sidecar(
     *,
     listen_port: int,
@@ -53,9 +69,10 @@ def render_sidecar(
     (default: `default_endpoints`) as a static list; an address outside them is not reachable
     that way, so keep them the engines the scheduler may pick.
     """
-    for name, mode in (("request_body_mode", request_body_mode), ("response_body_mode", response_body_mode)):
-        if mode not in BODY_MODES:
-            raise ValueError(f"{name} {mode!r}: expected one of {', '.join(BODY_MODES)}")
+    if request_body_mode not in BODY_MODES:
+        raise ValueError(f"request_body_mode {request_body_mode!r}: expected one of {', '.join(BODY_MODES)}")
+    if response_body_mode not in (*BODY_MODES, "NONE"):
+        raise ValueError(f"response_body_mode {response_body_mode!r}: expected NONE or one of {', '.join(BODY_MODES)}")
     if destination_fallbacks < 0:
         raise ValueError(f"destination_fallbacks {destination_fallbacks}: expected 0 or more")
     if eds_path:
@@ -77,6 +94,8 @@ def render_sidecar(
         ext_proc_timeout=f"{ext_proc_timeout_s}s",
         request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
+        # response bodies skipped: requests are released from Envoy's access log (ext_proc/access_log.py)
+        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" else []),
         send_body_early="true" if request_body_mode == "STREAMED" else "false",
         # In full duplex a body that ends in trailers has no end_of_stream chunk: the ext_proc must
         # see the trailers to know it is complete (Envoy refuses the config otherwise).

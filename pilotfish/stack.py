@@ -39,7 +39,9 @@ class StackSpec:
     # host an InferencePool picker (envoy_bootstrap.GATEWAYS), with the pool's failure mode
     gateway: str = "sidecar"
     request_body_mode: str = "BUFFERED"
-    response_body_mode: str = "STREAMED"
+    # "" = the mode's own: full mode skips response bodies (the llumlets count tokens; releases come
+    # from Envoy's access log), lite mode streams them to count tokens
+    response_body_mode: str = ""
     failure_mode_allow: bool = False
     # the sidecar only: the scheduler's fallbacks the ext_proc lists after the engine it picked
     # (--destination-fallbacks); N > 0 lets Envoy retry a request that failed before its first
@@ -158,6 +160,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
          "--model", spec.model,
          "--metrics-port", str(ext_proc_metrics_port),
          *(["--destination-fallbacks", str(fallbacks)] if fallbacks else []),
+         *(["--response-bodies", "skip"] if _response_body_mode(spec) == "NONE" else []),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
     )  # fmt: skip
@@ -179,6 +182,12 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
         eds_path=str(eds_path) if eds_path else "",
     )  # fmt: skip
+
+
+def _response_body_mode(spec: StackSpec) -> str:
+    if spec.response_body_mode:
+        return spec.response_body_mode
+    return "NONE" if spec.cms_url and spec.gateway == "sidecar" else "STREAMED"
 
 
 def _bootstrap(
@@ -205,7 +214,7 @@ def _bootstrap(
         ext_proc_ports=[ext_proc_port],
         default_endpoints=engines,
         request_body_mode=spec.request_body_mode,
-        response_body_mode=spec.response_body_mode,
+        response_body_mode=_response_body_mode(spec),
         destination_fallbacks=spec.destination_fallbacks,
         eds_path=eds_path or "",
     )

@@ -371,3 +371,68 @@ def test_subset_hint_entries_are_bounded() -> None:
     value.list_value.extend([f"10.0.{i // 256}.{i % 256}:8000" for i in range(10_000)])
     value.list_value.values.append(struct_pb2.Value(number_value=1))
     assert len(messages.subset_hint(metadata) or ()) == messages.MAX_SUBSET_ENTRIES
+
+
+# -- response bodies skipped: releases from Envoy's access log --------------------------------------
+
+
+def test_skipping_bodies_adds_no_usage_reads_no_body_and_leaves_the_release_to_the_access_log() -> None:
+    svc, backend, metrics = servicer(count_response_tokens=False)
+    replies = run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0])])
+    # the body went on unchanged: no usage asked for, since nothing counts it here
+    assert not any(r.request_body.response.body_mutation.body for r in replies if r.HasField("request_body"))
+    assert replies[2].mode_override.response_body_mode == Mode.NONE  # Envoy is asked for no body
+    assert backend.releases == []  # not at the headers, not when the ext_proc stream ends
+    svc.release_from_access_log(backend.scheduled[0].request_id, scheduler_pb2.RELEASE_REASON_FINISHED)
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+    assert metrics.releases.labels("finished")._value.get() == 1
+
+
+def test_counting_streams_ignore_the_access_log() -> None:
+    svc, backend, _ = servicer()
+    run(svc, [headers(), body(COMPLETION), response_headers(200, "application/json")])
+    svc.release_from_access_log(backend.scheduled[0].request_id, scheduler_pb2.RELEASE_REASON_FINISHED)
+    assert len(backend.releases) == 1  # released once, by its stream
+
+
+def log_entry(flags: tuple[str, ...] = (), status: int = 200, source: str | None = "scheduler"):
+    from envoy.data.accesslog.v3 import accesslog_pb2
+
+    entry = accesslog_pb2.HTTPAccessLogEntry()
+    entry.request.request_headers["x-request-id"] = "rid"
+    entry.response.response_code.value = status
+    for flag in flags:
+        setattr(entry.common_properties.response_flags, flag, True)
+    if source is not None:
+        entry.common_properties.metadata.filter_metadata["pilotfish"].fields["source"].string_value = source
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("flags", "status", "reason"),
+    [
+        ((), 200, scheduler_pb2.RELEASE_REASON_FINISHED),
+        ((), 400, scheduler_pb2.RELEASE_REASON_FINISHED),
+        (("downstream_connection_termination",), 200, scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
+        (("downstream_remote_reset",), 200, scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
+        (("upstream_remote_reset",), 200, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
+        (("upstream_connection_termination",), 200, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
+        (("upstream_connection_failure",), 503, scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
+        ((), 503, scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
+    ],
+)
+def test_the_access_log_says_how_a_request_ended(flags: tuple[str, ...], status: int, reason: int) -> None:
+    from pilotfish.ext_proc.access_log import AccessLogReleaser
+
+    released: list[tuple[str, int]] = []
+    AccessLogReleaser(lambda rid, why: released.append((rid, why))).entry(log_entry(flags, status))
+    assert released == [("rid", reason)]
+
+
+@pytest.mark.parametrize("source", ["fallback", None])
+def test_the_access_log_releases_only_what_the_scheduler_placed(source: str | None) -> None:
+    from pilotfish.ext_proc.access_log import AccessLogReleaser
+
+    released: list[tuple[str, int]] = []
+    AccessLogReleaser(lambda rid, why: released.append((rid, why))).entry(log_entry(source=source))
+    assert released == []

@@ -1,0 +1,80 @@
+"""Release from Envoy's access log: the end of each request as Envoy saw it, in batches.
+
+When the gateway does not read response bodies (full mode: the llumlets count tokens), the ext_proc
+stream of a request ends with its response headers, long before the response does, so it cannot
+say when the request ended. Envoy's gRPC access log can: one entry per request once it is over,
+buffered and sent in batches on one stream, with the flags that say how it ended (the client went
+away, the engine reset, no connection). The entry carries the gateway's request id (the
+x-request-id the ext_proc set) and the `pilotfish` metadata the ext_proc wrote, so only requests
+the scheduler placed are released, each exactly once (Envoy logs a request once).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from envoy.data.accesslog.v3 import accesslog_pb2
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+
+from pilotfish.ext_proc.messages import REQUEST_ID_HEADER, ROUTE_METADATA_NAMESPACE, ROUTE_SOURCE_KEY
+from pilotfish.ext_proc.routing import SCHEDULER
+from pilotfish.protos import scheduler_pb2
+
+log = logging.getLogger(__name__)
+
+FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
+CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
+UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
+UPSTREAM_RESET = scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET
+
+_CLIENT_GONE = ("downstream_connection_termination", "downstream_remote_reset", "stream_idle_timeout")
+_NO_UPSTREAM = ("upstream_connection_failure", "no_healthy_upstream", "upstream_overflow", "upstream_request_timeout")
+
+
+def release_reason(entry: accesslog_pb2.HTTPAccessLogEntry) -> int:
+    """How the request ended, from the entry's response flags and status."""
+    flags = entry.common_properties.response_flags
+    if any(getattr(flags, name) for name in _CLIENT_GONE):
+        return CLIENT_ABORT
+    if flags.upstream_remote_reset or flags.upstream_connection_termination:
+        return UPSTREAM_RESET
+    if any(getattr(flags, name) for name in _NO_UPSTREAM) or entry.response.response_code.value >= 500:
+        return UPSTREAM_ERROR
+    return FINISHED
+
+
+def placed_by_scheduler(entry: accesslog_pb2.HTTPAccessLogEntry) -> bool:
+    """The ext_proc wrote pilotfish.source = scheduler: the scheduler holds this request."""
+    ns = entry.common_properties.metadata.filter_metadata.get(ROUTE_METADATA_NAMESPACE)
+    if ns is None or ROUTE_SOURCE_KEY not in ns.fields:
+        return False
+    return ns.fields[ROUTE_SOURCE_KEY].string_value == SCHEDULER
+
+
+class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's AccessLogService: each finished request the scheduler placed is released once."""
+
+    def __init__(self, release: Callable[[str, int], None]) -> None:
+        self._release = release
+        self.streams = 0  # Envoy's open access-log streams; >0 means releases come from here
+
+    async def StreamAccessLogs(
+        self, request_iterator: AsyncIterator[als_pb2.StreamAccessLogsMessage], context: grpc.aio.ServicerContext
+    ) -> als_pb2.StreamAccessLogsResponse:
+        self.streams += 1
+        try:
+            async for message in request_iterator:
+                for entry in message.http_logs.log_entry:
+                    self.entry(entry)
+        finally:
+            self.streams -= 1
+        return als_pb2.StreamAccessLogsResponse()
+
+    def entry(self, entry: accesslog_pb2.HTTPAccessLogEntry) -> None:
+        if entry.common_properties.intermediate_log_entry or not placed_by_scheduler(entry):
+            return
+        request_id = entry.request.request_headers.get(REQUEST_ID_HEADER, "")
+        if request_id:
+            self._release(request_id, release_reason(entry))

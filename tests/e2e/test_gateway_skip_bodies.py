@@ -1,0 +1,78 @@
+"""Full mode without response bodies: the sidecar asks Envoy for none, the llumlets count tokens, and
+each request is released once, from Envoy's access log, with how it ended."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import urllib.request
+
+import aiohttp
+import pytest
+
+from pilotfish.procs import wait_until
+from pilotfish.prom_scrape import metric, scrape
+from pilotfish.services import RunningService
+from pilotfish.stack import Stack
+
+pytestmark = pytest.mark.integration
+
+MODEL = "pilotfish-sim"
+
+
+def releases(stack: Stack, reason: str | None = None) -> float:
+    labels = {"reason": reason} if reason else {}
+    return metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_releases_total", **labels)
+
+
+def envoy_stat(stack: Stack, name: str) -> int:
+    url = f"http://127.0.0.1:{stack.admin_port}/stats?filter=^{name}$&format=json"
+    stats = json.loads(urllib.request.urlopen(url, timeout=10).read())["stats"]
+    return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
+
+
+def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
+    make_stack, redis_service: RunningService
+) -> None:
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, cms_url=redis_service.url)
+    port = stack.scheduler_metrics_port
+    wait_until(lambda: len(scrape(port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 2, 60,
+               "both engines in the scheduler's CMS view")  # fmt: skip
+    sent_before = envoy_stat(stack, "http.inference.ext_proc.stream_msgs_sent")
+
+    async def run() -> list[tuple[int, bytes, bool]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one(i: int) -> tuple[int, bytes, bool]:
+                stream = i < 6
+                body = {"model": MODEL, "prompt": f"skip {i} " * 10, "max_tokens": 100, "stream": stream}
+                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.read(), stream
+
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    for status, raw, stream in asyncio.run(run()):
+        assert status == 200, raw[:300]
+        if stream:
+            payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+            assert payloads[-1] == b"[DONE]" and len(payloads) == 101
+            assert all(b'"usage"' not in p or b'"usage":null' in p for p in payloads)  # nothing added
+        else:
+            assert json.loads(raw)["usage"]["completion_tokens"] == 100
+    wait_until(lambda: releases(stack, "finished") == 8, 30, "one release per request, from the access log")
+    assert releases(stack) == 8
+    assert metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total") == 0  # bodies unread
+    # headers, body and response headers: no message per SSE event
+    sent = envoy_stat(stack, "http.inference.ext_proc.stream_msgs_sent") - sent_before
+    assert 2 * 8 <= sent <= 3 * 8, sent
+
+    async def abort() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+            body = {"model": MODEL, "prompt": "walk away", "max_tokens": 4000, "stream": True}
+            resp = await session.post(f"{stack.base_url}/v1/completions", json=body)
+            await resp.content.readline()
+            resp.close()
+
+    asyncio.run(abort())
+    wait_until(lambda: releases(stack, "client_abort") == 1, 30, "the aborted stream released as such")
+    assert releases(stack) == 9

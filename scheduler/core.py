@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 
 # below this many candidates a scan is as fast as keeping an index up to date
 INDEX_MIN_INSTANCES = 16
+_ENGINE_FAILURES = (scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET)
 CACHE_METRICS = frozenset({"kv_cache_hit_len", "cache_aware_all_prefills_tokens_num", "predicted_ttft"})
 
 
@@ -384,7 +385,8 @@ class SchedulerCore:
         """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent.
 
         `reason` (scheduler.proto ReleaseReason) feeds engine health: FINISHED is a success of the
-        engine the request is held on, UPSTREAM_ERROR a failure, and such a request keeps its load
+        engine the request is held on, UPSTREAM_ERROR or UPSTREAM_RESET (the engine reset the stream
+        mid-response, as Envoy's access log tells) a failure, and such a request keeps its load
         there while the engine's run of failures lasts (health.py), so failing fast does not make
         the engine look idle; the others say nothing of the engine.
         """
@@ -392,7 +394,7 @@ class SchedulerCore:
         inflight = self.account.release(request_id)
         if entry is None:
             return inflight
-        if reason == scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR:
+        if reason in _ENGINE_FAILURES:
             self._drop(self.health.failure(entry.instance_id, request_id))
             return True
         self._lrs.release(request_id)

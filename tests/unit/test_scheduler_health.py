@@ -186,7 +186,14 @@ def test_off_when_consecutive_failures_is_zero() -> None:
 
 @pytest.mark.parametrize(
     ("reason", "ejects"),
-    [(UPSTREAM, True), (FINISHED, False), (ABORT, False), (GATEWAY, False), (UNSPECIFIED, False)],
+    [
+        (UPSTREAM, True),
+        (scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET, True),  # the engine cut a stream mid-response
+        (FINISHED, False),
+        (ABORT, False),
+        (GATEWAY, False),
+        (UNSPECIFIED, False),
+    ],
 )
 def test_only_upstream_errors_count_as_failures(reason: int, ejects: bool) -> None:
     core = make_core(Clock())

@@ -1,8 +1,15 @@
-"""Peers' published routing policies, reimplemented from their formulas for the virtual-time cluster.
+"""Peers' published routing policies, reimplemented from their source for the virtual-time cluster.
 
-Each router states in its docstring the file its formula and defaults come from. Nothing here is
-tuned: every constant is the peer's own default. Where the simulator gives a peer something it
-would have to approximate in production (the exact KV events, say), the docstring says so.
+Each router cites in its docstring the repository, path and version (tag or commit) it follows,
+and says what cannot be reproduced exactly and why. Nothing here is tuned: every constant is the
+peer's own shipped default. tests/unit/test_bench_peers_fidelity.py replays a short decision
+sequence against each, with the expected choices worked out by hand from that upstream code, and
+`pilotfish bench realtime --agreement` compares the reproductions of sglang-router and
+vllm-router with the real routers on the same requests.
+
+Routers whose choice the agreement check replays split `route` into `decide` (the set of choices
+the policy considers equal, without changing state) and `commit` (the state update for the engine
+the request went to), so a replay can feed them the real router's choice ("teacher forcing").
 
 A router that needs to read the engines (as a metrics scrape or a KV-event feed would) has
 `observe_engine(index, core)`, which the harness hands to `ClusterSim(observers=...)`.
@@ -53,8 +60,13 @@ class _Outstanding(Router):
 class PowerOfTwoRouter(_Outstanding):
     """Power of two choices: two engines drawn at random, the one with fewer outstanding requests wins.
 
-    sgl-project/sglang `sgl-router/src/policies/power_of_two.rs`: two distinct workers sampled
-    uniformly, the lower `load()` (the router's own in-flight count) chosen, the first on a tie.
+    sgl-project/sglang `sgl-model-gateway/src/policies/power_of_two.rs` (commit 065f331; before the
+    rename `sgl-router/src/policies/power_of_two.rs`): two distinct workers drawn uniformly,
+    `load1 <= load2` keeps the first draw. Not exact: upstream prefers the token loads its
+    LoadMonitor polls from SGLang workers' `/get_load` (every `load_check_interval_secs`) and falls
+    back to the router's own in-flight count; here it is always the in-flight count, as in front of
+    vLLM engines, which do not serve `/get_load`. Its draws are random, so only distributions can
+    be compared with the real router.
     """
 
     def __init__(self, seed: int = 0) -> None:
@@ -97,34 +109,61 @@ class _Scrape(EngineObserver):
 
 
 class LlmdDefaultRouter(Router):
-    """The Gateway API Inference Extension / llm-d endpoint picker's default scheduling profile.
+    """The llm-d endpoint picker (EPP) with its shipped default configuration.
 
-    score = 2 * queue + 2 * kv-cache-utilization + 3 * prefix-cache, highest score wins:
-    - queue scorer (`pkg/epp/scheduling/framework/plugins/scorer/queue.go`):
-      (max_q - q) / (max_q - min_q) over the candidates' waiting-queue sizes, 1 when all are equal;
-    - KV-cache utilization scorer (`.../scorer/kvcache_utilization.go`): 1 - KV cache usage;
-    - prefix-cache scorer (`.../plugins/multi/prefix/plugin.go`): matched prefix blocks / request
-      blocks, from the picker's own LRU index of the prefixes it sent to each server
-      (DefaultMaxPrefixBlocksToMatch 256, DefaultLRUCapacityPerServer 31250); blocks here are the
-      engine's 16-token blocks (vLLM's default block size, the plugin's hashing unit);
-    - max-score picker (`.../picker/max_score_picker.go`): the highest total, ties at random;
-    - weights 2/2/3: the default profile of llm-d's `gaie-inference-scheduling` values and the
-      GIE `default-plugins` config;
-    - metrics refreshed every 50 ms (`--refresh-metrics-interval`, default 50ms in
-      `cmd/epp/runner`): queue and KV figures are those of the last scrape tick, each tick reading
-      the gauges as vLLM left them after its last step.
+    Source: llm-d/llm-d-inference-scheduler at commit 520af478 (main after tag v0.8.0, May 2026;
+    GIE's EPP has been merged into that repository, so one tree holds every file below):
+    - `pkg/epp/config/loader/defaults.go` (`loadDefaultConfig`, what the EPP runs with no config
+      file) and the Helm chart's `config/charts/epplib/templates/_config.yaml`
+      (`default-plugins.yaml`): one profile, `queue-scorer` weight 2,
+      `kv-cache-utilization-scorer` weight 2, `prefix-cache-scorer` weight 3, no filter, the
+      `max-score-picker`;
+    - `pkg/epp/scheduling/scheduler_profile.go`: score = sum of weight x scorer score, each score
+      clamped to [0, 1];
+    - `.../scheduling/scorer/queuedepth/queue.go`: (max_q - q) / (max_q - min_q) over the
+      candidates' `vllm:num_requests_waiting`, 1 for all when they are equal;
+    - `.../scheduling/scorer/kvcacheutilization/kvcache_utilization.go`: 1 - `vllm:kv_cache_usage_perc`;
+    - `.../scheduling/scorer/prefix/plugin.go`: matched blocks / total blocks of the request, both
+      from `.../requestcontrol/dataproducer/approximateprefix/` (`plugin.go`, `indexer.go`,
+      `hashing.go`, `types.go`), the producer injected by default: the prompt cut into blocks of
+      16 tokens (`defaultBlockSizeTokens`, auto-tuned from the engine's block size), chained
+      hashes, at most 256 blocks (`defaultMaxPrefixBlocks`), a trailing partial block hashed and
+      counted too; `matchLongestPrefix` walks the request's blocks in order, adds one to every
+      server that holds the block, and stops at the first block that *no* server holds; the
+      chosen server's LRU (capacity: the engine's `num_gpu_blocks` from `vllm:cache_config_info`
+      under the default `autoTune`, else 31,250) records every block of the request in
+      `PreRequest`, before the response;
+    - `.../scheduling/picker/maxscore/picker.go`: shuffle, then the highest total (ties at random);
+    - `pkg/epp/server/options.go`: metrics refreshed every 50 ms (`--refresh-metrics-interval`).
+
+    What this cannot reproduce exactly, and why:
+    - upstream hashes prompt *characters*, 4 per token (`averageCharactersPerToken`), so a block
+      is 64 characters of the request body; here a block is the engine's 16 tokens, which is the
+      same unit only where text averages 4 characters a token. The trailing partial block's hash
+      is a stand-in (its length and the last full block), since the simulator's request carries
+      no token content: two prompts that differ only inside their last partial block look equal;
+    - each pod is scraped on its own 50 ms ticker; here every engine is read at the same ticks.
+
+    On a shared prefix (every request starts with the same system prompt) this configuration
+    sends work to the engines that already hold the prefix until the others' lead in queue and
+    KV-cache scores (at most 2 + 2) beats the holders' prefix score (3 x matched / total): with a
+    512-token system prompt and a short turn the holders score about 2.5 more, and the queue
+    score alone is worth at most 2 however long the queue. That lock-in is upstream's formula,
+    not a bug of this reproduction; the fidelity test replays it.
     """
 
     def __init__(self, seed: int = 0, *, queue_weight: float = 2.0, kv_weight: float = 2.0,
                  prefix_weight: float = 3.0, scrape_interval: float = 0.05, max_prefix_blocks: int = 256,
-                 lru_capacity_per_server: int = 31250) -> None:
+                 lru_capacity_per_server: int = 31250, auto_tune: bool = True) -> None:
         self.rng = random.Random(f"llm-d:{seed}")
         self.weights = (queue_weight, kv_weight, prefix_weight)
         self.scrape_interval = scrape_interval
         self.max_prefix_blocks = max_prefix_blocks
         self.lru_capacity = lru_capacity_per_server
+        self.auto_tune = auto_tune
         self.scrapes: dict[int, _Scrape] = {}
         self.lru: list[OrderedDict[int, None]] = []
+        self.capacity: list[int] = []
 
     def observe_engine(self, index: int, core: V1Engine) -> None:
         scrape = _Scrape(core)
@@ -133,42 +172,66 @@ class LlmdDefaultRouter(Router):
 
     def bind(self, engine_ids: list[str]) -> None:
         self.lru = [OrderedDict() for _ in engine_ids]
+        self.capacity = []
+        for k in range(len(engine_ids)):
+            scrape = self.scrapes.get(k)
+            blocks = scrape.core.kv.pool.num_blocks if (self.auto_tune and scrape is not None) else 0
+            self.capacity.append(blocks if blocks > 0 else self.lru_capacity)
 
-    def route(self, request: RouteRequest, now: float) -> int:
+    def prefix_hashes(self, request: RouteRequest) -> list[int]:
+        """The request's block hashes as the producer makes them: full blocks, then a partial one, at most 256."""
+        hashes = list(request.block_hashes[:self.max_prefix_blocks])
+        if len(hashes) < self.max_prefix_blocks and request.prompt_tokens % request.block_size:
+            last = hashes[-1] if hashes else 0
+            hashes.append(hash(("llm-d-partial", last, request.prompt_tokens % request.block_size)))
+        return hashes
+
+    def match(self, hashes: list[int]) -> list[int]:
+        """`matchLongestPrefix`: per server, blocks held among the leading blocks some server holds."""
+        res = [0] * len(self.lru)
+        for h in hashes:
+            holders = [k for k, lru in enumerate(self.lru) if h in lru]
+            if not holders:
+                break
+            for k in holders:
+                res[k] += 1
+        return res
+
+    def scores(self, request: RouteRequest, now: float) -> list[float]:
+        """Each engine's weighted total, as the profile sums it."""
         n = len(self.lru)
         tick = math.floor(now / self.scrape_interval) * self.scrape_interval if self.scrape_interval > 0 else now
         gauges = [self.scrapes[k].at(tick) for k in range(n)]
         queues = [g[0] for g in gauges]
         lo, hi = min(queues), max(queues)
-        hashes = request.block_hashes[:self.max_prefix_blocks]
+        hashes = self.prefix_hashes(request)
         total = len(hashes)
+        matched = self.match(hashes)
         wq, wk, wp = self.weights
-        scores: list[float] = []
+        out = []
         for k in range(n):
             queue_score = 1.0 if hi == lo else (hi - queues[k]) / (hi - lo)
-            kv_score = 1.0 - gauges[k][1]
-            matched = 0
-            lru = self.lru[k]
-            for h in hashes:
-                if h not in lru:
-                    break
-                matched += 1
-            prefix_score = matched / total if total else 0.0
-            # negated: pick_min picks the highest score
-            scores.append(-(wq * queue_score + wk * kv_score + wp * prefix_score))
-        pick = pick_min(scores, self.rng)
-        self._record(pick, hashes)
+            kv_score = min(max(1.0 - gauges[k][1], 0.0), 1.0)
+            prefix_score = matched[k] / total if total else 0.0
+            out.append(wq * queue_score + wk * kv_score + wp * prefix_score)
+        return out
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        scores = self.scores(request, now)
+        pick = pick_min([-s for s in scores], self.rng)  # the highest score; ties at random
+        self._record(pick, self.prefix_hashes(request))
         return pick
 
     def _record(self, k: int, hashes: list[int]) -> None:
-        # the plugin's PreRequest: the chosen server now holds the request's prefix blocks (LRU)
+        # the producer's PreRequest: the chosen server now holds the request's blocks (LRU)
         lru = self.lru[k]
+        capacity = self.capacity[k] if k < len(self.capacity) else self.lru_capacity
         for h in hashes:
             if h in lru:
                 lru.move_to_end(h)
             else:
                 lru[h] = None
-        while len(lru) > self.lru_capacity:
+        while len(lru) > capacity:
             lru.popitem(last=False)
 
 
@@ -176,17 +239,27 @@ class LlmdDefaultRouter(Router):
 
 
 class DynamoKvRouter(Router):
-    """NVIDIA Dynamo's KV router cost: lowest `overlap_score_weight * prefill_blocks + decode_blocks`.
+    """NVIDIA Dynamo's KV router: lowest `overlap_score_weight * prefill_blocks + decode_blocks`.
 
-    ai-dynamo/dynamo `lib/llm/src/kv_router/scheduler.rs` (`DefaultWorkerSelector::select_worker`)
-    and `docs/router/kv_cache_routing.md`: for each worker, prefill_blocks = (the worker's active
-    prefill tokens + this request's tokens not cached there) / block_size, decode_blocks = the
-    active blocks the worker would hold with this request; `--kv-overlap-score-weight` 1.0 and
-    `--router-temperature` 0.0 (deterministic lowest cost; ties at random). Active prefill tokens
-    and blocks are the router's own account (`ActiveSequences`): added at dispatch, prefill
-    tokens dropped at the first token, blocks at the end, shared prefix blocks counted once.
-    The cached overlap comes from KV events (`KvIndexer`); here the events arrive instantly and
-    exactly, which favours Dynamo over a real deployment.
+    Source: ai-dynamo/dynamo `DefaultWorkerSelector::select_worker` in
+    `lib/kv-router/src/scheduling/selector.rs` (earlier `lib/llm/src/kv_router/scheduler.rs`), in
+    the form it had through the 0.x releases: logit = overlap_score_weight x prefill_tokens /
+    block_size + decode_blocks, where the scheduler's `ActiveSequences` give, per worker,
+    prefill_tokens = the worker's active prefill tokens + this request's tokens not cached there,
+    and decode_blocks = the blocks the worker would hold with this request (shared prefix blocks
+    counted once); `--kv-overlap-score-weight` 1.0 and `--router-temperature` 0.0, which takes the
+    lowest logit; among several at the lowest, the one whose indexer tree (blocks the KV events
+    say it caches) is smallest, and a random one if those are equal too. Active prefill tokens
+    leave at the first token, blocks at the end. Docs: `docs/router/kv_cache_routing.md`.
+
+    What this cannot reproduce exactly, and why:
+    - the cached overlap and tree sizes come from KV events (`KvIndexer`); here they are read
+      from the engine's cache at the instant of the decision, exact and without delay, which
+      favours Dynamo over a real deployment;
+    - Dynamo's current main (commit 01690d4 of `selector.rs`) has since reshaped the logit
+      (`overlap_score_credit` with a load-dependent decay, `prefill_load_scale`, a per-request
+      decode weight); this reproduction keeps the older published form above, whose defaults the
+      Dynamo docs still describe. No Dynamo router runs here, so there is no agreement check.
     """
 
     def __init__(self, seed: int = 0, *, overlap_score_weight: float = 1.0) -> None:
@@ -207,7 +280,8 @@ class DynamoKvRouter(Router):
         self.block_refs = [{} for _ in range(n)]
         self.partial_blocks = [0] * n
 
-    def route(self, request: RouteRequest, now: float) -> int:
+    def costs(self, request: RouteRequest) -> tuple[list[float], list[int]]:
+        """Each worker's logit, and the request's uncached tokens there."""
         bs = request.block_size
         isl = request.prompt_tokens
         hashes = request.block_hashes
@@ -223,7 +297,19 @@ class DynamoKvRouter(Router):
             decode_blocks = len(refs) + self.partial_blocks[k] + new_blocks
             costs.append(self.weight * prefill_blocks + decode_blocks)
             news.append(new_tokens)
-        pick = pick_min(costs, self.rng)
+        return costs, news
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        costs, news = self.costs(request)
+        best = min(costs)
+        tied = [k for k, c in enumerate(costs) if c == best]
+        if len(tied) > 1:  # the smallest indexer tree, then at random
+            sizes = {k: len(self.cores[k].kv.pool.cached) for k in tied}
+            smallest = min(sizes.values())
+            tied = [k for k in tied if sizes[k] == smallest]
+        pick = tied[0] if len(tied) == 1 else self.rng.choice(tied)
+        hashes = request.block_hashes
+        partial = request.prompt_tokens % request.block_size != 0
         self.prefill_tokens[pick] += news[pick]
         refs = self.block_refs[pick]
         for h in hashes:
@@ -254,30 +340,51 @@ class DynamoKvRouter(Router):
         self.partial_blocks[k] -= 1 if partial else 0
 
 
-# ---- SGLang router ---------------------------------------------------------------------------------------
+# ---- SGLang router and vllm-router ---------------------------------------------------------------------------
 
 
 class SglangCacheAwareRouter(_Outstanding):
-    """SGLang router's `cache_aware` policy: balance thresholds first, then prefix match over a radix tree.
+    """sglang-router's `cache_aware` policy: balance thresholds first, then the prefix match over a radix tree.
 
-    sgl-project/sglang `sgl-router/src/policies/cache_aware.rs`, defaults from
-    `sgl-router/py_src/sglang_router/launch_router.py` (the CLI an operator runs):
+    Source: sgl-project/sglang `sgl-model-gateway/src/policies/cache_aware.rs` and `tree.rs`
+    (the SGLang Model Gateway, shipped on PyPI as sglang-router; before it was renamed,
+    `sgl-router/src/policies/`), defaults from sglang-router 0.3.2's `sglang_router/router_args.py`
+    (the version scripts/install-peers.sh installs; its wheel's symbols name the same files):
     - loads are the router's own in-flight counts; the system is imbalanced when
-      max - min > balance_abs_threshold (64) AND max > min * balance_rel_threshold (1.5): then the
-      least-loaded worker wins (and the tree still records the request there);
-    - otherwise the approximate tree of what was sent to each worker gives the longest prefix
-      match; match rate = matched / prompt length; above cache_threshold (0.3) the matching
-      worker wins, else the worker with the smallest tree;
-    - every eviction_interval_secs (120) each worker's tree is cut back, least recently used
-      first, to max_tree_size (2**26). The tree holds characters; here it holds the engine's
-      16-token blocks, and the size limit is converted at 4 characters per token.
-    A tie in match length goes to the worker that most recently received that prefix.
+      max - min > balance_abs_threshold (64) AND max > min x balance_rel_threshold (1.5): then the
+      least-loaded worker wins (`min_by_key` over the workers: the first in the router's worker
+      order on a tie), and the tree still records the request there;
+    - otherwise the tree shared by all workers gives the longest prefix match; match rate =
+      matched / prompt length; above cache_threshold (0.3) a worker holding the deepest matched
+      node wins; at or below it, the least-loaded worker, as in the imbalanced case;
+    - every eviction_interval_secs (60 in 0.3.2) each worker's share of the tree is cut back,
+      least recently used leaves first, to max_tree_size (2**26 characters).
+    vllm-router (a fork of the same router; `vllm_router/router_args.py` of 0.1.17) runs the same
+    policy with eviction every 120 s and 2**25 characters: `vllm_router_cache_aware()`.
+
+    What this cannot reproduce exactly, and why:
+    - the tree holds characters of the request text; here it holds the engine's 16-token blocks,
+      and the size limit is converted at 4 characters a token; a match ends at a block boundary
+      where upstream's ends at a character;
+    - which holder of the deepest node wins is "the first key" of that node's DashMap, whose
+      order depends on per-map random hash keys: fixed within one router process, not
+      predictable from outside. Here it is a seeded random choice among the holders, and
+      `decide` returns every holder so a replay can tell a tie from a disagreement;
+    - the order of `min_by_key` among equally loaded workers is the router's worker order, which
+      for sglang-router 0.3.2 is not the order of `--worker-urls` (a probe with four idle
+      workers sent every request to the third); `order` sets it, identity by default.
+
+    Earlier versions of this reproduction sent a miss to the worker with the smallest tree and
+    broke holder ties by recency; sglang-router 0.3.2 and vllm-router 0.1.17 both send a miss to
+    the least-loaded worker (checked against the real routers: `bench realtime --agreement`).
     """
 
     def __init__(self, seed: int = 0, *, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
-                 balance_rel_threshold: float = 1.5, eviction_interval: float = 120.0,
-                 max_tree_size_chars: int = 2**26, chars_per_token: int = 4) -> None:
-        super().__init__()  # `seed` unused: the policy draws no random numbers (kept for one factory shape)
+                 balance_rel_threshold: float = 1.5, eviction_interval: float = 60.0,
+                 max_tree_size_chars: int = 2**26, chars_per_token: int = 4,
+                 order: list[int] | None = None) -> None:
+        super().__init__()
+        self.rng = random.Random(f"sglang:{seed}")
         self.cache_threshold = cache_threshold
         self.abs_threshold = balance_abs_threshold
         self.rel_threshold = balance_rel_threshold
@@ -285,56 +392,64 @@ class SglangCacheAwareRouter(_Outstanding):
         self.max_tree_tokens = max_tree_size_chars // chars_per_token
         self.trees: list[OrderedDict[int, None]] = []  # per worker: block hash, least recently used first
         self.block_size = 16
+        self.order = order
         self._next_eviction = eviction_interval
-        self._stamps: dict[tuple[int, int], int] = {}  # (worker, block) -> insertion counter, for ties
-        self._clock = 0
 
     def bind(self, engine_ids: list[str]) -> None:
         super().bind(engine_ids)
         self.trees = [OrderedDict() for _ in engine_ids]
+        if self.order is None or sorted(self.order) != list(range(len(engine_ids))):
+            self.order = list(range(len(engine_ids)))
 
-    def route(self, request: RouteRequest, now: float) -> int:
+    def _least_loaded(self) -> int:
+        assert self.order is not None
+        return min(self.order, key=self.load.__getitem__)  # the first in worker order on a tie
+
+    def decide(self, request: RouteRequest, now: float) -> list[int]:
+        """The workers the policy would pick from, as equals (one unless several hold the deepest match)."""
         self.block_size = request.block_size
         self._evict(now)
         load = self.load
         hi, lo = max(load), min(load)
-        hashes = request.block_hashes
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
-            pick = min(range(len(load)), key=load.__getitem__)
-        else:
-            pick = self._cache_pick(request, hashes)
-        self._insert(pick, hashes)
-        load[pick] += 1
-        return pick
-
-    def _cache_pick(self, request: RouteRequest, hashes: list[int]) -> int:
+            return [self._least_loaded()]
         matched = 0
-        candidates = list(range(len(self.trees)))
-        for h in hashes:
-            have = [k for k in candidates if h in self.trees[k]]
+        holders = list(range(len(self.trees)))
+        for h in request.block_hashes:
+            have = [k for k in holders if h in self.trees[k]]
             if not have:
                 break
-            candidates = have
+            holders = have
             matched += 1
         rate = matched * request.block_size / request.prompt_tokens if request.prompt_tokens else 0.0
         if matched and rate > self.cache_threshold:
-            last = hashes[matched - 1]
-            # the most recent holder: its entry for the last matched block is the newest
-            return max(candidates, key=lambda k: self._recency(k, last))
-        return min(range(len(self.trees)), key=lambda k: len(self.trees[k]))
+            return holders
+        return [self._least_loaded()]
 
-    def _recency(self, k: int, h: int) -> int:
-        return self._stamps.get((k, h), 0)
+    def commit(self, request: RouteRequest, k: int, now: float) -> None:
+        """The request went to worker k: its tree records the prompt, its load counts one more."""
+        tree = self.trees[k]
+        for h in request.block_hashes:
+            if h in tree:
+                tree.move_to_end(h)
+            else:
+                tree[h] = None
+        self.load[k] += 1
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        choices = self.decide(request, now)
+        pick = choices[0] if len(choices) == 1 else self.rng.choice(choices)
+        self.commit(request, pick, now)
+        return pick
 
     def _insert(self, k: int, hashes: list[int]) -> None:
+        """Record `hashes` in worker k's tree without a dispatch (tests build trees with it)."""
         tree = self.trees[k]
-        self._clock += 1
         for h in hashes:
             if h in tree:
                 tree.move_to_end(h)
             else:
                 tree[h] = None
-            self._stamps[(k, h)] = self._clock
 
     def _evict(self, now: float) -> None:
         if self.eviction_interval <= 0 or now < self._next_eviction:
@@ -342,7 +457,38 @@ class SglangCacheAwareRouter(_Outstanding):
         while self._next_eviction <= now:
             self._next_eviction += self.eviction_interval
         limit = max(self.max_tree_tokens // self.block_size, 1)
-        for k, tree in enumerate(self.trees):
+        for tree in self.trees:
             while len(tree) > limit:
-                h, _ = tree.popitem(last=False)
-                self._stamps.pop((k, h), None)
+                tree.popitem(last=False)
+
+
+def vllm_router_cache_aware(seed: int = 0, order: list[int] | None = None) -> SglangCacheAwareRouter:
+    """vllm-router 0.1.17's `cache_aware`: the SGLang policy with its own defaults (120 s, 2**25 characters)."""
+    return SglangCacheAwareRouter(seed, eviction_interval=120.0, max_tree_size_chars=2**25, order=order)
+
+
+class RoundRobinPeer(Router):
+    """vllm-router's and sglang-router's `round_robin`: a counter over the workers, every request counted.
+
+    Source: sgl-project/sglang `sgl-model-gateway/src/policies/round_robin.rs` (vllm-router forks
+    it): worker index = counter % workers, the counter incremented for every request the router
+    routes (warm-up requests included), starting at 0.
+    """
+
+    def __init__(self, seed: int = 0) -> None:
+        self.counter = 0
+        self.n = 1
+
+    def bind(self, engine_ids: list[str]) -> None:
+        self.n = len(engine_ids)
+
+    def decide(self, request: RouteRequest, now: float) -> list[int]:
+        return [self.counter % self.n]
+
+    def commit(self, request: RouteRequest, k: int, now: float) -> None:
+        self.counter += 1
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        (pick,) = self.decide(request, now)
+        self.commit(request, pick, now)
+        return pick

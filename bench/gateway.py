@@ -45,6 +45,7 @@ DEFAULT_BODY_MODES = (
     "STREAMED/STREAMED",
     "FULL_DUPLEX_STREAMED/FULL_DUPLEX_STREAMED",
     "BUFFERED/BUFFERED",
+    "BUFFERED/NONE",  # full mode: response bodies skipped, releases from Envoy's access log
     "istio",
     "ai-gateway",
 )
@@ -66,7 +67,8 @@ class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         list[str],
         Meta(
             description="Envoy ext_proc configurations to compare: REQUEST/RESPONSE body modes of the sidecar "
-            "(each BUFFERED, STREAMED or FULL_DUPLEX_STREAMED), or a gateway's (istio, ai-gateway)"
+            "(each BUFFERED, STREAMED or FULL_DUPLEX_STREAMED; the response also NONE: full mode, the ext_proc "
+            "skips response bodies and releases from Envoy's access log), or a gateway's (istio, ai-gateway)"
         ),
     ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
     vllm_router: Annotated[
@@ -105,11 +107,11 @@ def parse_body_mode(text: str) -> BodyMode:
     if text in GATEWAYS:
         return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", text)
     request, _, response = text.partition("/")
-    if request in BODY_MODES and response in BODY_MODES:
+    if request in BODY_MODES and response in (*BODY_MODES, "NONE"):
         return BodyMode(request, response)
     raise ConfigError(
-        f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)}, "
-        f"or a gateway: {', '.join(GATEWAYS)}"
+        f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)} (the response "
+        f"also NONE), or a gateway: {', '.join(GATEWAYS)}"
     )
 
 
@@ -175,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- set-up
+
+
+def _skips(modes: dict[str, BodyMode]) -> bool:
+    return any(m.response == "NONE" for m in modes.values())
 
 
 def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], upstream: int) -> str:
@@ -245,6 +251,10 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_unary = ext_proc("ext_proc-unary", on_fast, True, "--no-scheduler-session")
     xp_colo = ext_proc("ext_proc-colocated", on_fast, False, "--colocated-scheduling")
     xp_paced = ext_proc("ext_proc-paced", on_paced, False)
+    # response bodies skipped (full mode): the ext_proc releases from Envoy's access log
+    skip = ("--response-bodies", "skip")
+    xp_skip = ext_proc("ext_proc-skip", on_fast, True, *on_socket, *skip) if _skips(modes) else None
+    xp_paced_skip = ext_proc("ext_proc-paced-skip", on_paced, False, *skip) if _skips(modes) else None
     for child, port in pending:
         child.wait_port(port)
 
@@ -272,7 +282,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         load[_scale_arm(n)] = arm(_scale_arm(n), scale[:n], remote=True)
     for mode in modes.values():
         if mode_arm(mode) not in load:
-            load[mode_arm(mode)] = arm(mode_arm(mode), scale[:1], mode=mode, remote=True)
+            xps = [xp_skip] if mode.response == "NONE" and xp_skip else scale[:1]
+            load[mode_arm(mode)] = arm(mode_arm(mode), xps, mode=mode, remote=True)
     if cfg.vllm_router:
         port = free_port()
         router = group.start(
@@ -284,7 +295,11 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         router.wait_port(port, 60)
         load["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
     streaming = {"envoy": arm("paced envoy", [], paced)}
-    streaming |= {label: arm(f"paced {label}", [xp_paced], paced, mode) for label, mode in modes.items()}
+    streaming |= {
+        label: arm(f"paced {label}", [xp_paced_skip if mode.response == "NONE" and xp_paced_skip else xp_paced],
+                   paced, mode)
+        for label, mode in modes.items()
+    }  # fmt: skip
     # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
     dead = free_port()
     down = {label: arm(f"down {label}", [(dead, 0)], mode=mode) for label, mode in modes.items()}

@@ -109,6 +109,8 @@ class SchedulerCore:
         self._instances: dict[str, InstanceView] = {}
         self._by_model: dict[str, _ModelGroups] = {}
         self._clock = clock
+        # full mode: told when a status or in-flight entry changes an instance's load (flow control drains then)
+        self.on_view_change: Callable[[], None] | None = None
         # ejected engines are no candidates; a change in that set rebuilds the candidate groups
         self.health = EngineHealth.from_config(config, clock, on_change=self._by_model.clear)
         self.cms: CmsView | None = None
@@ -204,6 +206,8 @@ class SchedulerCore:
 
     def _changed(self, inst: InstanceView) -> None:
         self._dirty.add(inst.instance_id)
+        if self.on_view_change is not None:
+            self.on_view_change()
 
     # -- candidates ------------------------------------------------------------------------------------
 

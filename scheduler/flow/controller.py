@@ -1,0 +1,320 @@
+"""The flow controller: synchronous, no I/O, an injected clock; the service (gate.py) or a
+virtual-time benchmark drives it.
+
+`submit` answers at once (a Decision, or raises) or queues the request and returns None; a
+queued request is told its outcome exactly once through its `reply`: the Decision the ordinary
+policy makes when an engine has room (`drain`), or a SchedulerError when it is shed or its
+scheduling fails. `expire` applies the deadlines: critical requests are then dispatched whatever
+the saturation, the others shed. `cancel` takes a request out (its client went away) and tells
+nobody. The core is called only for dispatch (`SchedulerCore.schedule`), so a dispatch from the
+queue is exactly a Schedule that arrives at that moment.
+
+Admission, in order:
+1. a request its gateway cannot hold (hold 0), or one for a model with no eligible engine, goes
+   straight to the core (which answers or refuses it as it always has);
+2. with nothing of its model waiting and an eligible engine with room, it is dispatched now;
+3. otherwise it waits, behind its band and its flow's turn. A full queue makes room by shedding
+   the newest request of the largest flow of the lowest band below the arrival's; with no lower
+   band to shed, the arrival is shed. A sheddable request is shed at once when the queue's recent
+   drain rate says it would wait past its deadline.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.errors import DuplicateRequestError, SchedulerError
+from pilotfish.scheduler.flow.bands import Band, band_of, parse_model_priorities
+from pilotfish.scheduler.flow.queue import FlowQueue, Waiting
+from pilotfish.scheduler.flow.saturation import Saturation
+from pilotfish.scheduler.view.types import InstanceView, RequestInfo
+
+log = logging.getLogger(__name__)
+
+MAX_FLOW_LENGTH = 64
+
+# shed reasons (the metric's label)
+QUEUE_FULL = "queue_full"  # the arrival: no lower band to shed
+EVICTED = "evicted"  # shed to make room for a higher band
+DEADLINE = "deadline"  # waited its longest
+WOULD_MISS = "would_miss_deadline"  # sheddable: the drain rate says it would wait past its deadline
+
+# how dispatched (the metric's label)
+AT_ONCE, FROM_QUEUE, AT_DEADLINE = "at_once", "queued", "deadline"
+
+
+class Shed(SchedulerError):
+    """The request is shed by flow control: the gateway answers 429 with Retry-After."""
+
+    code = "RESOURCE_EXHAUSTED"
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class FlowSettings:
+    max_wait_s: dict[Band, float]
+    queue_max: int = 4096
+    by_model: dict[str, Band] | None = None
+    recheck_s: float = 0.05
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> FlowSettings:
+        return cls(
+            max_wait_s={
+                Band.CRITICAL: config.flow_critical_max_wait_ms / 1000,
+                Band.STANDARD: config.flow_standard_max_wait_ms / 1000,
+                Band.SHEDDABLE: config.flow_sheddable_max_wait_ms / 1000,
+            },
+            queue_max=config.flow_queue_max_requests,
+            by_model=parse_model_priorities(config.flow_model_priorities),
+            recheck_s=config.flow_recheck_ms / 1000,
+        )
+
+
+class FlowStats:
+    """Counters the metrics read (telemetry.py); plain ints, no per-request cost beyond a bump."""
+
+    def __init__(self) -> None:
+        self.dispatched: Counter[tuple[str, str]] = Counter()  # (band, how)
+        self.shed: Counter[tuple[str, str]] = Counter()  # (band, reason)
+        self.cancelled: Counter[str] = Counter()  # band
+        self.waits: list[tuple[str, float]] = []  # (band, seconds) since the last scrape took them
+        self.wait_sum: Counter[tuple[str, str]] = Counter()  # (band, flow): seconds waited, all time
+
+    def waited(self, w: Waiting, now: float) -> None:
+        seconds = max(0.0, now - w.enqueued)
+        if len(self.waits) < 65536:  # the histogram takes them at scrape; bounded between scrapes
+            self.waits.append((w.band.label, seconds))
+        if len(self.wait_sum) < 4096 or (w.band.label, w.flow) in self.wait_sum:
+            self.wait_sum[(w.band.label, w.flow)] += seconds
+
+
+class FlowController:
+    def __init__(
+        self,
+        core: object,
+        config: SchedulerConfig,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = core
+        self.settings = FlowSettings.from_config(config)
+        self.saturation = Saturation.from_config(config)
+        self._staleness = config.instance_staleness_seconds
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._queues: dict[str, FlowQueue] = {}
+        self._waiting: dict[str, Waiting] = {}  # request id -> its queue entry
+        self._deadlines: list[tuple[float, int, Waiting]] = []
+        self._seq = itertools.count()
+        self._departures: deque[float] = deque(maxlen=64)  # when queued requests left for an engine
+        self.stats = FlowStats()
+
+    # -- what waits ---------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def queued(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
+    def queues(self) -> dict[str, FlowQueue]:
+        return self._queues
+
+    def next_deadline(self) -> float | None:
+        d = self._deadlines
+        while d and d[0][2].done:
+            heapq.heappop(d)
+        return d[0][0] if d else None
+
+    # -- engines --------------------------------------------------------------------------------------
+
+    def _eligible(self, model: str) -> list[InstanceView]:
+        """The engines the policy may pick for `model`: serving it, not ejected (unless all are),
+        with a fresh status in full mode."""
+        core = self.core
+        serving = [i for i in core.instances() if i.serves(model)]  # type: ignore[attr-defined]
+        ejected = core.health.ejected  # type: ignore[attr-defined]
+        if ejected:
+            serving = [i for i in serving if i.instance_id not in ejected] or serving
+        cms = core.cms  # type: ignore[attr-defined]
+        if cms is not None and serving:
+            now = self._wall_clock()
+            fresh = []
+            for i in serving:
+                age = cms.status_age(i.instance_id, now)
+                if age is not None and age <= self._staleness:
+                    fresh.append(i)
+            serving = fresh
+        return serving
+
+    def has_room(self, model: str) -> bool:
+        saturated = self.saturation.saturated
+        return any(not saturated(i) for i in self._eligible(model))
+
+    # -- the request path -----------------------------------------------------------------------------
+
+    def submit(
+        self, req: RequestInfo, priority: int, flow: str, hold_s: float, reply: Callable[[object], None]
+    ) -> object | None:
+        """A Decision now, or None: queued, and `reply` gets the outcome later (never from inside
+        this call). Raises SchedulerError for a refusal now (Shed, or the core's own)."""
+        core = self.core
+        if req.request_id in self._waiting:
+            raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
+        band = band_of(priority, req.model, self.settings.by_model or {})
+        queue = self._queues.get(req.model)
+        if hold_s <= 0 or not self._eligible(req.model):
+            return core.schedule(req)  # type: ignore[attr-defined]
+        if not queue and self.has_room(req.model):
+            decision = core.schedule(req)  # type: ignore[attr-defined]
+            self.stats.dispatched[(band.label, AT_ONCE)] += 1
+            return decision
+        now = self._clock()
+        deadline = now + min(self.settings.max_wait_s[band], hold_s)
+        w = Waiting(req, band, flow[:MAX_FLOW_LENGTH], now, deadline)
+        if queue is None:
+            queue = self._queues[req.model] = FlowQueue()
+        if band == Band.SHEDDABLE:
+            wait = self._expected_wait(len(queue), now)
+            if wait is not None and now + wait > deadline:
+                self.stats.shed[(band.label, WOULD_MISS)] += 1
+                raise Shed(f"flow control: the queue would hold this request ~{wait:.1f} s, past its deadline",
+                           WOULD_MISS)
+        if len(self._waiting) >= self.settings.queue_max:
+            victim = queue.evict_for(band) or self._evict_elsewhere(band)
+            if victim is None:
+                self.stats.shed[(band.label, QUEUE_FULL)] += 1
+                raise Shed(f"flow control: the queue is full ({self.settings.queue_max} requests)", QUEUE_FULL)
+            self._shed(victim, EVICTED, f"flow control: shed to make room for a {band.label} request")
+        queue.push(w)
+        self._waiting[req.request_id] = w
+        heapq.heappush(self._deadlines, (deadline, next(self._seq), w))
+        self.drain()  # something may have room after all (a change not yet drained)
+        if w.outcome is not None:  # dispatched or refused by that drain: answered here, not by reply
+            outcome = w.outcome
+            if isinstance(outcome, SchedulerError):
+                raise outcome
+            return outcome
+        w.reply = reply
+        return None
+
+    def _evict_elsewhere(self, band: Band) -> Waiting | None:
+        for queue in self._queues.values():
+            victim = queue.evict_for(band)
+            if victim is not None:
+                return victim
+        return None
+
+    def cancel(self, request_id: str) -> bool:
+        """The request's client went away: out of the queue, nobody told. False if it is not waiting."""
+        w = self._waiting.pop(request_id, None)
+        if w is None:
+            return False
+        self._queues[w.req.model].cancel(w)
+        self.stats.cancelled[w.band.label] += 1
+        self._forget(w)
+        return True
+
+    def drain(self) -> int:
+        """Dispatch waiting requests, best band and flow in turn first, while their model has an
+        engine with room; returns how many left the queue."""
+        n = 0
+        for model, queue in list(self._queues.items()):
+            while queue and self.has_room(model):
+                w = queue.pop()
+                if w is None:
+                    break
+                self._dispatch(w, FROM_QUEUE)
+                n += 1
+            if not queue:
+                del self._queues[model]
+        return n
+
+    def expire(self) -> int:
+        """Apply the deadlines passed by now: critical dispatched, the rest shed; returns how many."""
+        now = self._clock()
+        d = self._deadlines
+        n = 0
+        while d and d[0][0] <= now:
+            _, _, w = heapq.heappop(d)
+            if w.done:
+                continue
+            queue = self._queues[w.req.model]
+            queue.cancel(w)  # out of the queue (marked), then answered
+            w.done = False
+            if w.band == Band.CRITICAL:
+                self._dispatch(w, AT_DEADLINE)
+            else:
+                self._shed(w, DEADLINE, f"flow control: no engine had room within {w.deadline - w.enqueued:.2f} s")
+            if not queue:
+                del self._queues[w.req.model]
+            n += 1
+        return n
+
+    def shed_all(self, why: str) -> None:
+        """Answer everything waiting with UNAVAILABLE (the scheduler is stopping)."""
+        from pilotfish.scheduler.errors import NoSchedulableInstanceError
+
+        for w in list(self._waiting.values()):
+            self._queues[w.req.model].cancel(w)
+            self._answer(w, NoSchedulableInstanceError(why))
+        self._queues.clear()
+
+    # -- outcomes ---------------------------------------------------------------------------------
+
+    def _dispatch(self, w: Waiting, how: str) -> None:
+        now = self._clock()
+        self.stats.waited(w, now)
+        self._departures.append(now)
+        try:
+            outcome: object = self.core.schedule(w.req)  # type: ignore[attr-defined]
+        except SchedulerError as exc:
+            outcome = exc
+        else:
+            self.stats.dispatched[(w.band.label, how)] += 1
+        self._answer(w, outcome)
+
+    def _shed(self, w: Waiting, reason: str, message: str) -> None:
+        """`w` is shed; it is off its queue already (popped, evicted or cancelled in place)."""
+        self.stats.shed[(w.band.label, reason)] += 1
+        self.stats.waited(w, self._clock())
+        self._answer(w, Shed(message, reason))
+
+    def _answer(self, w: Waiting, outcome: object) -> None:
+        w.done = True
+        w.outcome = outcome
+        self._forget(w)
+        reply = w.reply
+        if reply is not None:
+            try:
+                reply(outcome)
+            except Exception:  # one gateway's broken reply path must not stop the others' dispatch
+                log.exception("flow control: answering request %s failed", w.req.request_id)
+
+    def _forget(self, w: Waiting) -> None:
+        if self._waiting.get(w.req.request_id) is w:
+            del self._waiting[w.req.request_id]
+
+    def _expected_wait(self, ahead: int, now: float) -> float | None:
+        """Seconds `ahead` queued requests take to leave at the recent drain rate; None when the
+        queue has not drained enough lately to say."""
+        dep = self._departures
+        while dep and now - dep[0] > 10.0:
+            dep.popleft()
+        if len(dep) < 8:
+            return None
+        span = now - dep[0]
+        if span <= 0:
+            return 0.0
+        return ahead * span / len(dep)

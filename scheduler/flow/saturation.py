@@ -1,0 +1,78 @@
+"""When an engine is saturated, judged from the scheduler's own view (no engine is asked).
+
+Lite mode (LRS): the prompt and generated tokens of the requests the scheduler holds on the
+engine reach --flow-lite-max-tokens, or their count --flow-lite-max-requests.
+
+Full mode (CMS status plus the in-flight account), any of:
+  queued prefill   uncomputed prefill tokens + in-flight prompt tokens >= --flow-max-queued-prefill-tokens
+  KV usage         (used + to allocate + in-flight decode tokens) / total >= --flow-max-kv-usage
+  batch            running + loading + waiting + in-flight requests >= --flow-max-batch-requests
+                   (0: the engine's max_num_seqs, when its metadata gives one)
+A bound of 0 is not judged. An engine with no status yet, or an unschedulable one, offers no room.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pilotfish.config import ConfigError
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.view.types import InstanceView
+
+# reasons, as the metric's label
+TOKENS, REQUESTS, PREFILL, KV, BATCH, NO_STATUS = "tokens", "requests", "prefill", "kv", "batch", "no_status"
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    full_mode: bool = False
+    lite_max_tokens: int = 0
+    lite_max_requests: int = 0
+    max_queued_prefill_tokens: int = 8192
+    max_kv_usage: float = 0.95
+    max_batch_requests: int = 0
+
+    @classmethod
+    def from_config(cls, config: SchedulerConfig) -> Saturation:
+        sat = cls(
+            full_mode=config.enable_full_mode_scheduling,
+            lite_max_tokens=config.flow_lite_max_tokens,
+            lite_max_requests=config.flow_lite_max_requests,
+            max_queued_prefill_tokens=config.flow_max_queued_prefill_tokens,
+            max_kv_usage=config.flow_max_kv_usage,
+            max_batch_requests=config.flow_max_batch_requests,
+        )
+        if config.enable_flow_control and not sat.full_mode and not (sat.lite_max_tokens or sat.lite_max_requests):
+            raise ConfigError(
+                "--enable-flow-control: lite mode judges saturation by --flow-lite-max-tokens or "
+                "--flow-lite-max-requests; set one"
+            )
+        return sat
+
+    def reason(self, inst: InstanceView) -> str:
+        """Why `inst` is saturated ("" when it has room)."""
+        if not self.full_mode:
+            lrs = inst.lrs
+            if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens:
+                return TOKENS
+            if self.lite_max_requests and lrs.num_requests >= self.lite_max_requests:
+                return REQUESTS
+            return ""
+        s, inflight = inst.status, inst.inflight
+        if s is None or not s.schedulable:
+            return NO_STATUS
+        if self.max_queued_prefill_tokens and (
+            s.uncomputed_prefill_tokens + inflight.prefill_tokens >= self.max_queued_prefill_tokens
+        ):
+            return PREFILL
+        if self.max_kv_usage:
+            projected = s.used_kv_tokens + s.unallocated_tokens + inflight.decode_tokens
+            if s.total_kv_tokens and projected >= self.max_kv_usage * s.total_kv_tokens:
+                return KV
+        batch = self.max_batch_requests or inst.max_num_seqs
+        if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch:
+            return BATCH
+        return ""
+
+    def saturated(self, inst: InstanceView) -> bool:
+        return bool(self.reason(inst))

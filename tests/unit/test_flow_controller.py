@@ -1,0 +1,242 @@
+"""Flow control's controller over the real lite-mode core, on a fake clock (scheduler/flow/controller.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pilotfish.config import ConfigError
+from pilotfish.protos import cms_pb2
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.core import Decision, SchedulerCore
+from pilotfish.scheduler.flow import Band, FlowController, Shed
+from pilotfish.scheduler.flow.saturation import Saturation
+from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InstanceView, RequestInfo
+
+CRIT, STD, SHED = int(Band.CRITICAL), int(Band.STANDARD), int(Band.SHEDDABLE)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowController]:
+    values: dict[str, object] = {
+        "instances": ["a:1", "b:2"], "model": ["m"], "enable_flow_control": True, "flow_lite_max_requests": 1,
+    }
+    values.update(overrides)
+    config = SchedulerConfig(**values)  # type: ignore[arg-type]
+    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
+    return core, FlowController(core, config, clock=clock)
+
+
+def req(rid: str, model: str = "m") -> RequestInfo:
+    return RequestInfo(request_id=rid, model=model, prompt_tokens=10)
+
+
+class Replies:
+    def __init__(self) -> None:
+        self.got: dict[str, object] = {}
+        self.order: list[str] = []
+
+    def to(self, rid: str):
+        def reply(outcome: object) -> None:
+            assert rid not in self.got, "answered twice"
+            self.got[rid] = outcome
+            self.order.append(rid)
+
+        return reply
+
+
+def fill(core: SchedulerCore, flow: FlowController, replies: Replies, n: int = 2) -> None:
+    for i in range(n):
+        assert isinstance(flow.submit(req(f"busy{i}"), STD, "", 5.0, replies.to(f"busy{i}")), Decision)
+
+
+def test_dispatched_at_once_while_an_engine_has_room_then_queued_until_a_release() -> None:
+    clock = Clock()
+    core, flow = make(clock)
+    replies = Replies()
+    fill(core, flow, replies)
+    assert flow.submit(req("w1"), STD, "", 5.0, replies.to("w1")) is None
+    assert flow.queued("w1") and core.account_size == 2
+    assert flow.drain() == 0  # still saturated: nothing leaves
+    core.release("busy1")
+    assert flow.drain() == 1
+    decision = replies.got["w1"]
+    assert isinstance(decision, Decision) and decision.target.instance_id == "b:2"
+    assert not flow.queued("w1") and core.account_size == 2
+
+
+def test_a_request_its_gateway_cannot_hold_goes_to_the_core_at_once() -> None:
+    clock = Clock()
+    core, flow = make(clock)
+    replies = Replies()
+    fill(core, flow, replies)
+    assert isinstance(flow.submit(req("now"), STD, "", 0.0, replies.to("now")), Decision)
+    assert core.account_size == 3
+
+
+def test_strict_priority_and_fairness_on_dispatch() -> None:
+    clock = Clock()
+    core, flow = make(clock)
+    replies = Replies()
+    fill(core, flow, replies)
+    for i in range(4):
+        flow.submit(req(f"flood{i}"), STD, "tenant-a", 5.0, replies.to(f"flood{i}"))
+    flow.submit(req("other0"), STD, "tenant-b", 5.0, replies.to("other0"))
+    flow.submit(req("sh0"), SHED, "", 5.0, replies.to("sh0"))
+    flow.submit(req("crit0"), CRIT, "", 5.0, replies.to("crit0"))
+    order = []
+    for rid in ["busy0", "busy1", "crit0", "flood0", "other0", "flood1", "flood2", "flood3", "sh0"]:
+        core.release(rid)
+        flow.drain()
+        order = list(replies.order)
+    assert order == ["crit0", "flood0", "other0", "flood1", "flood2", "flood3", "sh0"]
+
+
+def test_deadlines_shed_standard_and_sheddable_but_dispatch_critical() -> None:
+    clock = Clock()
+    core, flow = make(clock, flow_standard_max_wait_ms=1000, flow_critical_max_wait_ms=1000,
+                      flow_sheddable_max_wait_ms=500)
+    replies = Replies()
+    fill(core, flow, replies)
+    flow.submit(req("std"), STD, "", 5.0, replies.to("std"))
+    flow.submit(req("crit"), CRIT, "", 5.0, replies.to("crit"))
+    flow.submit(req("sh"), SHED, "", 0.3, replies.to("sh"))  # the gateway's hold is shorter than the band's wait
+    assert flow.next_deadline() == pytest.approx(1000.3)
+    clock.now += 0.3
+    assert flow.expire() == 1
+    assert isinstance(replies.got["sh"], Shed) and replies.got["sh"].reason == "deadline"  # type: ignore[attr-defined]
+    clock.now += 0.7
+    assert flow.expire() == 2
+    assert isinstance(replies.got["std"], Shed) and replies.got["std"].code == "RESOURCE_EXHAUSTED"
+    assert isinstance(replies.got["crit"], Decision)  # saturated or not: critical is never shed for time
+    assert len(flow) == 0 and core.account_size == 3
+    assert flow.stats.shed[("standard", "deadline")] == 1
+    assert flow.stats.dispatched[("critical", "deadline")] == 1
+
+
+def test_a_full_queue_sheds_lower_bands_first_and_never_critical_while_they_hold_places() -> None:
+    clock = Clock()
+    core, flow = make(clock, flow_queue_max_requests=2)
+    replies = Replies()
+    fill(core, flow, replies)
+    flow.submit(req("sh0"), SHED, "", 5.0, replies.to("sh0"))
+    flow.submit(req("std0"), STD, "", 5.0, replies.to("std0"))
+    with pytest.raises(Shed) as shed:  # the arrival is sheddable and nothing lower waits
+        flow.submit(req("sh1"), SHED, "", 5.0, replies.to("sh1"))
+    assert shed.value.reason == "queue_full"
+    flow.submit(req("crit0"), CRIT, "", 5.0, replies.to("crit0"))  # evicts sh0
+    assert isinstance(replies.got["sh0"], Shed) and replies.got["sh0"].reason == "evicted"  # type: ignore[attr-defined]
+    flow.submit(req("crit1"), CRIT, "", 5.0, replies.to("crit1"))  # evicts std0
+    assert isinstance(replies.got["std0"], Shed)
+    with pytest.raises(Shed):  # only critical ones wait: the bound holds
+        flow.submit(req("crit2"), CRIT, "", 5.0, replies.to("crit2"))
+    assert len(flow) == 2
+
+
+def test_sheddable_is_shed_at_once_when_the_drain_rate_says_it_would_miss_its_deadline() -> None:
+    clock = Clock()
+    core, flow = make(clock, flow_queue_max_requests=100, flow_sheddable_max_wait_ms=1000)
+    replies = Replies()
+    fill(core, flow, replies)
+    for i in range(20):  # queue and drain 10 at one a second: the rate is known
+        flow.submit(req(f"q{i}"), STD, "", 30.0, replies.to(f"q{i}"))
+    for i in range(10):
+        clock.now += 1.0
+        core.release(["busy0", "busy1", *[f"q{j}" for j in range(20)]][i])
+        flow.drain()
+    assert len(flow) == 10
+    with pytest.raises(Shed) as shed:
+        flow.submit(req("late"), SHED, "", 5.0, replies.to("late"))
+    assert shed.value.reason == "would_miss_deadline"
+    assert flow.submit(req("std"), STD, "", 5.0, replies.to("std")) is None  # standard waits its turn
+
+
+def test_cancel_leaves_the_queue_and_nobody_is_told_nothing_dispatched() -> None:
+    clock = Clock()
+    core, flow = make(clock)
+    replies = Replies()
+    fill(core, flow, replies)
+    flow.submit(req("gone"), STD, "", 5.0, replies.to("gone"))
+    assert flow.cancel("gone") and not flow.cancel("gone")
+    core.release("busy0")
+    assert flow.drain() == 0 and "gone" not in replies.got and core.account_size == 1
+    assert flow.next_deadline() is None
+
+
+def test_nothing_bypasses_waiting_requests_and_unknown_models_are_the_cores_answer() -> None:
+    clock = Clock()
+    core, flow = make(clock)
+    replies = Replies()
+    fill(core, flow, replies)
+    flow.submit(req("first"), STD, "", 5.0, replies.to("first"))
+    core.release("busy0")  # room, but no drain has run yet: the arrival must not jump ahead
+    assert flow.submit(req("second"), STD, "", 5.0, replies.to("second")) is None
+    assert isinstance(replies.got["first"], Decision)
+    from pilotfish.scheduler.errors import UnknownModelError
+
+    with pytest.raises(UnknownModelError):
+        flow.submit(req("x", model="nope"), STD, "", 5.0, replies.to("x"))
+
+
+def test_lite_flow_control_needs_a_capacity() -> None:
+    with pytest.raises(ConfigError, match="--flow-lite-max"):
+        make(Clock(), flow_lite_max_requests=0)
+
+
+def _full(status: EngineStatus, max_num_seqs: int = 0) -> InstanceView:
+    inst = InstanceView(Endpoint("e", "e:1"), max_num_seqs=max_num_seqs)
+    inst.status = status
+    return inst
+
+
+@pytest.mark.parametrize(
+    ("status", "inflight_prefill", "max_num_seqs", "reason"),
+    [
+        (EngineStatus(total_kv_tokens=1000), 0, 0, ""),
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=8000), 192, 0, "prefill"),
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=8000), 191, 0, ""),
+        (EngineStatus(total_kv_tokens=1000, used_kv_tokens=900, unallocated_tokens=50), 0, 0, "kv"),
+        (EngineStatus(total_kv_tokens=1000, used_kv_tokens=900, unallocated_tokens=49), 0, 0, ""),
+        (EngineStatus(total_kv_tokens=1000, num_running=250, num_waiting=6), 0, 256, "batch"),
+        (EngineStatus(total_kv_tokens=1000, num_running=250, num_waiting=5), 0, 256, ""),
+        (EngineStatus(total_kv_tokens=1000, schedulable=False), 0, 0, "no_status"),
+    ],
+)
+def test_full_mode_saturation_table(status: EngineStatus, inflight_prefill: int, max_num_seqs: int,
+                                    reason: str) -> None:
+    inst = _full(status, max_num_seqs)
+    inst.inflight.prefill_tokens = inflight_prefill
+    assert Saturation(full_mode=True).reason(inst) == reason
+
+
+def test_lite_saturation_by_tokens_or_requests() -> None:
+    inst = InstanceView(Endpoint("e", "e:1"))
+    inst.lrs.num_tokens, inst.lrs.num_requests = 999, 3
+    assert Saturation(lite_max_tokens=1000, lite_max_requests=4).reason(inst) == ""
+    inst.lrs.num_tokens = 1000
+    assert Saturation(lite_max_tokens=1000, lite_max_requests=4).reason(inst) == "tokens"
+    inst.lrs.num_tokens, inst.lrs.num_requests = 0, 4
+    assert Saturation(lite_max_tokens=1000, lite_max_requests=4).reason(inst) == "requests"
+
+
+def test_full_mode_only_fresh_engines_are_judged() -> None:
+    clock = Clock()
+    config = SchedulerConfig(enable_full_mode_scheduling=True, enable_flow_control=True, instance_staleness_seconds=2)
+    core = SchedulerCore(config, clock=clock, wall_clock=clock, rng=random.Random(0))
+    flow = FlowController(core, config, clock=clock, wall_clock=clock)
+    core.apply_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="10.0.0.1", http_port=8000, model="m",
+                                                 update_id=1, num_gpu_blocks=100, block_size=16))
+    assert not flow.has_room("m")  # no status yet
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=1, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=1600))
+    assert flow.has_room("m")
+    clock.now += 3
+    assert not flow.has_room("m")  # stale: the policy would not pick it

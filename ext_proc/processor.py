@@ -33,7 +33,7 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.cms.prefix_hash import prefix_block_hashes
-from pilotfish.ext_proc import messages
+from pilotfish.ext_proc import messages, tracing
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
 from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
@@ -91,6 +91,7 @@ class _Stream:
         "status",
         "stripper",
         "subset",
+        "trace",
     )
 
     def __init__(self) -> None:
@@ -108,6 +109,7 @@ class _Stream:
         self.status = 0
         self.released = False
         self.rejected = False  # answered by the gateway itself: whatever else comes is not routed
+        self.trace: tracing.Trace | None = None  # None: this process does not trace (ext_proc/tracing.py)
 
 
 class ExtProcServicer:
@@ -153,6 +155,7 @@ class ExtProcServicer:
                         replies = await self._on_message(s, kind, message)
                 except Exception:
                     replies = self._failed(s, kind, message)
+                tracing.stamp(replies, s.trace)  # the routing reply sets traceparent upstream
                 for reply in replies:
                     yield reply
         finally:
@@ -196,6 +199,7 @@ class ExtProcServicer:
         s.path = route_path(h.get(":path", ""))
         s.request_id = gateway_request_id(h.get(messages.REQUEST_ID_HEADER))
         s.subset = messages.subset_hint(metadata)
+        s.trace = tracing.incoming(h)
         if s.subset is not None and not s.subset:
             return self._reject(s, RequestError(503, "the gateway's subset hint names no endpoint"))
         has_body = not headers.end_of_stream and s.request_mode != _Mode.NONE
@@ -297,7 +301,9 @@ class ExtProcServicer:
             candidate_addresses=sorted(s.subset) if s.subset else (),
         )
         started = time.perf_counter()
-        s.decision = await self._router.choose(request)
+        with tracing.schedule_span(s.trace, request) as span:  # sets request.traceparent when tracing
+            s.decision = await self._router.choose(request)
+            tracing.decided(span, s.decision)
         self._metrics.schedule_seconds.observe(time.perf_counter() - started)
         self._metrics.routed.labels(s.decision.source).inc()
         return new_body

@@ -35,7 +35,7 @@ RELEASE_REASON_GATEWAY_ERROR: ReleaseReason
 RELEASE_REASON_UPSTREAM_RESET: ReleaseReason
 
 class ScheduleRequest(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses", "priority", "flow", "queue_timeout_ms")
+    __slots__ = ("request_id", "model", "prompt_tokens", "prefix_block_hashes", "prefix_block_size", "infer_type_hint", "max_tokens", "stream", "candidate_addresses", "traceparent", "priority", "flow", "queue_timeout_ms")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -45,6 +45,7 @@ class ScheduleRequest(_message.Message):
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STREAM_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     FLOW_FIELD_NUMBER: _ClassVar[int]
     QUEUE_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -57,10 +58,11 @@ class ScheduleRequest(_message.Message):
     max_tokens: int
     stream: bool
     candidate_addresses: _containers.RepeatedScalarFieldContainer[str]
+    traceparent: str
     priority: Priority
     flow: str
     queue_timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., candidate_addresses: _Optional[_Iterable[str]] = ..., priority: _Optional[_Union[Priority, str]] = ..., flow: _Optional[str] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., prefix_block_hashes: _Optional[_Iterable[int]] = ..., prefix_block_size: _Optional[int] = ..., infer_type_hint: _Optional[_Union[_cms_pb2.InferType, str]] = ..., max_tokens: _Optional[int] = ..., stream: _Optional[bool] = ..., candidate_addresses: _Optional[_Iterable[str]] = ..., traceparent: _Optional[str] = ..., priority: _Optional[_Union[Priority, str]] = ..., flow: _Optional[str] = ..., queue_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class Endpoint(_message.Message):
     __slots__ = ("instance_id", "address", "infer_type")

@@ -47,6 +47,7 @@ from pilotfish.scheduler.limits import (
 from pilotfish.scheduler.rescheduler.service import colocated_loop
 from pilotfish.scheduler.session_server import Answer, SessionSocketServer, SocketLimits
 from pilotfish.scheduler.telemetry import register_listener_stats
+from pilotfish.scheduler.tracing import schedule_traced
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 from pilotfish.security import Security, register_auth_stats
@@ -163,7 +164,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except OutOfBounds as exc:
             self.stats.refuse("schedule", exc.reason)
             raise
-        decision = self.core.schedule(req)
+        decision = schedule_traced(self.core.schedule, req, request.traceparent)  # a span when tracing
         self._guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
         return decision
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -29,6 +30,7 @@ from pilotfish.simulator.server.protocol import (
 )
 from pilotfish.simulator.server.sse_stream import SseSink, flush_headers, is_chunked
 from pilotfish.simulator.tokens import Tokenizer, generated_word
+from pilotfish.tracing import server_span
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +149,19 @@ class EngineApp:
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+        with self._span(request):
+            return await self._generate(request, chat=False)
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+        with self._span(request):
+            return await self._generate(request, chat=True)
+
+    def _span(self, request: web.Request) -> contextlib.AbstractContextManager[Any]:
+        """The engine's span of a request, continuing the gateway's `traceparent` (pilotfish/tracing.py)."""
+        h = request.headers
+        attributes = {"pilotfish.engine": self.engine_id, "pilotfish.request_id": h.get(REQUEST_ID_HEADER, "")}
+        traceparent, tracestate = h.get("traceparent", ""), h.get("tracestate", "")
+        return server_span("pilotfish.simulator", "pilotfish.engine.generate", traceparent, tracestate, **attributes)
 
     async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
         data = decode_body(await http.read())

@@ -87,8 +87,17 @@ def _log_through_vllm() -> None:
     """Send the llumlet's log lines where vLLM sends its own, so operators see them in one place."""
     ours = logging.getLogger("pilotfish")
     if not ours.handlers:
-        vllm_logger = logging.getLogger("vllm")
-        for handler in vllm_logger.handlers:
+        from pilotfish.logs import formatter, resolve_format
+
+        try:
+            json_lines = resolve_format(None) == "json"  # PILOTFISH_LOG_FORMAT=json (pilotfish/logs.py)
+        except ValueError:
+            json_lines = False
+        if json_lines:
+            handler = logging.StreamHandler()
+            handler.setFormatter(formatter("json"))
+            ours.addHandler(handler)
+        for handler in [] if json_lines else logging.getLogger("vllm").handlers:
             ours.addHandler(handler)
         ours.setLevel(logging.INFO)
         ours.propagate = False

@@ -464,9 +464,19 @@ def _cpu_list(text: str) -> set[int]:
 
 
 def main() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(levelname)s %(asctime)s [pilotfish export process] %(message)s", stream=sys.stderr
-    )
+    from pilotfish.logs import configure_logging, resolve_format
+
+    try:
+        json_lines = resolve_format(None) == "json"  # PILOTFISH_LOG_FORMAT, as the engine's llumlet
+    except ValueError:
+        json_lines = False
+    if json_lines:
+        configure_logging(logging.INFO, "json")
+    else:
+        logging.basicConfig(
+            level=logging.INFO, format="%(levelname)s %(asctime)s [pilotfish export process] %(message)s",
+            stream=sys.stderr,
+        )  # fmt: skip
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for vLLM, which stops us in order
     settings = json.loads(sys.stdin.buffer.read())
     engine_pidfd = -1

@@ -25,6 +25,7 @@ class StackSpec:
     start_timeout: float = 60.0
     scheduler_metrics: bool = False
     ext_proc_metrics: bool = False
+    scheduler_ui: bool = False  # the scheduler's live page (--ui-port), on a free loopback port
     ext_proc_args: list[str] = field(default_factory=list)
     scheduler_args: list[str] = field(default_factory=list)
     # a discovery URL: scheduler (lite mode) and ext_proc learn the engines only from it, and
@@ -68,6 +69,7 @@ class Stack:
     ready: dict[str, Callable[[], bool]] = field(default_factory=dict)
     # the sidecar's EDS file of engines for its retries (write_eds rewrites it; empty: none)
     eds_path: str = ""
+    scheduler_ui_port: int = 0  # the live page; 0: not served
 
     @property
     def base_url(self) -> str:
@@ -100,6 +102,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     scheduler_port = free_port() if spec.with_scheduler else 0
     session_port = free_port() if spec.with_scheduler else 0  # the ext_proc's fast path to the scheduler
     metrics_port = free_port() if spec.scheduler_metrics else 0
+    ui_port = free_port() if spec.scheduler_ui and spec.with_scheduler else 0
     ext_proc_port, admin_port = free_port(), free_port()
     ext_proc_metrics_port = free_port() if spec.ext_proc_metrics else 0
     listen_port = spec.listen_port or free_port()
@@ -145,10 +148,11 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         scheduler = group.start(
             "scheduler",
             [*py, "scheduler", "--port", str(scheduler_port), "--session-port", str(session_port), *view_args,
-             "--model", spec.model, "--metrics-port", str(metrics_port), *spec.scheduler_args],
+             "--model", spec.model, "--metrics-port", str(metrics_port), "--ui-port", str(ui_port),
+             *spec.scheduler_args],
             log_path=log_dir / "scheduler.log",
         )  # fmt: skip
-        wait_ready(scheduler, _answering(scheduler_port, session_port, metrics_port))
+        wait_ready(scheduler, _answering(scheduler_port, session_port, metrics_port, ui_port))
 
     ext_proc = group.start(
         "ext_proc",
@@ -180,7 +184,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     return Stack(
         engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
         ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
-        eds_path=str(eds_path) if eds_path else "",
+        eds_path=str(eds_path) if eds_path else "", scheduler_ui_port=ui_port,
     )  # fmt: skip
 
 

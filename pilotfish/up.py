@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     config = struct_from_args(UpConfig, args)
     supervise = struct_from_args(SuperviseConfig, args)
     from pilotfish.envoy_binary import find_envoy_binary
-    from pilotfish.services import redis_answers_ping, redis_binary, start_redis
+    from pilotfish.services import LOOPBACK, redis_answers_ping, redis_binary, start_redis
     from pilotfish.stack import StackSpec, start_stack
 
     find_envoy_binary()  # a missing binary fails here, before anything starts
@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             start_timeout=config.start_timeout,
             scheduler_metrics=True,
             ext_proc_metrics=True,
+            scheduler_ui=True,
         )
         ready: dict[str, Callable[[], bool]] = {}
         if config.full:
@@ -120,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
             f"ext_proc and Envoy (logs in {log_dir}).\n"
             f"  curl {base_url}/v1/completions -H 'content-type: application/json' "
             f'-d \'{{"model": "{config.model}", "prompt": "hello", "max_tokens": 16}}\'\n'
+            f"Live page (scheduler): http://{LOOPBACK}:{stack.scheduler_ui_port}/\n"
             f"{_components(stack.metrics_urls(), group.children)}\n"
             f"A child that dies is restarted on the same ports; more than {supervise.max_restarts} restarts of one "
             f"within {supervise.restart_window_seconds:g}s stop everything. Ctrl-C stops everything.",

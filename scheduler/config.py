@@ -202,6 +202,10 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     host: Annotated[str, Meta(description="address the gRPC and metrics servers listen on")] = "127.0.0.1"
     port: Annotated[int, Meta(ge=0, le=65535, description="gRPC port (0 = any free port)")] = 50051
     metrics_port: Annotated[int, Meta(ge=0, le=65535, description="Prometheus /metrics port (0 = off)")] = 0
+    ui_port: Annotated[
+        int, Meta(ge=0, le=65535, description="the live page: engines, load, decisions, migrations (0 = off)")
+    ] = 0
+    ui_host: Annotated[str, Meta(description="address the live page listens on (loopback unless told)")] = "127.0.0.1"
     session_port: Annotated[
         int,
         Meta(

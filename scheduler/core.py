@@ -291,6 +291,7 @@ class SchedulerCore:
         )
         self._record(req, target, decode, decision)
         self._telemetry.decision_seconds.observe(time.perf_counter() - started)
+        self._telemetry.recent.append((started, req.request_id, decision))  # the live page's ring (scheduler/ui)
         if log.isEnabledFor(logging.DEBUG):
             log.debug(
                 "request %s -> %s%s (fallbacks %s)",

@@ -48,6 +48,7 @@ from pilotfish.scheduler.rescheduler.service import colocated_loop
 from pilotfish.scheduler.session_server import Answer, SessionSocketServer, SocketLimits
 from pilotfish.scheduler.telemetry import register_listener_stats
 from pilotfish.scheduler.tracing import schedule_traced
+from pilotfish.scheduler.ui import serve_ui
 from pilotfish.scheduler.view.kv_events import KvEventSubscriber
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, RequestInfo
 from pilotfish.security import Security, register_auth_stats
@@ -340,6 +341,7 @@ class SchedulerServer:
         register_auth_stats(self.core.registry, security.stats)
         self._health = health_aio.HealthServicer()
         self._metrics_runner: web.AppRunner | None = None
+        self._ui_runner: web.AppRunner | None = None  # the live page (scheduler/ui), --ui-port
         self._expiry: asyncio.Task[None] | None = None
         self.reader: CmsReader | None = None
         self._reader_task: asyncio.Task[None] | None = None
@@ -379,6 +381,12 @@ class SchedulerServer:
             try:
                 await self._start_metrics()
             except StartError:
+                await self.stop(0)
+                raise
+        if self.config.ui_port:
+            try:
+                self._ui_runner = await serve_ui(self.core, self.config.ui_host, self.config.ui_port, self.security)
+            except Exception:  # a busy port, or beyond loopback without TLS or a token
                 await self.stop(0)
                 raise
         if self.config.session_port:
@@ -463,6 +471,9 @@ class SchedulerServer:
             await server.stop(grace)
         if runner is not None:
             await runner.cleanup()
+        ui, self._ui_runner = self._ui_runner, None
+        if ui is not None:
+            await ui.cleanup()
 
 
 async def serve(config: SchedulerConfig, core: SchedulerCore | None = None) -> None:
@@ -478,6 +489,8 @@ async def serve(config: SchedulerConfig, core: SchedulerCore | None = None) -> N
         metrics = f", metrics on :{server.metrics_port}" if server.metrics_port else ""
         session = f", Session socket on :{server.session_port}" if server.session_port else ""
         print(f"scheduler listening on {config.host}:{server.port}{metrics}{session}", flush=True)
+        if config.ui_port:
+            print(f"scheduler live page on http://{config.ui_host}:{config.ui_port}/", flush=True)
         await stop.wait()
     finally:
         await server.stop()

@@ -31,6 +31,7 @@ labelled `engine` (its instance id): `instance` is the target label Prometheus s
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -42,7 +43,7 @@ from pilotfish.scheduler.health import PASSIVE, PROBE
 from pilotfish.scheduler.view.types import RequestInfo
 
 if TYPE_CHECKING:
-    from pilotfish.scheduler.core import SchedulerCore
+    from pilotfish.scheduler.core import Decision, SchedulerCore
     from pilotfish.scheduler.limits import ListenerStats
     from pilotfish.scheduler.view.kv_events import KvEventStats
 
@@ -187,9 +188,15 @@ class _ViewCollector(Collector):
             yield refused
 
 
+# the live page's ring buffer (scheduler/ui): the newest decisions, one tuple appended per decision
+RECENT_DECISIONS = 256
+
+
 class Telemetry:
     def __init__(self, registry: CollectorRegistry, core: SchedulerCore) -> None:
         self.registry = registry
+        # (perf_counter at the start of the decision, request id, Decision); appended by the core
+        self.recent: deque[tuple[float, str, Decision]] = deque(maxlen=RECENT_DECISIONS)
         self.decision_seconds = Histogram(
             "pilotfish_scheduler_decision_seconds",
             "Time to make one scheduling decision, in the core.",

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the system servers the integration tests start: redis-server and etcd (Debian/Ubuntu).
+# Install the system servers and tools the integration tests start: redis-server, etcd, and
+# chromium (the live page opened headless, tests/integration/test_live_page.py) (Debian/Ubuntu).
 #
 # Idempotent and fast when everything is present: apt is touched only for what is missing,
 # and `apt-get update` runs at most once.
@@ -15,7 +16,7 @@ set -euo pipefail
 
 POLICY=/usr/sbin/policy-rc.d
 # binary:package pairs; etcd-server provides /usr/bin/etcd (etcd 3.4 on Debian 12).
-DEPS=("redis-server:redis-server" "etcd:etcd-server")
+DEPS=("redis-server:redis-server" "etcd:etcd-server" "chromium:chromium")
 
 die() {
     echo "install-system-deps: $*" >&2

@@ -51,6 +51,30 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
     schedule_timeout_ms: Annotated[
         float, Meta(gt=0, description="deadline of one Schedule call; past it the request is routed round-robin")
     ] = 200.0
+    schedule_queue_timeout_ms: Annotated[
+        int,
+        Meta(
+            ge=0,
+            le=600_000,
+            description="flow control: how long the scheduler may hold a request in its queue; once it says a "
+            "request waits, this (not --schedule-timeout-ms) bounds the wait. Keep it below Envoy's ext_proc "
+            "message timeout (the sidecar's is 5 s); 0: the scheduler answers at once",
+        ),
+    ] = 3000
+    priority_header: Annotated[
+        str,
+        Meta(
+            description="flow control: the request header naming its band (critical, standard, sheddable; "
+            "anything else: the scheduler's default for the model)"
+        ),
+    ] = "x-request-priority"
+    flow_header: Annotated[
+        str,
+        Meta(
+            description="flow control: the request header whose value keys fair shares (a tenant, or "
+            "authorization for API keys); only its hash is sent, never logged"
+        ),
+    ] = "x-tenant-id"
     report_interval_ms: Annotated[
         float, Meta(gt=0, description="how often streamed token counts are reported to the scheduler, batched")
     ] = 50.0

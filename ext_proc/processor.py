@@ -21,6 +21,7 @@ clean answer to that request alone.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -34,6 +35,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages, tracing
+from pilotfish.ext_proc.flow import FlowHeaders
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
 from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
@@ -79,6 +81,7 @@ class _Stream:
     __slots__ = (
         "counter",
         "decision",
+        "flow",
         "held",
         "owed",
         "path",
@@ -103,6 +106,7 @@ class _Stream:
         self.request_id = ""
         self.path = ""
         self.subset: frozenset[str] | None = None  # the gateway's subset hint; None: no hint
+        self.flow: tuple[int, str] = (0, "")  # flow control: band and flow key (ext_proc/flow.py)
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
         self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
@@ -126,8 +130,10 @@ class ExtProcServicer:
         prefix_block_size: int = 0,
         destination_fallbacks: int = 0,
         count_response_tokens: bool = True,
+        flow_headers: FlowHeaders | None = None,
     ) -> None:
         self._prefix_block_size = prefix_block_size
+        self._flow_headers = flow_headers or FlowHeaders()
         # False: response bodies are not read (full mode: the llumlets count tokens); Envoy is asked
         # for none, and every release comes from Envoy's access log (release_from_access_log), once
         # per request, when Envoy has really finished it: the ext_proc stream ends at the headers
@@ -199,6 +205,7 @@ class ExtProcServicer:
         s.path = route_path(h.get(":path", ""))
         s.request_id = gateway_request_id(h.get(messages.REQUEST_ID_HEADER))
         s.subset = messages.subset_hint(metadata)
+        s.flow = self._flow_headers.read(h)
         s.trace = tracing.incoming(h)
         if s.subset is not None and not s.subset:
             return self._reject(s, RequestError(503, "the gateway's subset hint names no endpoint"))
@@ -299,10 +306,17 @@ class ExtProcServicer:
             max_tokens=parsed.max_tokens or 0,
             stream=parsed.stream,
             candidate_addresses=sorted(s.subset) if s.subset else (),
+            priority=s.flow[0],  # type: ignore[arg-type]
+            flow=s.flow[1],
+            queue_timeout_ms=self._flow_headers.queue_timeout_ms,
         )
         started = time.perf_counter()
         with tracing.schedule_span(s.trace, request) as span:  # sets request.traceparent when tracing
-            s.decision = await self._router.choose(request)
+            try:
+                s.decision = await self._router.choose(request)
+            except asyncio.CancelledError:  # the client left while the scheduler held the request
+                self._router.release(s.request_id, CLIENT_ABORT)  # out of its queue: never dispatched
+                raise
             tracing.decided(span, s.decision)
         self._metrics.schedule_seconds.observe(time.perf_counter() - started)
         self._metrics.routed.labels(s.decision.source).inc()

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 import grpc
@@ -80,6 +81,16 @@ def _decision(reply: scheduler_pb2.ScheduleResponse) -> Decision:
     return Decision(target.instance_id, target.address, SCHEDULER, fallbacks)
 
 
+def _extend(deadline: asyncio.Timeout, hold_ms: int, timeout: float) -> Callable[[int], None]:
+    """What a queued notice does to a schedule's deadline: the scheduler's wait (at most what this
+    gateway allowed), plus one Schedule deadline for the answer to come."""
+
+    def extend(wait_ms: int) -> None:
+        deadline.reschedule(asyncio.get_running_loop().time() + min(wait_ms, hold_ms) / 1000 + timeout)
+
+    return extend
+
+
 class _SessionBase:
     """What every Session transport shares: seq numbers, each schedule's waiter, and the end that
     fails them all. A subclass sends; its reader hands replies to `_deliver` and calls `_end`."""
@@ -88,6 +99,8 @@ class _SessionBase:
         loop = asyncio.get_running_loop()
         self._seq = itertools.count(1)
         self._waiting: dict[int, asyncio.Future[scheduler_pb2.SessionResponse]] = {}
+        # flow control: a schedule the scheduler acknowledged as queued gets its wait as its deadline
+        self._queued: dict[int, Callable[[int], None]] = {}
         self.ended: Exception | None = None  # why the session is over; then the owner opens another
         self._up: asyncio.Future[None] = loop.create_future()  # the scheduler answered
 
@@ -101,13 +114,16 @@ class _SessionBase:
         waiter: asyncio.Future[scheduler_pb2.SessionResponse] = asyncio.get_running_loop().create_future()
         self._waiting[seq] = waiter
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as deadline:
+                if request.queue_timeout_ms:
+                    self._queued[seq] = _extend(deadline, request.queue_timeout_ms, timeout)
                 await self.send(scheduler_pb2.SessionRequest(seq=seq, schedule=request))
                 reply = await waiter
         except TimeoutError:
             raise SchedulerUnavailable("DEADLINE_EXCEEDED: no Schedule reply in time") from None
         finally:
             self._waiting.pop(seq, None)  # a late reply then finds no waiter and is dropped
+            self._queued.pop(seq, None)
             if not waiter.done():
                 waiter.cancel()
             elif not waiter.cancelled():
@@ -126,6 +142,11 @@ class _SessionBase:
             raise self.ended
 
     def _deliver(self, reply: scheduler_pb2.SessionResponse) -> None:
+        if reply.WhichOneof("kind") == "queued":  # the answer follows within the wait it names
+            extend = self._queued.pop(reply.seq, None)
+            if extend is not None:
+                extend(reply.queued.wait_ms)
+            return
         waiter = self._waiting.pop(reply.seq, None)
         if waiter is not None and not waiter.done():
             waiter.set_result(reply)
@@ -337,7 +358,9 @@ class GrpcScheduler:
             except _NoSession:
                 self._open_session()  # notes it: unary from now on, starting with this request
         try:
-            reply = await self._stub.Schedule(request, timeout=self._timeout, metadata=self._metadata)
+            # a unary call has no queued notice: the hold it asks for is added to its deadline
+            timeout = self._timeout + request.queue_timeout_ms / 1000
+            reply = await self._stub.Schedule(request, timeout=timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as exc:
             raise _rpc_failure(exc) from None
         return _decision(reply)

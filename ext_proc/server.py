@@ -18,6 +18,7 @@ from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import parse_instances
 from pilotfish.ext_proc.access_log import AccessLogReleaser
 from pilotfish.ext_proc.config import ExtProcConfig
+from pilotfish.ext_proc.flow import FlowHeaders
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
@@ -67,6 +68,9 @@ class ExtProcServer:
             prefix_block_size=config.prefix_block_size,
             destination_fallbacks=config.destination_fallbacks,
             count_response_tokens=config.response_bodies == "count",
+            flow_headers=FlowHeaders(
+                config.priority_header.lower(), config.flow_header.lower(), config.schedule_queue_timeout_ms
+            ),
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
         self.server = grpc.aio.server(

@@ -16,7 +16,7 @@ import logging
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
@@ -32,6 +32,8 @@ from pilotfish.protos.session_frames import ANSWERED_KEY
 from pilotfish.scheduler.config import SchedulerConfig, probes_enabled, validate_service
 from pilotfish.scheduler.core import Decision, SchedulerCore
 from pilotfish.scheduler.errors import SchedulerError
+from pilotfish.scheduler.flow import FlowGate
+from pilotfish.scheduler.flow import wire as flow_wire
 from pilotfish.scheduler.health import HealthProber
 from pilotfish.scheduler.limits import (
     ListenerStats,
@@ -150,13 +152,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self._guard = ReportGuard(config.max_model_len, config.request_local_account_staleness_seconds)
         self._rates = PeerRates.from_config(config)
         self.stats = ListenerStats()
+        # flow control (scheduler/flow): None when off; releases, reports and statuses drain its queue
+        self.flow = FlowGate.from_config(core, config)
+        if self.flow is not None:
+            core.on_view_change = self.flow.poke
 
     def _buckets(self, context: grpc.aio.ServicerContext) -> PeerBuckets | None:
         peer = _peer_of(context)
         return self._rates.peer(peer) if peer else None
 
-    def _schedule(self, request: scheduler_pb2.ScheduleRequest, buckets: PeerBuckets | None) -> Decision:
-        """Rate, bounds, then the core; raises SchedulerError (RateLimited, OutOfBounds, the core's)."""
+    def _schedule(
+        self, request: scheduler_pb2.ScheduleRequest, buckets: PeerBuckets | None, reply: flow_wire.Reply | None = None
+    ) -> Decision | None:
+        """Rate, bounds, then the core; raises SchedulerError (RateLimited, OutOfBounds, the core's).
+        With flow control, a request its gateway can hold (queue_timeout_ms) and a `reply` may wait:
+        None, and `reply` gets the Decision or the SchedulerError later."""
         if buckets is not None and buckets.schedule is not None and not buckets.schedule.take(1, self._rates.clock()):
             self.stats.refuse("schedule", "rate_limited")
             raise RateLimited("over this gateway's Schedule rate (--peer-schedule-rate); retry")
@@ -165,9 +175,42 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except OutOfBounds as exc:
             self.stats.refuse("schedule", exc.reason)
             raise
+        if self.flow is not None and reply is not None and request.queue_timeout_ms:
+            return self._submit(request, req, reply)
         decision = schedule_traced(self.core.schedule, req, request.traceparent)  # a span when tracing
         self._guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
         return decision
+
+    def _submit(
+        self, request: scheduler_pb2.ScheduleRequest, req: RequestInfo, reply: flow_wire.Reply
+    ) -> Decision | None:
+        """Through flow control's queue (scheduler/flow); the guard learns of a dispatch when it happens."""
+        assert self.flow is not None
+        if len(request.flow) > flow_wire.MAX_FLOW_LENGTH:
+            self.stats.refuse("schedule", "flow")
+            raise OutOfBounds(f"flow is longer than {flow_wire.MAX_FLOW_LENGTH} characters", "flow")
+        guard = self._guard
+
+        def answered(outcome: object) -> None:
+            if isinstance(outcome, Decision):
+                guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
+            reply(outcome)
+
+        hold_s = min(request.queue_timeout_ms, flow_wire.MAX_HOLD_MS) / 1000
+        decision = self.flow.submit(req, request.priority, request.flow, hold_s, answered)
+        if decision is not None:
+            guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
+        return decision  # type: ignore[return-value]
+
+    def _release(self, request_id: str, reason: int) -> bool:
+        """A waiting request leaves the queue (never dispatched); a held one is released."""
+        flow = self.flow
+        if flow is not None and flow.cancel(request_id):
+            return True
+        found = self.core.release(request_id, reason)
+        if flow is not None:
+            flow.poke()
+        return found
 
     def _admit(self, call: str, n: int, buckets: PeerBuckets | None) -> bool:
         """Whether `n` reports, or a release, fit the peer's rate; counted when not."""
@@ -197,12 +240,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Schedule(
         self, request: scheduler_pb2.ScheduleRequest, context: grpc.aio.ServicerContext
     ) -> scheduler_pb2.ScheduleResponse:
+        waiter: asyncio.Future[object] | None = None
+        if self.flow is not None and request.queue_timeout_ms:
+            waiter = asyncio.get_running_loop().create_future()
         try:
-            decision = self._schedule(request, self._buckets(context))
+            decision = self._schedule(request, self._buckets(context), flow_wire.resolve(waiter))
+            if decision is None:  # waits in flow control's queue: say how long, then answer
+                decision = await self._queued(request.request_id, waiter, context)  # type: ignore[arg-type]
         except SchedulerError as exc:
             # the trailer tells the gateway this is the scheduler's answer, not a transport failure
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc), ANSWERED_TRAILER)
+            trailer = () if isinstance(exc, flow_wire.Stopping) else ANSWERED_TRAILER  # stopping: fall back
+            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc), trailer)
         return decision_to_proto(decision)
+
+    async def _queued(
+        self, request_id: str, waiter: asyncio.Future[object], context: grpc.aio.ServicerContext
+    ) -> Decision:
+        assert self.flow is not None
+        await context.send_initial_metadata(((flow_wire.QUEUED_KEY, str(int(self.flow.wait_s(request_id) * 1000))),))
+        try:
+            outcome = await waiter
+        except asyncio.CancelledError:  # the gateway gave up or went away: never dispatched
+            self.flow.cancel(request_id)
+            raise
+        if isinstance(outcome, SchedulerError):
+            raise outcome
+        return outcome  # type: ignore[return-value]
 
     async def Report(
         self, request: scheduler_pb2.ReportRequest, context: grpc.aio.ServicerContext
@@ -231,7 +294,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if r.served_address:
                 core.reroute(r.request_id, r.served_address)
             applied.append((r.request_id, generated, r.prefill_done))
-        return core.report_many(applied)
+        unknown = core.report_many(applied)
+        if self.flow is not None:
+            self.flow.poke()  # a request served elsewhere may leave its engine room
+        return unknown
 
     async def Release(
         self, request: scheduler_pb2.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -242,7 +308,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over this gateway's release rate; retry")
         if not self._release_ok(request.request_id):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is longer than any held")
-        return scheduler_pb2.ReleaseResponse(found=self.core.release(request.request_id, request.reason))
+        return scheduler_pb2.ReleaseResponse(found=self._release(request.request_id, request.reason))
 
     async def Session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], context: grpc.aio.ServicerContext
@@ -250,11 +316,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         """Schedule, Report and Release as messages; a schedule's error is a reply, not the stream's end."""
         await context.send_initial_metadata(())  # the gateway writes nothing before this: the stream is up
         self._sessions.add(context)
+        outbox: asyncio.Queue[object] = asyncio.Queue()  # flow control's late answers
+        answer = self.answerer(_peer_of(context), outbox.put_nowait)
         try:
-            async for response in self._session(request_iterator, self.answerer(_peer_of(context))):
-                yield response
+            if isinstance(answer, flow_wire.SessionAnswer):
+                async for response in flow_wire.merged(request_iterator, answer, outbox):
+                    yield response
+            else:
+                async for response in self._session(request_iterator, answer):
+                    yield response
         finally:
             self._sessions.discard(context)
+            if isinstance(answer, flow_wire.SessionAnswer):
+                answer.close()  # its waiting requests leave the queue
 
     async def _session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], answer: Answer
@@ -264,9 +338,14 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if reply is not None:
                 yield reply
 
-    def answerer(self, peer: str) -> Answer:
-        """`answer` for the messages of one peer (its IP): they count against its rates."""
+    def answerer(self, peer: str, deliver: Callable[[scheduler_pb2.SessionResponse], None] | None = None) -> Answer:
+        """`answer` for the messages of one peer (its IP): they count against its rates. With flow
+        control and `deliver`, a schedule may wait: `deliver` then gets its late answer."""
         buckets = self._rates.peer(peer) if peer else None
+        if self.flow is not None and deliver is not None:
+            return flow_wire.SessionAnswer(
+                lambda message, reply: self._answer(message, buckets, reply), self.flow, deliver, decision_to_proto
+            )
 
         def answer(message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
             return self._answer(message, buckets)
@@ -278,14 +357,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return self._answer(message, None)
 
     def _answer(
-        self, message: scheduler_pb2.SessionRequest, buckets: PeerBuckets | None
+        self, message: scheduler_pb2.SessionRequest, buckets: PeerBuckets | None, reply: flow_wire.Reply | None = None
     ) -> scheduler_pb2.SessionResponse | None:
         """One Session message (gRPC stream or framed socket): a schedule's reply, or None for the
         rest; a report or release over the peer's rate is dropped and counted."""
         kind = message.WhichOneof("kind")
         if kind == "schedule":
             try:
-                decision = self._schedule(message.schedule, buckets)
+                decision = self._schedule(message.schedule, buckets, reply)
+                if decision is None:  # waits in flow control's queue: its answer comes later
+                    assert self.flow is not None
+                    return flow_wire.notice(message.seq, self.flow.wait_s(message.schedule.request_id))
             except SchedulerError as exc:
                 return _session_error(message.seq, getattr(grpc.StatusCode, exc.code), str(exc))
             except Exception:  # a bug answers this request, as a unary call would; the stream goes on
@@ -313,7 +395,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if message.HasField("report"):
             self._report(message.report.reports)
         elif message.release.request_id:  # an empty id is dropped
-            self.core.release(message.release.request_id, message.release.reason)
+            self._release(message.release.request_id, message.release.reason)
 
 
 def _session_error(seq: int, code: grpc.StatusCode, message: str) -> scheduler_pb2.SessionResponse:
@@ -466,6 +548,8 @@ class SchedulerServer:
         session_socket, self._session_socket = self._session_socket, None
         if session_socket is not None:
             await session_socket.close()  # its gateways fall back at once, as on the gRPC Session
+        if self._servicer.flow is not None:
+            self._servicer.flow.close()  # what waits is answered "stopping": its gateway falls back
         if server is not None:
             await self._servicer.end_sessions()
             await server.stop(grace)

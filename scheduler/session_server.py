@@ -45,8 +45,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Answer = Callable[[scheduler_pb2.SessionRequest], "scheduler_pb2.SessionResponse | None"]
-# the answer for one peer (its IP): the rate limits are per peer
-AnswerFor = Callable[[str], Answer]
+# the answer for one peer (its IP): the rate limits are per peer. The second argument takes the late
+# answers of schedules that wait in flow control's queue (scheduler/flow/wire.py); an answer with a
+# `close` is closed when its connection goes (its waiting requests leave the queue)
+AnswerFor = Callable[[str, Callable[[scheduler_pb2.SessionResponse], None]], Answer]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +102,7 @@ class _Connection(asyncio.Protocol):
             return
         self.last_frame = self._loop.time()
         server.connections_set.add(self)
-        self._answer = server.answer_for(peer[0] if isinstance(peer, tuple) else str(peer))
+        self._answer = server.answer_for(peer[0] if isinstance(peer, tuple) else str(peer), self._deliver)
         transport.write(HELLO)
 
     def data_received(self, data: bytes) -> None:
@@ -192,7 +194,16 @@ class _Connection(asyncio.Protocol):
         if self._transport is not None and not self._transport.is_closing():
             self._transport.resume_reading()
 
+    def _deliver(self, reply: scheduler_pb2.SessionResponse) -> None:
+        """A late answer (a schedule that waited in flow control's queue)."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(frame(reply.SerializeToString()))
+
     def connection_lost(self, exc: Exception | None) -> None:
+        close = getattr(self._answer, "close", None)
+        if close is not None:
+            close()
         self._server.connections_set.discard(self)
         self._forget_buffer()
         self._transport = None

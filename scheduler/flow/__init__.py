@@ -7,7 +7,7 @@ drives it on the service's or colocated gateway's event loop. README.md has the 
 """
 
 from pilotfish.scheduler.flow.bands import Band, band_of
-from pilotfish.scheduler.flow.controller import FlowController, FlowSettings, Shed
+from pilotfish.scheduler.flow.controller import FlowController, FlowSettings, Shed, Stopping
 from pilotfish.scheduler.flow.gate import FlowGate
 from pilotfish.scheduler.flow.queue import FlowQueue, Waiting
 from pilotfish.scheduler.flow.saturation import Saturation
@@ -20,6 +20,7 @@ __all__ = [
     "FlowSettings",
     "Saturation",
     "Shed",
+    "Stopping",
     "Waiting",
     "band_of",
 ]

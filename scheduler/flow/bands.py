@@ -37,9 +37,7 @@ def parse_model_priorities(entries: Iterable[str]) -> dict[str, Band]:
         model, sep, name = entry.partition("=")
         band = BY_NAME.get(name.strip().lower())
         if not sep or not model.strip() or band is None:
-            raise ConfigError(
-                f"--flow-model-priorities: {entry!r} is not model=band (band: {', '.join(BY_NAME)})"
-            )
+            raise ConfigError(f"--flow-model-priorities: {entry!r} is not model=band (band: {', '.join(BY_NAME)})")
         out[model.strip()] = band
     return out
 

@@ -60,6 +60,12 @@ class Shed(SchedulerError):
         self.reason = reason
 
 
+class Stopping(SchedulerError):
+    """The scheduler is stopping: the request's gateway should fall back, as for any request in flight."""
+
+    code = "UNAVAILABLE"
+
+
 @dataclass(frozen=True, slots=True)
 class FlowSettings:
     max_wait_s: dict[Band, float]
@@ -189,8 +195,9 @@ class FlowController:
             wait = self._expected_wait(len(queue), now)
             if wait is not None and now + wait > deadline:
                 self.stats.shed[(band.label, WOULD_MISS)] += 1
-                raise Shed(f"flow control: the queue would hold this request ~{wait:.1f} s, past its deadline",
-                           WOULD_MISS)
+                raise Shed(
+                    f"flow control: the queue would hold this request ~{wait:.1f} s, past its deadline", WOULD_MISS
+                )
         if len(self._waiting) >= self.settings.queue_max:
             victim = queue.evict_for(band) or self._evict_elsewhere(band)
             if victim is None:
@@ -263,12 +270,10 @@ class FlowController:
         return n
 
     def shed_all(self, why: str) -> None:
-        """Answer everything waiting with UNAVAILABLE (the scheduler is stopping)."""
-        from pilotfish.scheduler.errors import NoSchedulableInstanceError
-
+        """Answer everything waiting with Stopping: its gateway falls back."""
         for w in list(self._waiting.values()):
             self._queues[w.req.model].cancel(w)
-            self._answer(w, NoSchedulableInstanceError(why))
+            self._answer(w, Stopping(why))
         self._queues.clear()
 
     # -- outcomes ---------------------------------------------------------------------------------

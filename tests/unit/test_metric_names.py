@@ -1,4 +1,5 @@
-"""Every metric family Pilotfish exposes follows Prometheus's naming conventions.
+"""Every metric family Pilotfish exposes follows Prometheus's naming conventions, and the Grafana
+dashboard (deploy/grafana/pilotfish.json) names only series that are exposed.
 
 Collected from live objects, not from a list: a full-mode scheduler core with every collector a
 scheduler process registers (listener limits, KV events, the colocated rescheduler), the ext_proc's
@@ -8,8 +9,10 @@ vLLM's names, kept as vLLM spells them; the rest are ours).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterable
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -159,3 +162,56 @@ def test_the_lint_catches_each_known_offence(name: str, kind: str, labels: dict[
     family = Metric(name, "h", kind)
     family.add_sample(name + ("_total" if kind == "counter" else ""), labels, 1.0)
     assert problem in lint(family)
+
+
+# -- the Grafana dashboard ----------------------------------------------------------------------------
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "pilotfish.json"
+# a PromQL identifier that names a series (functions and keywords are followed by "(" or are labels)
+SERIES = re.compile(r"\b((?:pilotfish_|vllm:)[A-Za-z0-9_:]*)")
+
+
+def exposed() -> set[str]:
+    from pilotfish.simulator.engine.base import EngineStats
+    from pilotfish.simulator.server.latency import LatencyHistograms
+    from pilotfish.simulator.server.metrics import render_metrics
+
+    load_balance = SchedulerCore(
+        SchedulerConfig(
+            enable_full_mode_scheduling=True,
+            scheduling_policy="load-balance",
+            dispatch_neutral_load_metric="kv_cache_usage_ratio_projected",
+        )
+    )
+    load_balance.apply_metadata(
+        cms_pb2.InstanceMetadata(instance_id="a", host="10.0.0.1", http_port=8000, model="m", infer_type=1)
+    )
+    ours = scheduler_families() + ext_proc_families() + families(load_balance.registry)
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
+    names = {f.name + suffix for f in ours for suffix in suffixes.get(f.type, ("",))}
+    text = render_metrics(EngineStats(), "m", latency=LatencyHistograms())
+    names |= {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    names |= {f.name for f in text_string_to_metric_families(text)}
+    return names
+
+
+def expressions() -> list[str]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def test_every_expression_names_an_exposed_series() -> None:
+    known = exposed()
+    exprs = expressions()
+    assert len(exprs) >= 15
+    missing = {name for expr in exprs for name in SERIES.findall(expr) if name not in known}
+    assert missing == set()
+    assert all(SERIES.search(expr) for expr in exprs), "an expression names no Pilotfish or vLLM series"
+
+
+def test_the_dashboard_is_importable_json() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    assert dashboard["uid"] == "pilotfish" and dashboard["panels"]
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dashboard["panels"])

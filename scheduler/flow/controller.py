@@ -87,22 +87,35 @@ class FlowSettings:
         )
 
 
+WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
 class FlowStats:
-    """Counters the metrics read (telemetry.py); plain ints, no per-request cost beyond a bump."""
+    """Counters the metrics read (flow/metrics.py): plain ints, bumped as things happen."""
 
     def __init__(self) -> None:
         self.dispatched: Counter[tuple[str, str]] = Counter()  # (band, how)
         self.shed: Counter[tuple[str, str]] = Counter()  # (band, reason)
         self.cancelled: Counter[str] = Counter()  # band
-        self.waits: list[tuple[str, float]] = []  # (band, seconds) since the last scrape took them
-        self.wait_sum: Counter[tuple[str, str]] = Counter()  # (band, flow): seconds waited, all time
+        # the wait histogram per band: cumulative counts per WAIT_BUCKETS bound (+Inf last), and the sum
+        self.wait_buckets: dict[str, list[int]] = {}
+        self.wait_sum: Counter[str] = Counter()
+        self.flow_wait: Counter[tuple[str, str]] = Counter()  # (band, flow): seconds waited, at most 4096 keys
 
     def waited(self, w: Waiting, now: float) -> None:
         seconds = max(0.0, now - w.enqueued)
-        if len(self.waits) < 65536:  # the histogram takes them at scrape; bounded between scrapes
-            self.waits.append((w.band.label, seconds))
-        if len(self.wait_sum) < 4096 or (w.band.label, w.flow) in self.wait_sum:
-            self.wait_sum[(w.band.label, w.flow)] += seconds
+        band = w.band.label
+        buckets = self.wait_buckets.get(band)
+        if buckets is None:
+            buckets = self.wait_buckets[band] = [0] * (len(WAIT_BUCKETS) + 1)
+        for i, bound in enumerate(WAIT_BUCKETS):
+            if seconds <= bound:
+                buckets[i] += 1
+        buckets[-1] += 1
+        self.wait_sum[band] += seconds
+        key = (band, w.flow)
+        if key in self.flow_wait or len(self.flow_wait) < 4096:
+            self.flow_wait[key] += seconds
 
 
 class FlowController:

@@ -31,7 +31,13 @@ class FlowGate:
         """A gate when --enable-flow-control is on; ConfigError for bad --flow-* settings."""
         if not config.enable_flow_control:
             return None
-        return cls(FlowController(core, config))
+        from pilotfish.scheduler.flow.metrics import register_flow_metrics
+
+        controller = FlowController(core, config)
+        registry = getattr(core, "registry", None)
+        if registry is not None:
+            register_flow_metrics(registry, controller)  # on the core's /metrics
+        return cls(controller)
 
     def submit(
         self, req: RequestInfo, priority: int, flow: str, hold_s: float, reply: Callable[[object], None]

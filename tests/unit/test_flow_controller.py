@@ -240,3 +240,35 @@ def test_full_mode_only_fresh_engines_are_judged() -> None:
     assert flow.has_room("m")
     clock.now += 3
     assert not flow.has_room("m")  # stale: the policy would not pick it
+
+
+def test_metrics_per_band_flow_and_engine() -> None:
+    from prometheus_client import generate_latest
+
+    from pilotfish.scheduler.flow import FlowGate
+
+    clock = Clock()
+    config = SchedulerConfig(instances=["a:1"], model=["m"], enable_flow_control=True, flow_lite_max_requests=1)
+    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
+    gate = FlowGate.from_config(core, config)
+    assert gate is not None
+    flow = gate.controller
+    flow._clock = clock
+    replies = Replies()
+    flow.submit(req("busy"), STD, "", 5.0, replies.to("busy"))
+    flow.submit(req("w1"), STD, "tenant-a", 5.0, replies.to("w1"))
+    flow.submit(req("w2"), SHED, "tenant-b", 5.0, replies.to("w2"))
+    text = generate_latest(core.registry).decode()
+    assert 'pilotfish_scheduler_flow_queue_requests{band="standard"} 1.0' in text
+    assert 'pilotfish_scheduler_flow_queue_flow_requests{band="sheddable",flow="tenant-b"} 1.0' in text
+    assert 'pilotfish_scheduler_instance_saturated{instance="a:1",reason="requests"} 1.0' in text
+    clock.now += 0.3
+    core.release("busy")
+    flow.drain()
+    clock.now += 5
+    flow.expire()
+    text = generate_latest(core.registry).decode()
+    assert 'pilotfish_scheduler_flow_dispatched_total{band="standard",how="queued"} 1.0' in text
+    assert 'pilotfish_scheduler_flow_shed_total{band="sheddable",reason="deadline"} 1.0' in text
+    assert 'pilotfish_scheduler_flow_wait_seconds_bucket{band="standard",le="0.5"} 1.0' in text
+    assert 'pilotfish_scheduler_flow_flow_wait_seconds_total{band="standard",flow="tenant-a"} 0.29' in text

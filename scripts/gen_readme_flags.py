@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fill the READMEs' flag tables from the config structs, so docs never disagree with code.
+"""Fill the flag tables of the READMEs and docs/ from the config structs, so docs never disagree with code.
 
 A table sits between `<!-- flags: module:Struct -->` and `<!-- /flags -->`; everything between
 the markers is regenerated. `--check` fails when the README is stale (tests/unit/test_readme.py).
@@ -14,8 +14,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# the project README and every component's own README
-READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md"))]
+# the project README, every component's own README and the docs (docs/configuration.md holds the
+# components' full tables)
+READMES = [ROOT / "README.md", *sorted(ROOT.glob("*/README.md")), *sorted(ROOT.glob("docs/*.md"))]
 BLOCK = re.compile(r"(<!-- flags: ([\w.]+):(\w+) -->\n)(.*?)(<!-- /flags -->)", re.S)
 
 

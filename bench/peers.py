@@ -393,6 +393,7 @@ class SglangCacheAwareRouter(_Outstanding):
         self.trees: list[OrderedDict[int, None]] = []  # per worker: block hash, least recently used first
         self.block_size = 16
         self.order = order
+        self.last_reason = ""  # what the last `decide` went by: imbalanced, hit or miss
         self._next_eviction = eviction_interval
 
     def bind(self, engine_ids: list[str]) -> None:
@@ -412,6 +413,7 @@ class SglangCacheAwareRouter(_Outstanding):
         load = self.load
         hi, lo = max(load), min(load)
         if hi - lo > self.abs_threshold and hi > lo * self.rel_threshold:
+            self.last_reason = "imbalanced"
             return [self._least_loaded()]
         matched = 0
         holders = list(range(len(self.trees)))
@@ -423,7 +425,9 @@ class SglangCacheAwareRouter(_Outstanding):
             matched += 1
         rate = matched * request.block_size / request.prompt_tokens if request.prompt_tokens else 0.0
         if matched and rate > self.cache_threshold:
+            self.last_reason = "hit"
             return holders
+        self.last_reason = "miss"
         return [self._least_loaded()]
 
     def commit(self, request: RouteRequest, k: int, now: float) -> None:
@@ -472,18 +476,24 @@ class RoundRobinPeer(Router):
 
     Source: sgl-project/sglang `sgl-model-gateway/src/policies/round_robin.rs` (vllm-router forks
     it): worker index = counter % workers, the counter incremented for every request the router
-    routes (warm-up requests included), starting at 0.
+    routes (warm-up requests included), starting at 0. The cycle runs over the router's own worker
+    list, whose order is not that of `--worker-urls` (vllm-router 0.1.17 cycled 3, 0, 2, 1 over
+    four engines in one run, 0, 1, 3, 2 in another); `order` sets it, identity by default.
     """
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, order: list[int] | None = None) -> None:
         self.counter = 0
         self.n = 1
+        self.order = order
 
     def bind(self, engine_ids: list[str]) -> None:
         self.n = len(engine_ids)
+        if self.order is None or sorted(self.order) != list(range(self.n)):
+            self.order = list(range(self.n))
 
     def decide(self, request: RouteRequest, now: float) -> list[int]:
-        return [self.counter % self.n]
+        assert self.order is not None
+        return [self.order[self.counter % self.n]]
 
     def commit(self, request: RouteRequest, k: int, now: float) -> None:
         self.counter += 1

@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
     parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces")
+    parser.add_argument(
+        "--agreement",
+        action="store_true",
+        help="also replay each real router's requests through its reproduction in bench/peers.py and report "
+        "how often they choose the same engine; without --targets, runs only the routers that have one "
+        "(e.g. --agreement --reps 1 --requests 100 --engines 4)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
 
 
@@ -169,7 +176,14 @@ def run_one(
     with tempfile.TemporaryDirectory(prefix="pilotfish-bench-realtime-") as tmp:
         try:
             running = start_target(name, fleet, group, Path(tmp), peers)
-            asyncio.run(warm_up(running.urls, count=fleet.engines, token_id_prompts=running.token_id_prompts))
+            warmup = asyncio.run(
+                warm_up(
+                    running.urls,
+                    count=fleet.engines,
+                    token_id_prompts=running.token_id_prompts,
+                    engine_ids=running.engine_ids,
+                )
+            )
             start_seconds = time.monotonic() - started
             cpu0 = sum(cpu_seconds(p) for p in running.router_pids)
             result = asyncio.run(
@@ -200,6 +214,17 @@ def run_one(
             "prompts": "token ids" if running.token_id_prompts else "text",
         }
     )
+    if getattr(args, "agreement", False):
+        from pilotfish.bench.realtime_agreement import REPRODUCTIONS
+        from pilotfish.bench.realtime_agreement import replay as agreement_replay
+
+        if name in REPRODUCTIONS:
+            try:
+                summary["agreement"] = agreement_replay(
+                    name, trace, result.records, warmup, fleet.engines, running.engine_urls
+                )
+            except Exception as exc:  # the replay must not cost the run its figures
+                summary["agreement"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
     return summary, result.records
 
 
@@ -208,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pilotfish.bench.cluster import Progress
     from pilotfish.bench.realtime_report import aggregate, render_markdown, write_plots
-    from pilotfish.bench.realtime_targets import TARGETS, find_executable
+    from pilotfish.bench.realtime_targets import DEFAULT_TARGETS, TARGETS, find_executable
     from pilotfish.bench.report import write_report
     from pilotfish.simulator.traces import compress
 
@@ -220,6 +245,10 @@ def run(args: argparse.Namespace) -> int:
         "vllm-router": find_executable(args.vllm_router, "vllm-router"),
         "sglang-router": find_executable(args.sglang_router, "sglang-router"),
     }
+    if getattr(args, "agreement", False) and args.targets == ",".join(DEFAULT_TARGETS):
+        from pilotfish.bench.realtime_agreement import AGREEMENT_TARGETS
+
+        args.targets = ",".join(AGREEMENT_TARGETS)
     targets, skipped = resolve_targets(args.targets, peers)
     for line in skipped:
         print(f"skipped {line}", file=sys.stderr)

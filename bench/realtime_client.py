@@ -98,13 +98,24 @@ async def replay(
     return ReplayResult(records, wall, cpu)
 
 
-async def warm_up(urls: Sequence[str], *, count: int, token_id_prompts: bool, timeout: float = 60.0) -> None:
+async def warm_up(
+    urls: Sequence[str],
+    *,
+    count: int,
+    token_id_prompts: bool,
+    timeout: float = 60.0,
+    engine_ids: Sequence[str] = (),
+) -> list[tuple[str, int]]:
     """`count` tiny sequential requests per URL, retried until answered: connections up, the view complete.
 
     Their prompts share nothing with any trace prompt, so they leave the prefix caches as cold as before.
+    Returns each answered warm-up's prompt and the engine that served it (index in `engine_ids`, -1 unknown):
+    a router counts these requests too, which a replay of its decisions needs.
     """
     from pilotfish.simulator.tokens import fallback_token_ids
 
+    engine_index = {engine_id: i for i, engine_id in enumerate(engine_ids)}
+    served: list[tuple[str, int]] = []
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
         for url in urls:
@@ -121,6 +132,7 @@ async def warm_up(urls: Sequence[str], *, count: int, token_id_prompts: bool, ti
                         async with session.post(f"{url}/v1/completions", json=body) as resp:
                             await resp.read()
                             if resp.status == 200:
+                                served.append((text, engine_index.get(resp.headers.get(ENGINE_HEADER, ""), -1)))
                                 break
                             reason = f"HTTP {resp.status}"
                     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -128,3 +140,4 @@ async def warm_up(urls: Sequence[str], *, count: int, token_id_prompts: bool, ti
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"{url} did not serve a warm-up request within {timeout:.0f}s ({reason})")
                     await asyncio.sleep(0.2)
+    return served

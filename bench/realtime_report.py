@@ -208,6 +208,7 @@ def render_markdown(result: dict[str, Any]) -> str:
             *losses(summary, families),
             "",
         ]
+    md += _agreement_section(result)
     md += [
         "## The client and the machine",
         "",
@@ -300,3 +301,21 @@ def write_plots(
         plt.close(fig)
         written.append("p99_ttft_vs_load.png")
     return written, None
+
+
+def _agreement_section(result: dict[str, Any]) -> list[str]:
+    """`--agreement`: the reproductions' choices against the real routers', per load and repetition."""
+    from pilotfish.bench.realtime_agreement import markdown
+
+    rows: dict[str, dict[str, Any]] = {}
+    for load in result["loads"]:
+        for name, runs in result["runs"][str(load)].items():
+            for run in runs:
+                if "agreement" in run:
+                    label = (
+                        name
+                        if len(result["loads"]) == 1 and result["reps"] == 1
+                        else f"{name} (load {load:g}, rep {run['rep'] + 1})"
+                    )
+                    rows[label] = run["agreement"]
+    return markdown(rows)

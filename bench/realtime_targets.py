@@ -120,6 +120,7 @@ class Running:
     engine_ids: list[str]
     token_id_prompts: bool = False
     router_pids: list[int] = field(default_factory=list)  # router-side processes, for their CPU time
+    engine_urls: list[str] = field(default_factory=list)  # the engines a peer router was given, in order
 
 
 def find_executable(flag_value: str, name: str) -> tuple[str, str]:
@@ -271,13 +272,20 @@ def _start_vllm_router(exe: str, policy: str, fleet: FleetSpec, group: Any, log_
         argv += ["--kv-event-model", MODEL]
     router = group.start("vllm-router", argv, log_path=log_dir / "vllm-router.log")
     router.wait_port(port, START_TIMEOUT)
-    return Running([f"http://127.0.0.1:{port}"], ids, token_id_prompts=policy == "kv_aware", router_pids=[router.pid])
+    return Running(
+        [f"http://127.0.0.1:{port}"],
+        ids,
+        token_id_prompts=policy == "kv_aware",
+        router_pids=[router.pid],
+        engine_urls=urls,
+    )
 
 
 def _start_sglang_router(exe: str, policy: str, fleet: FleetSpec, group: Any, log_dir: Path) -> Running:
     from pilotfish.procs import free_port
 
     ports, ids = _start_fleet(fleet, group, log_dir)
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
     port = free_port()
     argv = [
         exe,
@@ -287,7 +295,7 @@ def _start_sglang_router(exe: str, policy: str, fleet: FleetSpec, group: Any, lo
         "--port",
         str(port),
         "--worker-urls",
-        *[f"http://127.0.0.1:{p}" for p in ports],
+        *urls,
         "--policy",
         policy,
         "--prometheus-port",
@@ -297,7 +305,7 @@ def _start_sglang_router(exe: str, policy: str, fleet: FleetSpec, group: Any, lo
     ]
     router = group.start("sglang-router", argv, log_path=log_dir / "sglang-router.log")
     router.wait_port(port, START_TIMEOUT)
-    return Running([f"http://127.0.0.1:{port}"], ids, router_pids=[router.pid])
+    return Running([f"http://127.0.0.1:{port}"], ids, router_pids=[router.pid], engine_urls=urls)
 
 
 def _free_port_run(n: int, tries: int = 50) -> int:

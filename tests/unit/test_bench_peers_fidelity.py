@@ -219,3 +219,40 @@ def test_power_of_two_keeps_the_first_draw_unless_the_second_is_less_loaded() ->
     a, b = shadow.sample(range(4), 2)
     want = b if router.load[b] < router.load[a] else a
     assert router.route(_req("r2", []), 0.0) == want
+
+
+# ---- the agreement replay of bench realtime --agreement ------------------------------------------------------
+
+
+def test_agreement_replay_teacher_forces_and_scores_ties_and_draws() -> None:
+    from pilotfish.bench.realtime_agreement import power_of_two_probabilities, replay
+    from pilotfish.simulator.cluster.metrics import RequestRecord
+    from pilotfish.simulator.traces.model import TraceRequest
+
+    # four idle engines: two draws, the first kept on equal loads: uniform
+    assert power_of_two_probabilities([0, 0, 0, 0]) == [0.25] * 4
+    # engine 0 busy: it wins no pair (the other draw is always less loaded): 0, the rest 1/3 each
+    assert power_of_two_probabilities([1, 0, 0, 0]) == pytest.approx([0, 1 / 3, 1 / 3, 1 / 3])
+    trace = [
+        TraceRequest("a", 0.0, 64, 4, (("sys", 48), ("a", 16))),
+        TraceRequest("b", 0.1, 64, 4, (("sys", 48), ("b", 16))),
+        TraceRequest("c", 0.2, 64, 4, (("other", 64),)),
+    ]
+    records = [RequestRecord("a", 2, 0.0, 64, 4), RequestRecord("b", 2, 0.1, 64, 4), RequestRecord("c", 1, 0.2, 64, 4)]
+    for rec, end in zip(records, (5.0, 5.0, 5.0), strict=True):
+        rec.finished = end
+    # warm-ups went to engine 2 (the router's first worker when all are idle)
+    out = replay("sglang-router:cache_aware", trace, records, [("w", 2)], 4)  # no URLs: warm-up first
+    # a: a miss, all idle: the first in order (2, learnt from the warm-up) -> agree; b: 48 of 64 tokens on 2 -> 2,
+    # agree; c: a miss, loads [0, 0, 2, 0]: a tie among 0, 1 and 3, whose order is unknown: 1/3 each, and the
+    # real choice (1) is learnt as the next worker in the router's order
+    assert out["tie_order"] == [2, 0, 1, 3] and out["learnt_order"] == [2, 1]
+    assert (out["determined"], out["determined_agree"], out["ties"], out["tie_real_among_choices"]) == (2, 2, 1, 1)
+    assert out["expected_agreement"] == pytest.approx((1 + 1 + 1 / 3) / 3)
+    rr = replay("vllm-router:round_robin", trace, records, [("w", 0)] * 4, 4)
+    # the warm-ups did not walk a cycle (all on 0): order [0, 1, 2, 3]; the counter stands at 4:
+    # predictions 0, 1, 2 against 2, 2, 1
+    assert rr["expected_agreement"] == 0.0
+    cycle = replay("vllm-router:round_robin", trace, records, [("w", 2), ("w", 3), ("w", 1), ("w", 0)], 4)
+    # the warm-ups walked the cycle 2, 3, 1, 0: predictions 2, 3, 1 against 2, 2, 1
+    assert cycle["learnt_order"] == [2, 3, 1, 0] and cycle["expected_agreement"] == pytest.approx(2 / 3)

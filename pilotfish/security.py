@@ -1,10 +1,10 @@
 """One security model for every control-plane link: TLS (mutual when a CA is given) and a shared token.
 
 Every component's config struct inherits `SecurityConfig`, so the flags are the same everywhere
-(`--tls-cert-file`, `--tls-key-file`, `--tls-ca-file`, `--tls-server-name`, `--auth-token-file`,
-`--redis-password-file`, `--insecure`; the llumlet's environment mirrors are `PILOTFISH_TLS_CERT_FILE`
-and so on). A field left unset falls back to that `PILOTFISH_*` variable, so a parent can hand a secret's
-*file* to every child without putting anything on a command line.
+(`--tls-cert-file`, `--tls-key-file`, `--tls-ca-file`, `--tls-no-client-auth`, `--tls-server-name`,
+`--auth-token-file`, `--redis-password-file`, `--insecure`; the llumlet's environment mirrors are
+`PILOTFISH_TLS_CERT_FILE` and so on). A field left unset falls back to that `PILOTFISH_*` variable, so a
+parent can hand a secret's *file* to every child without putting anything on a command line.
 
 `Security.from_config(config)` reads the files once (errors name the flag) and gives each link what it
 needs:
@@ -21,9 +21,10 @@ needs:
 
 Roles of the files: the certificate and key are this component's identity, presented as a server and,
 for mutual TLS, as a client; the CA bundle verifies the peer (a server then requires client
-certificates). A client dials TLS when it has a certificate or a CA. The token is checked with a
-constant-time compare; a refusal is UNAUTHENTICATED (gRPC), 401 (HTTP) or a closed socket, and counted in
-`pilotfish_auth_refused_total{listener,reason}`.
+certificates, unless `--tls-no-client-auth`: the endpoint picker serves a gateway that presents none,
+and verifies the scheduler it dials with the CA). A client dials TLS when it has a certificate or a CA.
+The token is checked with a constant-time compare; a refusal is UNAUTHENTICATED (gRPC), 401 (HTTP) or a
+closed socket, and counted in `pilotfish_auth_refused_total{listener,reason}`.
 
 `check_listener(host, flag)`: a listener bound beyond loopback (anything but 127.0.0.0/8, ::1 and
 localhost) with neither TLS nor a token refuses to start with one line naming the flags to set;
@@ -75,6 +76,12 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         Meta(description="PEM CA bundle that verifies peers: servers then require client certificates "
              "(mutual TLS), clients verify the servers they dial (empty: the system's CAs)"),
     ] = ""  # fmt: skip
+    tls_no_client_auth: Annotated[
+        bool,
+        Meta(description="listeners serve TLS without asking for client certificates, even with --tls-ca-file "
+             "(which then only verifies the servers this component dials): the endpoint picker, whose "
+             "gateway presents none"),
+    ] = False  # fmt: skip
     tls_server_name: Annotated[
         str, Meta(description="name expected in the certificates of the servers dialled (empty: the host dialled)")
     ] = ""
@@ -94,8 +101,9 @@ class SecurityConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ] = False  # fmt: skip
 
 
-_FIELDS = ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name", "auth_token_file",
-           "redis_password_file", "insecure")  # fmt: skip
+_FIELDS = ("tls_cert_file", "tls_key_file", "tls_ca_file", "tls_no_client_auth", "tls_server_name",
+           "auth_token_file", "redis_password_file", "insecure")  # fmt: skip
+_BOOL_FIELDS = ("tls_no_client_auth", "insecure")
 
 
 def env_name(field: str) -> str:
@@ -275,6 +283,7 @@ class Security:
         cert: str = "",
         key: str = "",
         ca: str = "",
+        client_auth: bool = True,
         server_name: str = "",
         token: bytes = b"",
         redis_password: str = "",
@@ -289,8 +298,9 @@ class Security:
         self.redis_password = redis_password
         self.insecure = insecure
         self.stats = stats if stats is not None else AuthStats()
-        self._files = _ServerFiles(cert, key, ca) if cert else None
-        if ca and not cert:
+        # the listeners' CA: it makes them require client certificates (mutual TLS)
+        self._files = _ServerFiles(cert, key, ca if client_auth else "") if cert else None
+        if ca and not self.mutual:
             _read(ca, "tls_ca_file")  # a client-only CA: checked now, used when dialling
         self._expected = b"Bearer " + token if token else b""
         self._ssl_server: _ReloadingSslContext | None = None
@@ -307,7 +317,7 @@ class Security:
             value = getattr(config, field, None)
             if not value:
                 raw = environ.get(env_name(field), "")
-                value = raw.strip().lower() in ("1", "true", "yes", "on") if field == "insecure" else raw.strip()
+                value = raw.strip().lower() in ("1", "true", "yes", "on") if field in _BOOL_FIELDS else raw.strip()
             values[field] = value
         token = _secret(values["auth_token_file"], "auth_token_file") if values["auth_token_file"] else b""
         if legacy_token:
@@ -322,6 +332,7 @@ class Security:
             cert=values["tls_cert_file"],
             key=values["tls_key_file"],
             ca=values["tls_ca_file"],
+            client_auth=not values["tls_no_client_auth"],
             server_name=values["tls_server_name"],
             token=token,
             redis_password=password,
@@ -338,7 +349,7 @@ class Security:
     @property
     def mutual(self) -> bool:
         """Listeners require a client certificate signed by the CA."""
-        return self._files is not None and bool(self.ca)
+        return self._files is not None and bool(self._files.ca)
 
     @property
     def client_tls(self) -> bool:

@@ -33,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim-speed": ("pilotfish.bench.sim_speed", "virtual-time cluster: wall time of one hour of Mooncake trace"),
     "cluster": ("pilotfish.bench.cluster", "virtual-time cluster: policies, peers and an oracle side by side"),
     "reschedule": ("pilotfish.bench.reschedule", "virtual-time cluster: rescheduling off vs on (balance, failover)"),
+    "flow": ("pilotfish.bench.flow", "virtual-time cluster: flow control off vs on past the knee, priorities, tenants"),
     "realtime": ("pilotfish.bench.realtime", "real time over HTTP: Pilotfish and real peer routers, same requests"),
     "fidelity": ("pilotfish.bench.fidelity", "simulator vs real vLLM on CPU: TTFT/e2e ratios, preemptions, cache hits"),
 }

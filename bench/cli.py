@@ -36,6 +36,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "flow": ("pilotfish.bench.flow", "virtual-time cluster: flow control off vs on past the knee, priorities, tenants"),
     "realtime": ("pilotfish.bench.realtime", "real time over HTTP: Pilotfish and real peer routers, same requests"),
     "fidelity": ("pilotfish.bench.fidelity", "simulator vs real vLLM on CPU: TTFT/e2e ratios, preemptions, cache hits"),
+    "faults": ("pilotfish.bench.faults", "one fault at a time under load through the real stack, then a soak (RSS)"),
 }
 
 

@@ -1,6 +1,6 @@
 """Maps each top-level folder to a subpackage of `pilotfish`.
 
-The repository keeps one folder per component (DESIGN.md); installed, each lives under
+The repository keeps one folder per component (the README's folder table); installed, each lives under
 `pilotfish.` so nothing generic such as `scheduler` lands at the top of site-packages.
 """
 

@@ -2,8 +2,8 @@
 
 A benchmark module exposes `add_arguments(parser)` and `run(args) -> int`, and imports only the
 standard library at module level (heavy imports go inside `run`) so `pilotfish --help` stays fast.
-Adding a benchmark is one line in BENCHMARKS. Every benchmark gets `--out DIR` from here, since
-DESIGN.md promises it for all of them.
+Adding a benchmark is one line in BENCHMARKS. Every benchmark gets `--out DIR` from here, so each
+one writes DIR/result.json and DIR/report.md.
 """
 
 from __future__ import annotations

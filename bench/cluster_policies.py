@@ -2,9 +2,11 @@
 
 - baselines: `round-robin`, `least-requests` (the real scheduler core, lite mode, fewest
   requests), `power-of-two`;
-- Pilotfish: `pilotfish:<policy>` for any policy the scheduler's registry offers (lite mode,
-  the real core on the virtual clock), plus `pilotfish:cache-aware` (lite load-balance with the
-  cache-aware metric first); `pilotfish-full:<policy>` the same in full mode (bench/cluster_full.py);
+- Pilotfish: `pilotfish` and `pilotfish-full`, bare, are what ships (the scheduler's default
+  policy with no flags, lite and full mode); `pilotfish:<policy>` for any policy the scheduler's
+  registry offers (lite mode, the real core on the virtual clock), plus `pilotfish:cache-aware`
+  (lite load-balance with the cache-aware metric first); `pilotfish-full:<policy>` the same in
+  full mode (bench/cluster_full.py);
   `+field=value` after the policy sets any SchedulerConfig field
   (`pilotfish-full:load-balance+dispatch_top_k=2`); a name the registry lacks, or a
   configuration the core refuses, is skipped with the reason;
@@ -18,6 +20,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,6 +35,9 @@ _PILOTFISH_ALIASES: dict[str, dict[str, Any]] = {
     "cache-aware": {"scheduling_policy": "load-balance", "enable_cache_aware_scheduling": True,
                     "cache_aware_metric": "kv_cache_hit_len"},
 }
+
+# bare names: whatever ships (SchedulerConfig's default policy and flags), lite and full mode
+SHIPPED = ("pilotfish", "pilotfish-full")
 
 # Full mode's features, each toggled by name: the SchedulerConfig field that switches it. The
 # dispatch-time (in-flight) account has no field, since full mode is not correct without it; the
@@ -208,7 +214,7 @@ def _probe(name: str, make: Callable[[int], Router]) -> None:
 
 
 def policy_spec(name: str, engine: EngineConfig | None = None) -> PolicySpec:
-    """The spec for one name; raises PolicyUnavailable (skip it) or ValueError (a typo)."""
+    """The PolicySpec for one name; raises PolicyUnavailable (skip it) or ValueError (a typo)."""
     from pilotfish.bench.cluster_oracle import OracleRouter
     from pilotfish.bench.peers import DynamoKvRouter, LlmdDefaultRouter, PowerOfTwoRouter, SglangCacheAwareRouter
     from pilotfish.simulator.cluster import RoundRobinRouter
@@ -233,10 +239,15 @@ def policy_spec(name: str, engine: EngineConfig | None = None) -> PolicySpec:
     }
     if name in fixed:
         return fixed[name]
+    if name in SHIPPED:  # whatever ships: the scheduler's default policy, no flags
+        from pilotfish.scheduler.config import SchedulerConfig
+
+        spec = _pilotfish(name, SchedulerConfig().scheduling_policy, name == "pilotfish-full", engine)
+        return dataclasses.replace(spec, description="the shipped default, no flags: " + spec.description)
     family, sep, variant = name.partition(":")
     if sep and family in ("pilotfish", "pilotfish-full") and variant:
         return _pilotfish(name, variant, family == "pilotfish-full", engine)
-    raise ValueError(f"unknown policy {name!r} (known: {', '.join(fixed)}, pilotfish[-full]:<policy>)")
+    raise ValueError(f"unknown policy {name!r} (known: {', '.join(fixed)}, pilotfish[-full][:<policy>])")
 
 
 def resolve_policies(names: list[str], engine: EngineConfig | None = None) -> tuple[list[PolicySpec], list[str]]:

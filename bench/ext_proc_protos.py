@@ -1,6 +1,6 @@
 """CPU per request of the protobuf work an ext_proc server does: xds-protos vs envoy-data-plane.
 
-One request is what the gateway sees for one streamed OpenAI completion (DESIGN.md, request
+One request is what the gateway sees for one streamed OpenAI completion (the README's request
 path): it decodes ProcessingRequest{request_headers} (12 headers), {request_body} (~1.5 KB JSON),
 {response_headers} (6 headers) and 20 x {response_body} (~200-byte SSE chunks), and encodes the
 replies: a continue for the request headers (Envoy waits for it before it sends the buffered

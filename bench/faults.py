@@ -908,7 +908,7 @@ def per_second(records: list[Record], engine: str = "") -> list[dict[str, int]]:
 
 
 def goals(fault: Fault, entry: dict[str, Any]) -> list[dict[str, Any]]:
-    """The issue's goals that apply to this fault, each met or not, with the figure behind it."""
+    """The goals that apply to this fault, each met or not, with the figure behind it."""
     out = []
     if fault.kind == "engine" and fault.name != "engine-stall":
         out.append({"goal": "failed <= in flight on it + sent in the first second",
@@ -926,7 +926,7 @@ def goals(fault: Fault, entry: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"goal": "new requests stop going to it within 2 s", "met": entry["detect_s"] <= 2.0,
                     "figure": f"last picked {entry['detect_s']} s after SIGSTOP"})  # fmt: skip
     if fault.kind in ("component", "notices"):
-        note = "" if fault.kind == "component" else " (the issue sets none here; held to the Redis goal)"
+        note = "" if fault.kind == "component" else " (no goal of its own; held to the Redis goal)"
         out.append({"goal": "zero failed" + note, "met": entry["failed"] == 0, "figure": str(entry["failed"])})
     if fault.kind == "component":
         out.append({"goal": "recovery <= 2 s", "met": entry["recover_s"] <= 2.0,

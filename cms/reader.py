@@ -1,6 +1,6 @@
 """The CMS reader: keeps a sink in step with the records in Redis (the scheduler's full-mode view).
 
-Two paths, as DESIGN.md says:
+Two paths:
 
 - **notices**: the writers publish "<kind>:<instance>" on `keys.events_channel(cluster)` after
   each write; the reader GETs that one key and hands the decoded record over at once;

@@ -26,7 +26,7 @@ class InstanceStatus(enum.Enum):
 
     @classmethod
     def parse(cls, value: InstanceStatus | str | bool) -> InstanceStatus:
-        """Accepts the enum, True/False, or "ready"/"not_ready" (the spec passes a string)."""
+        """Accepts the enum, True/False, or "ready"/"not_ready" (a string is the usual form)."""
         if isinstance(value, InstanceStatus):
             return value
         if isinstance(value, bool):

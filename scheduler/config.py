@@ -21,7 +21,7 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         str,
         Meta(
             description="predicted-latency (the default: least predicted TTFT, then TPOT, with cache affinity "
-            "within the TTFT band; lite and full mode), the spec's load-balance and slo, round-robin (a "
+            "within the TTFT band; lite and full mode), load-balance, slo, round-robin (a "
             "baseline), or the name of a policy composed under `policies` in the YAML file"
         ),
     ] = "predicted-latency"
@@ -30,7 +30,7 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             description="full mode: the cluster view comes from the llumlets' CMS records in Redis "
             "(--redis-url), with the in-flight account and forward prediction; off = lite mode (LRS, "
-            "--instances). Off by default here, unlike the spec, so the stack runs without Redis"
+            "--instances). Off by default, so the stack runs without Redis"
         ),
     ] = False
     dispatch_load_metric: Annotated[

@@ -31,9 +31,9 @@ if TYPE_CHECKING:
 
 
 class Metric(abc.ABC):
-    """One number per (instance, request); the registry key is `name` (the spec's constant).
+    """One number per (instance, request); the registry key is `name`.
 
-    The spec's uniform comparison interface: `get_value` (GetValue), `value_less` (ValueLess:
+    One comparison interface for every metric: `get_value` (GetValue), `value_less` (ValueLess:
     is a strictly better than b) and `less` (Less: is instance a strictly better than b).
     """
 
@@ -71,7 +71,7 @@ class Metric(abc.ABC):
         return value * self.sign
 
     def better(self, a: float, b: float) -> bool:
-        """The spec's ValueLess: is `a` strictly better than `b`."""
+        """ValueLess: is `a` strictly better than `b`."""
         return self.sort_key(a) < self.sort_key(b)
 
     def value_less(self, a: float, b: float) -> bool:

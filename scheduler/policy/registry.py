@@ -1,7 +1,7 @@
 """Name -> class for every policy stage, and policies assembled from names.
 
 Adding a metric, filter or selector is one class and one `register` line here; the name is
-the spec's, and it is what the built-in policies and YAML-composed ones refer to.
+the registry key, and it is what the built-in policies and YAML-composed ones refer to.
 
 Every policy is built the same way, from a spec (a mapping infer type -> pipeline spec):
 
@@ -101,7 +101,7 @@ SELECTORS.register(MetricBasedSelector)
 SELECTORS.register(RoundRobinSelector)
 SELECTORS.register(CacheAwareSelector)
 
-# the spec's verifyDispatchLoadMetric: lite mode has only the LRS counts to rank by
+# verifyDispatchLoadMetric in Llumnix: lite mode has only the LRS counts to rank by
 LITE_DISPATCH_LOAD_METRICS = ("num_requests", "num_tokens")
 CACHE_AWARE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
 INFER_TYPES = {"neutral": InferType.NEUTRAL, "prefill": InferType.PREFILL, "decode": InferType.DECODE}
@@ -234,7 +234,7 @@ def load_balance_spec(config: SchedulerConfig) -> dict[str, Any]:
     """Lowest load wins. Full mode: health filters, threshold, failover, per infer type;
     lite mode: neutral only, a threshold, ranked by num_requests or num_tokens.
 
-    Cache-aware: the spec puts the cache-locality metric before load; here it ranks first only
+    Cache-aware: ranking by cache locality before load alone would lock in; here it ranks first only
     among the instances within the load metric's balance band of the least loaded one (the
     cache_aware selector), since a prefix everyone shares would otherwise send every request to
     the instance that cached it first."""
@@ -294,6 +294,40 @@ def slo_spec(config: SchedulerConfig) -> dict[str, Any]:
     }
 
 
+# what the default policy ranks by: the request's own predicted time to first token, then the
+# time per output token it would see (the decode batch it joins)
+PREDICTED_LATENCY_METRICS = ["predicted_ttft", "predicted_tpot"]
+
+
+def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
+    """The default: least predicted latency with cache affinity, in lite and full mode alike.
+
+    Prefill (and neutral) instances rank by predicted TTFT (the prefill work ahead plus this
+    prompt's uncached part, and the decode batch's share of each prefill step), then predicted
+    TPOT; the cached prefix picks among the instances whose predicted TTFT is within the band of
+    the fastest (the cache_aware selector), so affinity never costs more than the band. Decode
+    instances rank by predicted TPOT. The load comes from the mode's view (metrics/latency.py):
+    the LRS in lite mode, CMS statuses + in-flight account + KV events in full mode.
+
+    `--ttft-slo` / `--tpot-slo` add the `slo` policy's threshold filters (an optional refinement;
+    the fallback pass ignores them)."""
+    top_k = config.dispatch_top_k
+    ranking = {"name": "cache_aware", "metrics": ["kv_cache_hit_len", *PREDICTED_LATENCY_METRICS], "top_k": top_k}
+    ttft = _threshold("predicted_ttft", config.ttft_slo * config.ttft_slo_dispatch_threshold if config.ttft_slo
+                      else None)
+    tpot = _threshold("predicted_tpot", config.tpot_slo * config.tpot_slo_dispatch_threshold if config.tpot_slo
+                      else None)
+    if not config.enable_full_mode_scheduling:
+        return {"neutral": {"filters": [*ttft, *tpot], "selector": ranking}}
+    health, failover = _health(config), _failover(config)
+    return {
+        "neutral": {"filters": [*health, *ttft, *tpot, failover], "selector": ranking},
+        "prefill": {"filters": [*health, *ttft, failover], "selector": ranking},
+        "decode": {"filters": [*health, *tpot, failover],
+                   "selector": {"name": "metric_based", "metrics": ["predicted_tpot"], "top_k": top_k}},
+    }
+
+
 def round_robin_spec(config: SchedulerConfig) -> dict[str, Any]:
     """Load-blind rotation (the benchmarks' baseline); full mode still skips unhealthy instances."""
     if not config.enable_full_mode_scheduling:
@@ -302,7 +336,10 @@ def round_robin_spec(config: SchedulerConfig) -> dict[str, Any]:
     return {k: {"filters": [*_health(config), _failover(config)], "selector": {"name": "round_robin"}} for k in kinds}
 
 
+# the shipped default (SchedulerConfig.scheduling_policy) first, then the other named policies
+DEFAULT_POLICY = "predicted-latency"
 POLICIES: dict[str, SpecBuilder] = {
+    DEFAULT_POLICY: predicted_latency_spec,
     "load-balance": load_balance_spec,
     "slo": slo_spec,
     "round-robin": round_robin_spec,
@@ -326,7 +363,7 @@ def custom_policies(config: SchedulerConfig) -> dict[str, Any]:
 
 
 def policy_spec(config: SchedulerConfig) -> dict[str, Any]:
-    """The spec of the configured policy (built-in from flags, or composed in YAML)."""
+    """The policy spec of the configured policy (built-in from flags, or composed in YAML)."""
     custom = custom_policies(config)
     name = config.scheduling_policy
     if name in custom:

@@ -7,7 +7,7 @@ time with the instances of its SchedulerCore:
     planner = ReschedulingPlanner(config)          # raises ConfigError on bad flags
     pairs = planner.plan(core.instances(), now)    # list[MigrationPair]
 
-Conflicts (the spec forbids A->B with B->A; this is stricter): an instance is the source of at
+Conflicts (stricter than forbidding A->B together with B->A): an instance is the source of at
 most one pair per cycle, and no instance both sends and receives in one cycle. One source asked
 twice would move twice what either policy sized, and an instance receiving while it sends
 would pass requests along a chain. An instance may receive from several sources (failover fans

@@ -1,6 +1,6 @@
 """Pair selectors: from candidate sources and destinations to (source, destination) pairs.
 
-The spec's metricBalanceSelector and roundRobinSelector, over pairs rather than a ranking, so
+Llumnix's metricBalanceSelector and roundRobinSelector, over pairs rather than a ranking, so
 they are apart from the scheduler's selectors (scheduler/policy/selectors).
 """
 

@@ -88,7 +88,7 @@ def _check_binpacking(config: SchedulerConfig, policy: str) -> None:
         # a mitigation destination could then be a mitigation source the cycle after
         raise ConfigError(
             f"--tpot-slo-dispatch-threshold: {config.tpot_slo_dispatch_threshold:g} is above "
-            f"--tpot-migrate-out-ceil-threshold {ceil:g} (the spec uses 0.85)"
+            f"--tpot-migrate-out-ceil-threshold {ceil:g} (0.85 is a usual choice)"
         )
 
 

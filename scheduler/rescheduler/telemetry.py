@@ -11,7 +11,7 @@ Failure reasons: `timeout`; a gRPC status code in lower case (`unavailable`, `un
 `rejected` (the llumlet answered with an error and moved nothing); `no_source_address`,
 `no_destination_address` (CMS metadata without a llumlet port).
 
-The spec calls them `rescheduling_<x>_count`; here they follow Prometheus's conventions instead: the
+They follow Prometheus's conventions rather than the `rescheduling_<x>_count` of Llumnix: the
 `pilotfish_` prefix, and `_total` alone on a counter (`_count` is a histogram's sample suffix).
 """
 

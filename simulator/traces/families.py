@@ -184,7 +184,7 @@ def _parse_value(raw: str, default: Any) -> Any:
 def family_trace(spec: str, seed: int = 0) -> Trace:
     """The trace named by `name[:knob=value,...]`: a range is `low-high` (`turn=32-512`).
 
-    `seed` applies unless the spec sets one. Raises ValueError naming an unknown family or knob.
+    `seed` applies unless the name sets one. Raises ValueError naming an unknown family or knob.
     """
     import inspect
 

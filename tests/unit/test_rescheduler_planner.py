@@ -76,7 +76,7 @@ def ids(pairs: Sequence[MigrationPair]) -> list[tuple[str, str]]:
 @pytest.mark.parametrize(
     ("loads", "threshold", "min_difference", "expected"),
     [
-        # the spec's example: sources [0.9, 0.8], destinations [0.3, 0.2, 0.4]
+        # the worked example: sources [0.9, 0.8], destinations [0.3, 0.2, 0.4]
         ([0.9, 0.3, 0.8, 0.2, 0.4], 0.7, 0.0, [("i0", "i3"), ("i2", "i1")]),
         ([0.9, 0.3, 0.8, 0.2, 0.4], 0.7, 0.1, [("i0", "i3"), ("i2", "i1")]),
         # the second pair differs by 0.5 only
@@ -256,7 +256,7 @@ def tpot(iid: str, ms: float, kind: InferType = D, **kw: Any) -> InstanceView:
 @pytest.mark.parametrize(
     ("tpots", "expected"),
     [
-        # the spec's example: D1 48 ms > 47.5 ceiling, D2 35 ms < 42.5 dispatch threshold
+        # the worked example: D1 48 ms > 47.5 ceiling, D2 35 ms < 42.5 dispatch threshold
         ({"D1": 48, "D2": 35}, [("D1", "D2")]),
         ({"D1": 47, "D2": 35}, []),  # under the ceiling
         ({"D1": 48, "D2": 43}, []),  # no destination under the dispatch threshold
@@ -287,7 +287,7 @@ def test_binpacking_mitigation_leaves_prefill_reserved_and_non_decode_instances_
 @pytest.mark.parametrize(
     ("tpots", "expected"),
     [
-        # the spec's example: D3 25 ms < 30 ms floor with requests; D4 40 ms, the most loaded under 42.5
+        # the worked example: D3 25 ms < 30 ms floor with requests; D4 40 ms, the most loaded under 42.5
         ({"D3": 25, "D4": 40, "D2": 35}, [("D3", "D4")]),
         # the least-loaded source goes first, one pair only
         ({"D3": 25, "D6": 20, "D4": 40}, [("D6", "D4")]),
@@ -337,7 +337,7 @@ class Fixed:
 @pytest.mark.parametrize(
     ("first", "second", "expected"),
     [
-        ([("A", "B")], [("B", "A")], [("A", "B")]),  # the spec's rule: no A->B with B->A
+        ([("A", "B")], [("B", "A")], [("A", "B")]),  # the rule: no A->B with B->A
         ([("A", "B")], [("A", "C")], [("A", "B")]),  # a source once per cycle
         ([("A", "B")], [("C", "B")], [("A", "B"), ("C", "B")]),  # fan-in is fine
         ([("A", "B")], [("B", "C")], [("A", "B")]),  # B receives: it does not send
@@ -372,7 +372,7 @@ def test_earlier_policy_wins_a_conflict() -> None:
 
 def test_load_balance_stays_out_of_failure_domains() -> None:
     # hot shares node n1 with a failed instance: only failover moves its requests, and no policy
-    # sends requests into n1 (the spec's global failover filter applies to every policy)
+    # sends requests into n1 (the global failover filter applies to every policy)
     views = [
         view("bad", node="n1", schedulable=False),
         view("hot", node="n1", load=0.9),

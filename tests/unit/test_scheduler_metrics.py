@@ -1,4 +1,4 @@
-"""The spec's eleven metrics, table-driven: one row per metric and situation, with the formula's value."""
+"""The eleven scheduling metrics, table-driven: one row per metric and situation, with the formula's value."""
 
 from __future__ import annotations
 
@@ -191,7 +191,9 @@ def test_every_spec_metric_is_registered_with_the_uniform_interface(name: str) -
         ("num_requests", True, True),
         ("num_tokens", True, True),
         ("all_prefills_tokens_num", True, False),
-        ("predicted_ttft", True, False),
+        # lite mode reads the LRS (held prompt tokens before their prefill, the decode batch)
+        ("predicted_ttft", True, True),
+        ("predicted_tpot", True, True),
     ],
 )
 def test_metric_direction_and_mode(name: str, lower_is_better: bool, lite: bool) -> None:

@@ -1,4 +1,4 @@
-"""Built-in policies (the spec's table), YAML-composed policies equal to flag-built ones, and the
+"""Built-in policies (docs/policy-framework.md's table), YAML-composed policies equal to flag-built ones, and the
 load-ordered index giving exactly the scan's decisions."""
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ REQ = RequestInfo("r", "m", prompt_tokens=200, prefix_block_hashes=(1, 2, 3), pr
 
 
 def full(**kw: object) -> SchedulerConfig:
+    kw.setdefault("scheduling_policy", "load-balance")  # the policy these tests are about
     return SchedulerConfig(enable_full_mode_scheduling=True, **kw)  # type: ignore[arg-type]
 
 
@@ -48,7 +49,7 @@ def view(name: str, kind: InferType = InferType.NEUTRAL, **status: object) -> In
     return InstanceView(Endpoint(name, f"{name}:1", kind), status=EngineStatus(**fields))  # type: ignore[arg-type]
 
 
-# -- the spec's table of built-in policies -------------------------------------------------------------
+# -- the table of built-in policies -------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -79,7 +80,9 @@ def test_load_balance_full_mode_threshold_per_infer_type() -> None:
 
 
 def test_load_balance_lite_mode() -> None:
-    spec = policy_spec(SchedulerConfig(dispatch_load_metric="num_tokens", dispatch_load_threshold=5))
+    spec = policy_spec(
+        SchedulerConfig(scheduling_policy="load-balance", dispatch_load_metric="num_tokens", dispatch_load_threshold=5)
+    )
     assert set(spec) == {"neutral"}
     assert [f["name"] for f in spec["neutral"]["filters"]] == ["metric_based"]
     assert spec["neutral"]["selector"]["metrics"] == ["num_tokens"]
@@ -88,11 +91,15 @@ def test_load_balance_lite_mode() -> None:
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        (SchedulerConfig(dispatch_load_metric="all_prefills_tokens_num"), "not available in lite mode"),
+        (
+            SchedulerConfig(scheduling_policy="load-balance", dispatch_load_metric="all_prefills_tokens_num"),
+            "not available in lite mode",
+        ),
         (SchedulerConfig(scheduling_policy="slo"), "slo needs full mode"),
         (SchedulerConfig(enable_predictor_enhanced_scheduling=True), "predictor-enhanced-scheduling: needs full mode"),
         (
             SchedulerConfig(
+                scheduling_policy="load-balance",
                 enable_cache_aware_scheduling=True, cache_aware_metric="cache_aware_all_prefills_tokens_num"
             ),
             "lite mode can rank by kv_cache_hit_len only",
@@ -206,6 +213,7 @@ policies:
       selector: {name: metric_based, metrics: [kv_cache_usage_ratio_projected], top_k: 2}
 """
 FLAGS_FULL_LB = {
+    "scheduling_policy": "load-balance",
     "enable_full_mode_scheduling": True,
     "dispatch_neutral_load_threshold": 4096,
     "failover_domain": "node",
@@ -219,7 +227,11 @@ policies:
       filters: [{name: metric_based, metric: num_tokens, threshold: 900}]
       selector: {name: metric_based, metrics: [num_tokens], top_k: 1}
 """
-FLAGS_LITE_LB = {"dispatch_load_metric": "num_tokens", "dispatch_load_threshold": 900}
+FLAGS_LITE_LB = {
+    "scheduling_policy": "load-balance",
+    "dispatch_load_metric": "num_tokens",
+    "dispatch_load_threshold": 900,
+}
 
 
 @pytest.mark.parametrize(("text", "flags"), [(YAML_FULL_LB, FLAGS_FULL_LB), (YAML_LITE_LB, FLAGS_LITE_LB)])
@@ -286,7 +298,11 @@ def test_policies_given_as_a_flag_are_parsed_as_yaml() -> None:
             {"x": {"neutral": {"selector": "round_robin", "filters": [{"name": "failover", "zone": "a"}]}}},
             r"no parameter zone",
         ),
-        ({"x": {"neutral": {"selector": {"name": "metric_based", "metrics": ["predicted_ttft"]}}}}, r"needs full mode"),
+        # predicted_ttft reads the LRS in lite mode since it became the default's metric; the CMS load stays full-only
+        (
+            {"x": {"neutral": {"selector": {"name": "metric_based", "metrics": ["all_prefills_tokens_num"]}}}},
+            r"needs full mode",
+        ),
         ({"load-balance": {}}, r"built-in policy name"),
         ({"x": {"neutral": {"selector": "round_robin", "colour": 1}}}, r"unknown key colour"),
     ],

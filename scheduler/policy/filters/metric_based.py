@@ -12,8 +12,8 @@ from pilotfish.scheduler.view.types import RequestInfo
 class MetricBasedFilter(InstanceFilter):
     """Passes an instance whose metric is no worse than `threshold` (<= when lower is better).
 
-    Skipped in the fallback pass unless built with not_skip_when_fallback (the spec's
-    notSkipWhenFallback): a threshold shapes load, it does not guard correctness.
+    Skipped in the fallback pass unless built with not_skip_when_fallback (notSkipWhenFallback
+    in Llumnix): a threshold shapes load, it does not guard correctness.
     """
 
     name = "metric_based"

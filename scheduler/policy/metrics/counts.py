@@ -29,7 +29,7 @@ class NumRequests(Metric):
 class NumTokens(Metric):
     """Tokens held on the instance: prompt tokens plus tokens generated so far, over LRS requests.
 
-    The spec's simplified lite-mode indicator; it reads the LRS in full mode too (the
+    A simplified lite-mode indicator; it reads the LRS in full mode too (the
     scheduler keeps it there for Release), where the engine-side metrics are the better choice.
     """
 

@@ -1,6 +1,6 @@
 """cache_aware selector: cache affinity, bounded by a load band so a shared prefix cannot hot-spot.
 
-Ranking by cached prefix before load (the spec's cache-aware load-balance) locks in: the prefix
+Ranking by cached prefix before load (cache-aware load-balance as first designed) locks in: the prefix
 index is fed by dispatches, so the first instance to serve a block everyone shares (a system
 prompt) has the longest hit for every later request, gets every later request, and is the only
 one that ever learns the block. This selector lets a prefix hit move a request only among the

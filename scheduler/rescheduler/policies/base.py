@@ -22,7 +22,7 @@ from pilotfish.scheduler.view.types import InferType, InstanceView
 
 
 class ReschedulingPolicy(abc.ABC):
-    """`name` is the spec's policy name (the registry key, what --rescheduling-policies lists)."""
+    """`name` is the policy's name (the registry key, what --rescheduling-policies lists)."""
 
     name: ClassVar[str]
     infer_type: ClassVar[InferType]
@@ -56,7 +56,7 @@ class ReschedulingPolicy(abc.ABC):
 
     def balanced(self, instances: Sequence[InstanceView]) -> list[InstanceView]:
         """What the load-balance and binpacking policies move requests between: instances of their
-        infer type, healthy, outside every failure domain — the spec's global failover filter, so
+        infer type, healthy, outside every failure domain — the global failover filter, so
         no policy refills a failed node while failover drains it."""
         blocked = {i.instance_id for i in self.failure_domains(instances)}
         return [i for i in self.own(instances) if i.instance_id not in blocked and self.healthy(i)]

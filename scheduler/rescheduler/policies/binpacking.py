@@ -26,7 +26,7 @@ from pilotfish.scheduler.rescheduler.policies.base import ReschedulingPolicy
 from pilotfish.scheduler.rescheduler.types import PROBE, MigrationPair
 from pilotfish.scheduler.view.types import InferType, InstanceView
 
-# the spec's "decode batch size > 0.1": at least one decode request
+# "decode batch size > 0.1": at least one decode request
 MIN_DECODE_BATCH = 0.1
 # consolidation empties its source: every running request, shortest first
 DRAIN = {"rule": "RATIO", "order": "SR", "value": 1.0}

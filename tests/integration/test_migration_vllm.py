@@ -63,6 +63,7 @@ class Engine:
     url: str
     llumlet: str  # the llumlet's gRPC "host:port"
     log_path: Path
+    instance_id: str = ""  # as registered in the CMS: a Migrate may only name a registered destination
 
     @property
     def port(self) -> int:
@@ -76,9 +77,14 @@ class Engine:
     def status(self) -> cms_pb2.InstanceStatus:
         return self.stub.GetStatus(llumlet_pb2.GetStatusRequest(), timeout=30)
 
-    def migrate(self, request_id: str, destination: Engine | str) -> llumlet_pb2.MigrateResponse:
-        address = destination if isinstance(destination, str) else destination.llumlet
-        request = llumlet_pb2.MigrateRequest(request_ids=[request_id], destination_llumlet_address=address)
+    def migrate(self, request_id: str, destination: Engine | tuple[str, str]) -> llumlet_pb2.MigrateResponse:
+        """`destination`: an engine, or (instance id, llumlet address) for one that is not what it claims."""
+        instance_id, address = (
+            destination if isinstance(destination, tuple) else (destination.instance_id, destination.llumlet)
+        )
+        request = llumlet_pb2.MigrateRequest(
+            request_ids=[request_id], destination_llumlet_address=address, destination_instance_id=instance_id
+        )
         return self.stub.Migrate(request, timeout=120)
 
 
@@ -209,7 +215,8 @@ def cluster(tmp_path_factory) -> Iterator[dict[str, Engine]]:
                     return None
 
                 m = wait_for(meta, 60, f"engine {name}'s llumlet metadata")
-                engines[name] = Engine(child, url, f"127.0.0.1:{m.llumlet_port}", work / f"{name}.log")
+                llumlet = f"127.0.0.1:{m.llumlet_port}"
+                engines[name] = Engine(child, url, llumlet, work / f"{name}.log", m.instance_id)
             yield engines
         finally:
             for engine in engines.values():
@@ -272,19 +279,21 @@ def test_waiting_request_moves_by_admission(cluster: dict[str, Engine], unmigrat
     assert b.status().step_id - b_steps >= MAX_TOKENS - generated_before_moving(b, exported(rid))
 
 
-def test_unreachable_destination_leaves_the_request_on_the_source(cluster: dict[str, Engine], unmigrated: list[int]):
-    a = cluster["a"]
+def test_a_destination_the_cms_does_not_know_is_refused_and_the_request_stays(
+    cluster: dict[str, Engine], unmigrated: list[int]
+):
+    """B's instance id at an address where nothing listens: not B's registered llumlet, so the
+    source refuses before it detaches anything or sends a byte."""
+    a, b = cluster["a"], cluster["b"]
     rid = f"nodst-{os.getpid()}"
     s = stream(a, rid)
     decoding(s)
-    reply = a.migrate(exported(rid), f"127.0.0.1:{free_port()}")
+    with pytest.raises(grpc.RpcError) as refused:
+        a.migrate(exported(rid), (b.instance_id, f"127.0.0.1:{free_port()}"))
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finished(s)
-    assert list(reply.failed_request_ids) == [exported(rid)]
     assert s.errors == [] and s.finish == "length"
     assert s.tokens == unmigrated
-    log = a.log_path.read_text(errors="replace")
-    if f"{exported(rid)} cannot move" not in log:  # else it had finished before the call
-        assert f"migration of {exported(rid)} failed" in log  # detached, refused, computed again on A
 
 
 WRITE_COUNTS = re.compile(r"(\d+) status writes \((\d+) from the engine's thread\)")

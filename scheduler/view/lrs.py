@@ -87,6 +87,7 @@ class LocalRealtimeState:
         self._entries[request_id] = entry
         load.num_requests += 1
         load.num_tokens += prompt_tokens
+        load.prefill_tokens += prompt_tokens
         load.num_dispatched += 1
         self._on_change(entry.instance_id)
         return entry
@@ -109,6 +110,7 @@ class LocalRealtimeState:
         if not entry.decoding and (prefill_done or entry.generated_tokens > 0):
             entry.decoding = True
             entry.load.num_decode_requests += 1
+            entry.load.prefill_tokens -= entry.prompt_tokens
             changed = True
         if changed:
             self._on_change(entry.instance_id)
@@ -130,6 +132,8 @@ class LocalRealtimeState:
         load.num_tokens += entry.tokens
         if entry.decoding:
             load.num_decode_requests += 1
+        else:
+            load.prefill_tokens += entry.prompt_tokens
         self._on_change(inst.instance_id)
         self.touch(entry)
         return True
@@ -170,4 +174,6 @@ class LocalRealtimeState:
         load.num_tokens -= entry.tokens
         if entry.decoding:
             load.num_decode_requests -= 1
+        else:
+            load.prefill_tokens -= entry.prompt_tokens
         self._on_change(entry.instance_id)

@@ -41,6 +41,9 @@ class LrsLoad:
     num_tokens: int = 0
     # held requests whose prefill is done (reported prefill_done or a generated token)
     num_decode_requests: int = 0
+    # prompt tokens of the held requests whose prefill is not done yet: the prefill work ahead
+    # (cached prefixes included: lite mode does not know what the engine has cached)
+    prefill_tokens: int = 0
     # monotonic; exported as pilotfish_scheduler_dispatch_total
     num_dispatched: int = 0
 

@@ -259,7 +259,10 @@ def test_parse_instance(text: str, parsed: tuple[str, str]) -> None:
         ({"instances": ["=h:1"]}, "empty instance id"),
         ({"instances": ["x=h:1", "x=h:2"]}, "instance id 'x' appears twice"),
         ({"enable_full_mode_scheduling": True}, "--instances: full mode takes its instances from the CMS"),
-        ({"dispatch_load_metric": "kv_cache_usage_ratio_projected"}, "not available in lite mode"),
+        (
+            {"scheduling_policy": "load-balance", "dispatch_load_metric": "kv_cache_usage_ratio_projected"},
+            "not available in lite mode",
+        ),
         ({"scheduling_policy": "nope"}, "unknown policy 'nope'"),
         ({"port": 9000, "metrics_port": 9000}, "--metrics-port: 9000 is also the gRPC --port"),
     ],

@@ -89,6 +89,7 @@ def make_core(n: int, seed: int = 0, **fields: object) -> SchedulerCore:
         "instance_staleness_seconds": 1e9,
         "request_local_account_staleness_seconds": 1e9,
         "account_admitted_window_ms": 0,
+        "scheduling_policy": "load-balance",
     }
     if not fields.get("enable_full_mode_scheduling"):
         values["instances"] = [f"{name}:{8000 + i}" for i, name in enumerate(names)]
@@ -334,7 +335,7 @@ def test_cache_aware_selector_refuses(metrics: list[str], params: dict, message:
 def test_yaml_cache_aware_equals_the_flag_built_policy() -> None:
     from pilotfish.scheduler.policy.registry import build_policy
 
-    flags = build_policy(SchedulerConfig(enable_cache_aware_scheduling=True))
+    flags = build_policy(SchedulerConfig(scheduling_policy="load-balance", enable_cache_aware_scheduling=True))
     yaml = (
         "mine:\n  neutral:\n    selector: {name: cache_aware, metrics: [kv_cache_hit_len, num_requests], "
         "balance_abs_threshold: 4, balance_rel_threshold: 1.2}\n"

@@ -163,7 +163,7 @@ def test_predicted_index_equals_scan(
 
 def test_predicted_pipelines_are_indexed_and_others_still_scan() -> None:
     def pipeline(**flags: object) -> Pipeline:
-        config = SchedulerConfig(enable_full_mode_scheduling=True, **flags)  # type: ignore[arg-type]
+        config = SchedulerConfig(scheduling_policy="load-balance", enable_full_mode_scheduling=True, **flags)  # type: ignore[arg-type]
         return build_policy(config).pipelines[InferType.NEUTRAL]
 
     assert pipeline(enable_predictor_enhanced_scheduling=True).indexable
@@ -214,7 +214,12 @@ def test_core_with_predictor_enhanced_scheduling_uses_the_index() -> None:
     from pilotfish.protos import cms_pb2
 
     core = SchedulerCore(
-        SchedulerConfig(enable_full_mode_scheduling=True, enable_predictor_enhanced_scheduling=True, model=["m"])
+        SchedulerConfig(
+            scheduling_policy="load-balance",
+            enable_full_mode_scheduling=True,
+            enable_predictor_enhanced_scheduling=True,
+            model=["m"],
+        )
     )
     for k in range(32):
         core.apply_metadata(cms_pb2.InstanceMetadata(instance_id=f"i{k:02d}", host="h", http_port=1 + k, model="m"))

@@ -296,7 +296,7 @@ def test_unknown_stage_lists_the_known_ones() -> None:
     ],
 )
 def test_verify_dispatch_load_metric_lite(metric: str, ok: bool) -> None:
-    config = SchedulerConfig(dispatch_load_metric=metric)
+    config = SchedulerConfig(scheduling_policy="load-balance", dispatch_load_metric=metric)
     if ok:
         assert verify_dispatch_load_metric(config).name == metric
     else:
@@ -323,7 +323,10 @@ def test_unknown_policy() -> None:
 
 
 def test_load_balance_threshold_from_config() -> None:
-    built = build_policy(SchedulerConfig(dispatch_load_metric="num_tokens", dispatch_load_threshold=500))
+    config = SchedulerConfig(
+        scheduling_policy="load-balance", dispatch_load_metric="num_tokens", dispatch_load_threshold=500
+    )
+    built = build_policy(config)
     views = [inst("a", tokens=400), inst("b", tokens=900), inst("c", tokens=100)]
     selection = built.schedule(views, REQ, fallback_count=5)
     assert names([selection.target, *selection.fallbacks]) == ["c", "a"]

@@ -156,30 +156,19 @@ def route_on_headers(
     )
 
 
+def _streamed(body: bytes, end_of_stream: bool) -> ep.BodyResponse:
+    mutation = ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream))
+    return ep.BodyResponse(response=ep.CommonResponse(body_mutation=mutation))
+
+
 def streamed_request_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
     """FULL_DUPLEX_STREAMED: Envoy drained the chunks it sent us; this is the body the upstream gets."""
-    return ep.ProcessingResponse(
-        request_body=ep.BodyResponse(
-            response=ep.CommonResponse(
-                body_mutation=ep.BodyMutation(
-                    streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-                )
-            )
-        )
-    )
+    return ep.ProcessingResponse(request_body=_streamed(body, end_of_stream))
 
 
 def streamed_response_body(body: bytes, end_of_stream: bool) -> ep.ProcessingResponse:
     """FULL_DUPLEX_STREAMED responses: each chunk Envoy sent us, passed on (or its replacement)."""
-    return ep.ProcessingResponse(
-        response_body=ep.BodyResponse(
-            response=ep.CommonResponse(
-                body_mutation=ep.BodyMutation(
-                    streamed_response=ep.StreamedBodyResponse(body=body, end_of_stream=end_of_stream)
-                )
-            )
-        )
-    )
+    return ep.ProcessingResponse(response_body=_streamed(body, end_of_stream))
 
 
 def replace_request_body(body: bytes) -> ep.ProcessingResponse:

@@ -15,13 +15,21 @@ Families (`FAMILIES`, also `--trace family:<name>[:knob=value,...]` in `pilotfis
   turn's prompt starts with the previous turn's prompt.
 - `tenants`: several tenants, each with its own system prompt; tenant popularity is Zipf
   skewed, so one tenant's prefix is hot and the rest are warm.
+- `rag`: long prompts that share almost nothing: a short instruction every request shares, then
+  retrieved context and a question of their own (prefill-heavy; a cache barely helps).
+- `heavy-tail`: output lengths from a bounded Pareto distribution, so a few requests decode for
+  thousands of tokens while most stop early (decode load that a request count hides).
+- `bursty`: the `system-prompt` shape, with arrivals that alternate between bursts at several
+  times the mean rate and lulls below it (an on/off modulated Poisson process).
 
 Lengths are a fixed int or an inclusive (low, high) range drawn uniformly; arrivals are
-Poisson at `rate` requests (for `multi-turn`: conversations) per second.
+Poisson at `rate` requests (for `multi-turn`: conversations) per second, `bursty`'s modulated
+so that `rate` stays the mean.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from typing import Any
@@ -159,10 +167,140 @@ def tenants_trace(
     return out
 
 
+def rag_trace(
+    *,
+    requests: int = 1000,
+    instruction: Length = 64,
+    context: Length = (2048, 8192),
+    question: Length = (16, 128),
+    output: Length = (32, 256),
+    rate: float = 5.0,
+    seed: int = 0,
+    namespace: str = "fam-rag",
+) -> Trace:
+    """Long unique prompts, as retrieval-augmented generation sends them.
+
+    requests: how many; instruction: tokens of the instruction every request starts with (drawn
+    once; 0 = none); context: retrieved-context tokens, unique to each request; question: the
+    request's own question after it; output, rate, seed, namespace as in `system_prompt_trace`.
+    """
+    rng = random.Random(f"{namespace}:{seed}")
+    instruction_len = _draw(rng, instruction)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    key = f"{namespace}:{seed}"
+    return [
+        _request(
+            f"{namespace}-{i}",
+            at,
+            [(f"{key}:ins", instruction_len), (f"{key}:ctx:{i}", max(1, _draw(rng, context))),
+             (f"{key}:q:{i}", _draw(rng, question))],
+            _draw(rng, output),
+        )
+        for i, at in enumerate(arrivals)
+    ]
+
+
+def heavy_tail_trace(
+    *,
+    requests: int = 2000,
+    system: Length = 256,
+    prompt: Length = (64, 1024),
+    output_min: int = 16,
+    output_max: int = 4096,
+    alpha: float = 1.2,
+    rate: float = 20.0,
+    seed: int = 0,
+    namespace: str = "fam-tail",
+) -> Trace:
+    """Heavy-tailed output lengths: most requests stop early, a few decode for thousands of tokens.
+
+    requests; system: shared system-prompt tokens (0 = none); prompt: each request's own tokens
+    after it; output_min, output_max, alpha: output lengths follow a Pareto law with shape `alpha`
+    and scale `output_min`, cut at `output_max` (alpha 1.2: the median is about 1.8 x output_min,
+    and about 1 request in 60 asks for 30 x output_min or more); rate, seed, namespace as in
+    `system_prompt_trace`.
+    """
+    if alpha <= 0 or output_min < 1 or output_max < output_min:
+        raise ValueError("need alpha > 0 and 1 <= output_min <= output_max")
+    rng = random.Random(f"{namespace}:{seed}")
+    system_len = _draw(rng, system)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    key = f"{namespace}:{seed}"
+    out: Trace = []
+    for i, at in enumerate(arrivals):
+        length = min(output_max, int(output_min * rng.paretovariate(alpha)))
+        segments = [(f"{key}:sys", system_len), (f"{key}:p:{i}", max(1, _draw(rng, prompt)))]
+        out.append(_request(f"{namespace}-{i}", at, segments, length))
+    return out
+
+
+def bursty_arrivals(n: int, rate: float, burst: float, period: float, duty: float, seed: int) -> list[float]:
+    """`n` arrivals of an on/off modulated Poisson process whose mean rate is `rate`: each `period`
+    seconds starts with `duty x period` seconds at `burst x rate`, then the rest at the rate that
+    keeps the mean (burst x duty <= 1; burst 1 is plain Poisson)."""
+    if rate <= 0 or period <= 0 or not 0 < duty < 1 or burst < 1 or burst * duty > 1:
+        raise ValueError("need rate > 0, period > 0, 0 < duty < 1, burst >= 1 and burst x duty <= 1")
+    high, low = rate * burst, rate * (1 - burst * duty) / (1 - duty)
+    rng = random.Random(f"bursty:{seed}")
+    out: list[float] = []
+    t = 0.0
+    while len(out) < n:
+        phase = t % period
+        on = phase < duty * period
+        end = t - phase + (duty * period if on else period)  # where this phase ends
+        r = high if on else low
+        step = rng.expovariate(r) if r > 0 else math.inf
+        if t + step >= end:  # memoryless: start over at the boundary with the next phase's rate
+            t = end
+            continue
+        t += step
+        out.append(t)
+    return out
+
+
+def bursty_trace(
+    *,
+    requests: int = 2000,
+    system: Length = 512,
+    turn: Length = (32, 512),
+    output: Length = (32, 256),
+    rate: float = 20.0,
+    burst: float = 4.0,
+    period: float = 20.0,
+    duty: float = 0.2,
+    seed: int = 0,
+    namespace: str = "fam-burst",
+) -> Trace:
+    """The `system-prompt` shape with bursty arrivals.
+
+    requests, system, turn, output, seed, namespace as in `system_prompt_trace`; rate: the mean
+    arrival rate per second; burst: the rate during a burst, as a multiple of the mean; period:
+    seconds from one burst's start to the next; duty: the share of each period spent in the
+    burst. Between bursts the rate is what keeps the mean at `rate` (burst x duty <= 1; the
+    defaults send 80% of the requests in the bursts, at 4x the mean, and the rest at a quarter of it).
+    """
+    rng = random.Random(f"{namespace}:{seed}")
+    system_len = _draw(rng, system)
+    arrivals = bursty_arrivals(requests, rate, burst, period, duty, seed)
+    key = f"{namespace}:{seed}"
+    return [
+        _request(
+            f"{namespace}-{i}",
+            at,
+            [(f"{key}:sys", system_len), (f"{key}:t:{i}", max(1, _draw(rng, turn)))],
+            _draw(rng, output),
+        )
+        for i, at in enumerate(arrivals)
+    ]
+
+
 FAMILIES: dict[str, Callable[..., Trace]] = {
     "system-prompt": system_prompt_trace,
     "multi-turn": multi_turn_trace,
     "tenants": tenants_trace,
+    "rag": rag_trace,
+    "heavy-tail": heavy_tail_trace,
+    "bursty": bursty_trace,
 }
 
 

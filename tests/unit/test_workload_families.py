@@ -10,8 +10,12 @@ from hypothesis import strategies as st
 
 from pilotfish.simulator.traces.families import (
     FAMILIES,
+    bursty_arrivals,
+    bursty_trace,
     family_trace,
+    heavy_tail_trace,
     multi_turn_trace,
+    rag_trace,
     system_prompt_trace,
     tenants_trace,
 )
@@ -21,6 +25,9 @@ SMALL = {
     "system-prompt": {"requests": 60},
     "multi-turn": {"conversations": 12},
     "tenants": {"requests": 60, "tenants": 4},
+    "rag": {"requests": 60},
+    "heavy-tail": {"requests": 60},
+    "bursty": {"requests": 60},
 }
 
 
@@ -110,6 +117,45 @@ def test_rate_sets_the_arrival_rate() -> None:
     assert 4000 / trace[-1].arrival == pytest.approx(50.0, rel=0.1)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), instruction=st.integers(0, 256))
+def test_rag_prompts_are_long_and_share_only_the_instruction(seed: int, instruction: int) -> None:
+    trace = rag_trace(requests=40, instruction=instruction, seed=seed)
+    assert all(2048 + 16 <= r.input_length - instruction <= 8192 + 128 for r in trace)
+    if instruction:
+        assert {r.segments[0] for r in trace} == {trace[0].segments[0]} and trace[0].segments[0][1] == instruction
+    own = [r.segments[1:] if instruction else r.segments for r in trace]
+    assert len({segs[0][0] for segs in own}) == len(trace)  # the context is each request's own
+
+
+def test_heavy_tail_outputs_follow_the_pareto_law() -> None:
+    trace = heavy_tail_trace(requests=20_000, output_min=16, output_max=4096, alpha=1.2, seed=3)
+    outputs = sorted(r.output_length for r in trace)
+    assert outputs[0] >= 16 and outputs[-1] == 4096  # cut at output_max, and the tail reaches it
+    median = outputs[len(outputs) // 2]
+    assert median == pytest.approx(16 * 2 ** (1 / 1.2), abs=2)  # Pareto median: scale x 2^(1/alpha)
+    tail = sum(1 for o in outputs if o >= 16 * 30) / len(outputs)
+    assert tail == pytest.approx(30**-1.2, rel=0.15)  # P(X >= 30 x scale) = 30^-alpha
+    with pytest.raises(ValueError, match="alpha"):
+        heavy_tail_trace(requests=1, alpha=0)
+
+
+@pytest.mark.parametrize(("burst", "duty"), [(4.0, 0.2), (2.0, 0.25), (1.0, 0.5)])
+def test_bursty_arrivals_keep_the_mean_and_crowd_the_bursts(burst: float, duty: float) -> None:
+    arrivals = bursty_arrivals(20_000, 50.0, burst, 10.0, duty, seed=1)
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0
+    assert len(arrivals) / arrivals[-1] == pytest.approx(50.0, rel=0.05)
+    in_burst = sum(1 for t in arrivals if t % 10.0 < duty * 10.0) / len(arrivals)
+    assert in_burst == pytest.approx(burst * duty, abs=0.02)  # the bursts carry burst x duty of the requests
+
+
+def test_bursty_trace_is_the_system_prompt_shape_with_other_arrivals() -> None:
+    trace = bursty_trace(requests=200, seed=5)
+    assert len({r.segments[0] for r in trace}) == 1 and len({r.segments[1][0] for r in trace}) == 200
+    with pytest.raises(ValueError, match="burst x duty"):
+        bursty_trace(requests=10, burst=4.0, duty=0.5)
+
+
 @pytest.mark.parametrize(
     ("spec", "check"),
     [
@@ -123,6 +169,10 @@ def test_rate_sets_the_arrival_rate() -> None:
         ),
         ("tenants:requests=7,tenants=2,rate=2.5", lambda t: len(t) == 7),
         ("system-prompt:requests=3,seed=9", lambda t: t == system_prompt_trace(requests=3, seed=9)),
+        ("rag:requests=4,context=100-200,instruction=0", lambda t: all(117 <= r.input_length <= 328 for r in t)),
+        ("heavy-tail:requests=50,output_min=8,output_max=64,alpha=2.5",
+         lambda t: all(8 <= r.output_length <= 64 for r in t)),
+        ("bursty:requests=9,burst=2.0,period=5.0,duty=0.3", lambda t: len(t) == 9),
     ],
 )
 def test_family_trace_parses_knobs(spec: str, check) -> None:

@@ -1,0 +1,103 @@
+"""`pilotfish bench matrix` end to end at a tiny size: the knee search, every cell, result.json's
+structure, the losses list and the heat map."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from pilotfish.bench import matrix
+
+
+def _args(out: Path, **overrides: object) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    matrix.add_arguments(parser)
+    argv = ["--out", str(out)]
+    for key, value in overrides.items():
+        flag = f"--{key.replace('_', '-')}"
+        argv += [flag] if value is True else [flag, str(value)]
+    return parser.parse_args(argv)
+
+
+def test_a_tiny_matrix_end_to_end(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    args = _args(
+        tmp_path,
+        workloads="family:rag:context=1024-2048,family:system-prompt:turn=256-2048",
+        policies="pilotfish,pilotfish-full,round-robin,sglang,oracle",
+        fleets="4",
+        loads="0.5,1.2",
+        seeds="0,1",
+        requests_per_cell=48,
+        knee_steps=1,
+        knee_doublings=5,
+        jobs=1,
+    )
+    assert matrix.run(args) == 0
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["benchmark"] == "matrix"
+    assert result["policies"] == ["pilotfish", "pilotfish-full", "round-robin", "sglang", "oracle"]
+    assert set(result["knees"]) == {"family:rag:context=1024-2048|4", "family:system-prompt:turn=256-2048|4"}
+    for knee in result["knees"].values():
+        assert knee["rate_rps"] > 0 and knee["probes"] and knee["mark"] == pytest.approx(0.9 * knee["light_attainment"])
+        if knee["bounded"]:  # the knee passed the mark, the rate above it did not
+            lo, hi = knee["bracket"]
+            assert lo < hi and dict(knee["probes"])[lo] >= knee["mark"] > dict(knee["probes"])[hi]
+    assert len(result["cells"]) == 2 * 1 * 2
+    for cell in result["cells"].values():
+        assert set(cell["runs"]) == set(result["policies"])
+        assert all(set(by_seed) == {"0", "1"} for by_seed in cell["runs"].values())
+        assert cell["best_peer"] == "sglang" and cell["best_local_peer"] == "sglang"
+        for s in cell["summary"].values():
+            lo, hi = s["goodput_rps_range"]
+            assert lo <= s["goodput_rps"] <= hi
+            assert s["vs_best_peer"] == pytest.approx(s["goodput_rps"] / cell["summary"]["sglang"]["goodput_rps"])
+        assert cell["summary"]["sglang"]["vs_best_peer"] == pytest.approx(1.0)
+    for loss in result["losses"]:
+        assert loss["policy"] in ("pilotfish", "pilotfish-full") and loss["ratio"] < 1.0
+    assert result["heatmap"] == "heatmap.png" and (tmp_path / "heatmap.png").stat().st_size > 0
+    report = (tmp_path / "report.md").read_text()
+    assert "## Knees (round-robin)" in report and "## Where a shipped default loses" in report
+
+
+def test_losses_name_the_cell_and_the_reference() -> None:
+    def summary(goodput: float) -> dict[str, object]:
+        return {"goodput_rps": goodput, "goodput_rps_range": [goodput, goodput]}
+
+    cells = {"w | 16 | 1": {"runs": {}, "summary": {
+        "pilotfish": summary(9.0), "pilotfish-full": summary(11.0), "round-robin": summary(10.0),
+        "sglang": summary(10.5), "dynamo": summary(12.0), "power-of-two": summary(8.0)}}}
+    for cell in cells.values():
+        cell["runs"] = {p: {"0": {}} for p in cell["summary"]}
+    # summarize() needs per-seed runs; fill the relative figures the way it does
+    for cell in cells.values():
+        s = cell["summary"]
+        cell["best_peer"], cell["best_local_peer"] = "dynamo", "sglang"
+        for p in s.values():
+            p["vs_round_robin"] = p["goodput_rps"] / 10.0
+            p["vs_best_peer"] = p["goodput_rps"] / 12.0
+            p["vs_best_local_peer"] = p["goodput_rps"] / 10.5
+    lost = {(x["policy"], x["against"]) for x in matrix.losses(cells)}
+    assert lost == {("pilotfish", "round-robin"), ("pilotfish", "sglang"), ("pilotfish-full", "dynamo")}
+
+
+def test_quick_replaces_only_what_was_left_at_its_default(tmp_path: Path) -> None:
+    config = matrix.config_from_args(_args(tmp_path, quick=True, fleets="8"))
+    assert config.fleets == [8] and config.seeds == matrix.QUICK["seeds"]
+    assert config.workloads == matrix.QUICK["workloads"]
+
+
+def test_shared_trace_windows_differ_by_seed_and_start_at_zero() -> None:
+    from pilotfish.simulator.traces import default_trace_dir
+
+    folder = default_trace_dir()
+    if folder is None or not (folder / "azure_code_2023.csv").exists():
+        pytest.skip("the shared traces are not here")
+    a = matrix.base_trace("trace:azure_code_2023.csv", 50, 0, None)
+    b = matrix.base_trace("trace:azure_code_2023.csv", 50, 1, None)
+    assert len(a) == len(b) == 50 and a != b
+    assert 0 < min(r.arrival for r in a) < 0.01 and 0 < min(r.arrival for r in b) < 0.01

@@ -4,7 +4,6 @@ scheduler refusals, a served endpoint that moves the load, prefill/decode pairs.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 
@@ -20,6 +19,8 @@ from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import SCHEDULER, CircuitBreaker, Decision, Router
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.protos import scheduler_pb2
+from tests.unit.test_ext_proc_processor import run as run_messages
+from tests.unit.test_ext_proc_processor import set_headers
 
 Mode = processing_mode_pb2.ProcessingMode
 E0, E1, E2 = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
@@ -117,18 +118,7 @@ def response_body(data: bytes, end: bool = False) -> ep.ProcessingRequest:
 
 
 def run(svc: ExtProcServicer, messages: list[ep.ProcessingRequest]) -> list[ep.ProcessingResponse]:
-    async def feed():
-        for m in messages:
-            yield m
-
-    async def collect():
-        return [reply async for reply in svc.Process(feed(), None)]
-
-    return asyncio.run(collect())
-
-
-def set_headers(mutation: ep.HeaderMutation) -> dict[str, str]:
-    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+    return run_messages(messages, svc)
 
 
 def routed_headers(replies: list[ep.ProcessingResponse]) -> dict[str, str]:

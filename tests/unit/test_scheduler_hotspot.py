@@ -343,3 +343,29 @@ def test_yaml_cache_aware_equals_the_flag_built_policy() -> None:
     composed = build_policy(SchedulerConfig(scheduling_policy="mine", policies=yaml))
     assert composed.spec() == flags.spec()
     assert flags.spec()["neutral"]["selector"]["name"] == "cache_aware"
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+def test_the_default_policy_keeps_shared_prefix_requests_within_its_ttft_band(full: bool) -> None:
+    """What ships (predicted-latency, no flags): at every dispatch the target's predicted TTFT before
+    it is within the band (50 ms or 10%) of the least, whatever it caches; a burst of shared-prefix
+    requests spreads over every instance, and the index learns the block on all of them."""
+    fields: dict[str, object] = {"scheduling_policy": "predicted-latency"}
+    if full:
+        fields["enable_full_mode_scheduling"] = True
+    core = make_core(8, **fields)
+    metric = band_metric(core)
+    assert metric.name == "predicted_ttft"
+    views = {v.instance_id: v for v in core.instances()}
+    rng = random.Random(3)
+    counts = dict.fromkeys(views, 0)
+    for i in range(160):
+        req = shared_prefix_request(i, rng.randint(1, 600))
+        before = {name: metric.value(v, req) for name, v in views.items()}
+        target = core.schedule(req).target.instance_id
+        least = min(before.values())
+        assert before[target] <= max(least + 50.0, least * 1.1) + 1e-9
+        counts[target] += 1
+    assert min(counts.values()) > 0 and max(counts.values()) <= 2 * 160 / 8
+    holders = core.prefix_index.match(tuple(range(1, SHARED_BLOCKS + 1)))  # type: ignore[union-attr]
+    assert set(holders) == set(views)

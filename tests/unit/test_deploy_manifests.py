@@ -11,6 +11,11 @@
 - Agreement: every container's args parse with the real CLI (pilotfish's; vLLM's own parser where
   .venv-vllm exists), probes name the health services the servers register, ports, Services,
   selectors, PDBs, ServiceMonitors and RBAC fit one another, the llumlet's settings load.
+- Security: every listener beyond loopback serves TLS or checks a token (pilotfish/security.py's own
+  rule, on the args as parsed), the TLS files come read-only from the Secret deploy/k8s/README.md
+  says how to make, the ServiceMonitors scrape over HTTPS with what the servers require. The
+  integration test at the end starts the picker and the scheduler from the manifests' own args with
+  certificates made by the README's openssl commands, and runs the manifests' own probes.
 """
 
 from __future__ import annotations
@@ -50,8 +55,24 @@ CRD_SCHEMAS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepool-v1.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-v1.json",
 }
-MERGE_KEYS = {"containers": "name", "initContainers": "name", "env": "name"}  # strategic merge, as kustomize
-OPERATOR_SECRETS = {"pilotfish-redis": False, "hf-token": True}  # name -> optional; created by the operator
+# strategic merge, as kustomize
+MERGE_KEYS = {
+    "containers": "name",
+    "initContainers": "name",
+    "env": "name",
+    "volumes": "name",
+    "volumeMounts": "mountPath",
+}
+# name -> optional; created by the operator (deploy/k8s/README.md)
+OPERATOR_SECRETS = {
+    "pilotfish-redis": False,
+    "hf-token": True,
+    "pilotfish-tls": False,
+    "pilotfish-metrics-client": False,
+}
+K8S_README = K8S / "README.md"
+TLS_SECRET, TLS_KEYS = "pilotfish-tls", {"tls.crt", "tls.key", "ca.crt"}
+MOUNT_ROOT = "/etc/pilotfish/"  # where the pods mount their Secrets (tls/, redis/)
 SAMPLE_ENV = {"POD_NAME": "vllm-7d9f8c6b5-abcde", "POD_IP": "10.1.2.3", "REDIS_PASSWORD": "0123abcd"}
 
 
@@ -136,20 +157,88 @@ def expand(text: str, env: dict[str, str]) -> str:
     return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
 
 
-def parsed_args(container: dict[str, Any]) -> Any:
+def parsed_args(container: dict[str, Any], files: Path | None = None) -> Any:
+    """The container's args through the real CLI; `files`: a folder standing in for /etc/pilotfish/."""
     env = env_of(container)
-    args, unknown = build_parser().parse_known_args([expand(a, env) for a in container["args"]])
+    argv = [expand(a, env) for a in container["args"]]
+    if files is not None:
+        argv = [a.replace(MOUNT_ROOT, f"{files}/") for a in argv]
+    args, unknown = build_parser().parse_known_args(argv)
     assert not unknown, f"{container['name']}: unknown flags {unknown}"
     return args
 
 
-def config_of(container: dict[str, Any]) -> Any:
+def config_of(container: dict[str, Any], files: Path | None = None) -> Any:
     from pilotfish.ext_proc.config import ExtProcConfig
     from pilotfish.scheduler.config import SchedulerConfig
 
-    args = parsed_args(container)
+    args = parsed_args(container, files)
     struct = {"ext-proc": ExtProcConfig, "scheduler": SchedulerConfig}[container["args"][0]]
     return struct_from_args(struct, args, getattr(args, "config", None) or getattr(args, "config_path", None))
+
+
+def secret_file(deployment: dict[str, Any], container: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret, key) that `path` reads inside the container; the mount must be read-only."""
+    folder, _, key = path.rpartition("/")
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["mountPath"].rstrip("/") == folder]
+    assert mount.get("readOnly") is True, f"{deployment['metadata']['name']}: {folder} is mounted read-only"
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert "items" not in volume["secret"], "every key of the Secret, under its own name"
+    return volume["secret"]["secretName"], key
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", K8S_README.read_text(), re.S)
+
+
+def cert_manager_objects() -> list[dict[str, Any]]:
+    (block,) = [b for b in readme_blocks("yaml") if "cert-manager.io/v1" in b]
+    return [d for d in yaml.safe_load_all(block) if d]
+
+
+def documented_certificate(secret: str) -> dict[str, Any]:
+    (cert,) = [o for o in cert_manager_objects() if o["kind"] == "Certificate" and o["spec"]["secretName"] == secret]
+    return cert
+
+
+def documented_names() -> set[str]:
+    """The names deploy/k8s/README.md puts in pilotfish-tls's certificate (its cert-manager Certificate)."""
+    return set(documented_certificate(TLS_SECRET)["spec"]["dnsNames"])
+
+
+def openssl_script() -> str:
+    """The README's openssl commands, without the kubectl ones (nothing here talks to a cluster)."""
+    (block,) = [b for b in readme_blocks("bash") if "openssl req" in b]
+    lines, skipping = [], False
+    for line in block.splitlines():
+        skipping = skipping or line.startswith("kubectl")
+        if not skipping:
+            lines.append(line)
+        elif not line.endswith("\\"):
+            skipping = False
+    return "set -eu\n" + "\n".join(lines) + "\n"
+
+
+def fake_mounts(root: Path, cert: Path, key: Path, ca: Path) -> Path:
+    """A folder laid out as the pods' /etc/pilotfish: tls/ (the TLS Secret's keys), redis/password."""
+    (root / "tls").mkdir(parents=True)
+    for name, source in (("tls.crt", cert), ("tls.key", key), ("ca.crt", ca)):
+        shutil.copy(source, root / "tls" / name)
+    (root / "redis").mkdir()
+    (root / "redis" / "password").write_text(SAMPLE_ENV["REDIS_PASSWORD"] + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def mounts(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """/etc/pilotfish as the pods see it, with a certificate for the documented names (cryptography)."""
+    pytest.importorskip("cryptography", reason="the test extra's cryptography package makes the certificates")
+    from pilotfish.security_testing import issue, make_ca
+
+    pki = tmp_path_factory.mktemp("pki")
+    ca_key, ca_cert, ca = make_ca(pki)
+    cert, key = issue(ca_key, ca_cert, pki, "pilotfish", hosts=tuple(sorted(documented_names())))
+    return fake_mounts(tmp_path_factory.mktemp("etc-pilotfish"), cert, key, ca)
 
 
 # ---- validation --------------------------------------------------------------------------------
@@ -296,22 +385,49 @@ def test_pilotfish_container_args_parse_with_the_real_cli(overlay: str) -> None:
     assert seen == {"ext-proc", "scheduler"}
 
 
+def tls_probe(probe: dict[str, Any]) -> tuple[str, int, str, str]:
+    """An exec probe's (code, port, certificate name, health service): gRPC health over TLS in the pod
+    (the kubelet's own gRPC probe speaks no TLS)."""
+    assert set(probe) >= {"exec"} and "grpc" not in probe
+    python, flag, code, address, name, service = probe["exec"]["command"]
+    assert (python, flag) == ("python", "-c")
+    host, _, port = address.rpartition(":")
+    assert host == "127.0.0.1", "the pod asks itself"
+    assert probe["timeoutSeconds"] >= 3, "python and grpc start in well under a second, not in the 1 s default"
+    return code, int(port), name, service
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_name_the_health_services_the_servers_register(overlay: str) -> None:
     from pilotfish.ext_proc.server import LIVE_SERVICES, READY_SERVICES
     from pilotfish.scheduler.service import SERVICE_NAME
 
     objects = RENDERED[overlay]
+    codes = set()
+    names = documented_names()
     ext = one(objects, "Deployment", "pilotfish-epp")["spec"]["template"]["spec"]["containers"][0]
     port = config_of(ext).port
-    assert ext["readinessProbe"]["grpc"] == {"port": port, "service": "readiness"}
+    code, probe_port, name, service = tls_probe(ext["readinessProbe"])
+    assert (probe_port, service) == (port, "readiness") and name in names
     assert "readiness" in READY_SERVICES  # answered only after the first discovery sync
-    assert ext["livenessProbe"]["grpc"] == {"port": port, "service": "liveness"}
+    codes.add(code)
+    code, probe_port, name, service = tls_probe(ext["livenessProbe"])
+    assert (probe_port, service) == (port, "liveness") and name in names
     assert "liveness" in LIVE_SERVICES  # answered at once
+    codes.add(code)
     sched = one(objects, "Deployment", "pilotfish-scheduler")["spec"]["template"]["spec"]["containers"][0]
     port = config_of(sched).port
-    assert sched["readinessProbe"]["grpc"] == {"port": port, "service": SERVICE_NAME}
-    assert sched["livenessProbe"]["grpc"] == {"port": port}
+    code, probe_port, name, service = tls_probe(sched["readinessProbe"])
+    assert (probe_port, service) == (port, SERVICE_NAME) and name in names
+    codes.add(code)
+    code, probe_port, name, service = tls_probe(sched["livenessProbe"])
+    assert (probe_port, service) == (port, "") and name in names
+    codes.add(code)
+    (code,) = codes  # one probe, run by test_the_manifests_serve_tls_as_documented
+    compile(code, "probe", "exec")
+    assert set(re.findall(r'"/etc/pilotfish/tls/"', code)) and {"ca.crt", "tls.crt", "tls.key"} <= set(
+        re.findall(r'"([a-z]+\.[a-z]+)"', code)
+    )
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -322,7 +438,8 @@ def test_the_pool_the_picker_and_the_scheduler_are_wired_together(overlay: str) 
     assert ref["failureMode"] == "FailClose"  # the protocol's default; see the manifest's comment
     epp_service = one(objects, "Service", ref["name"])
     (svc_port,) = [p for p in epp_service["spec"]["ports"] if p["port"] == ref["port"]["number"]]
-    assert svc_port["appProtocol"] == "kubernetes.io/h2c"
+    # gRPC over TLS, as GIE's pickers serve it and gateways dial them (not kubernetes.io/h2c: cleartext)
+    assert svc_port["appProtocol"] == "http2"
     epp = one(objects, "Deployment", ref["name"])
     ext = epp["spec"]["template"]["spec"]["containers"][0]
     assert svc_port["targetPort"] in {p["name"] for p in ext["ports"]}
@@ -332,6 +449,7 @@ def test_the_pool_the_picker_and_the_scheduler_are_wired_together(overlay: str) 
     host, _, port = config.scheduler_address.rpartition(":")
     sched_service = one(objects, "Service", host)
     assert int(port) in [p["port"] for p in sched_service["spec"]["ports"]]
+    assert config.tls_server_name == host, "the name the picker expects in the scheduler's certificate"
     sched = one(objects, "Deployment", "pilotfish-scheduler")["spec"]["template"]["spec"]["containers"][0]
     assert config_of(sched).discovery == config.discovery  # one pool, read the same way by both
     vllm = one(objects, "Deployment", "vllm")
@@ -347,14 +465,18 @@ def test_full_mode_connects_scheduler_engines_and_redis() -> None:
     objects = RENDERED["full"]
     sched = one(objects, "Deployment", "pilotfish-scheduler")
     assert sched["spec"]["replicas"] >= 2
-    config = config_of(sched["spec"]["template"]["spec"]["containers"][0])
+    sched_container = sched["spec"]["template"]["spec"]["containers"][0]
+    config = config_of(sched_container)
     assert config.enable_full_mode_scheduling
     redis_service = one(objects, "Service", "pilotfish-redis")
-    expected = f"redis://:{SAMPLE_ENV['REDIS_PASSWORD']}@pilotfish-redis:{redis_service['spec']['ports'][0]['port']}/0"
-    assert config.redis_url == expected
-    vllm = one(objects, "Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]
+    expected = f"redis://pilotfish-redis:{redis_service['spec']['ports'][0]['port']}/0"
+    assert config.redis_url == expected, "no password in the URL: it would sit in the process's arguments"
+    assert secret_file(sched, sched_container, config.redis_password_file) == ("pilotfish-redis", "password")
+    vllm_deployment = one(objects, "Deployment", "vllm")
+    vllm = vllm_deployment["spec"]["template"]["spec"]["containers"][0]
     llumlet = config_from_env(env_of(vllm))
     assert llumlet.enabled and llumlet.cms_url == expected
+    assert secret_file(vllm_deployment, vllm, llumlet.redis_password_file) == ("pilotfish-redis", "password")
     assert llumlet.cluster == config.cms_cluster
     assert (llumlet.instance_id, llumlet.advertise_host) == (SAMPLE_ENV["POD_NAME"], SAMPLE_ENV["POD_IP"])
     redis = one(objects, "Deployment", "pilotfish-redis")["spec"]["template"]["spec"]["containers"][0]
@@ -389,18 +511,40 @@ def test_env_references_are_defined_before_use(overlay: str) -> None:
                 assert ref in defined, f"{deployment['metadata']['name']}: an arg uses $({ref}), not in env"
 
 
+def secret_refs(objects: list[dict[str, Any]]) -> Iterator[tuple[str, str, bool]]:
+    """(where, secret name, optional) for every Secret an object reads: env, volumes, ServiceMonitors."""
+    for deployment in find(objects, "Deployment"):
+        where = f"Deployment/{deployment['metadata']['name']}"
+        spec = deployment["spec"]["template"]["spec"]
+        for container in spec["containers"]:
+            for var in container.get("env", []):
+                if (ref := var.get("valueFrom", {}).get("secretKeyRef")) is not None:
+                    yield where, ref["name"], ref.get("optional", False)
+        for volume in spec.get("volumes", []):
+            if (secret := volume.get("secret")) is not None:
+                yield where, secret["secretName"], secret.get("optional", False)
+    for monitor in find(objects, "ServiceMonitor"):
+        for endpoint in monitor["spec"]["endpoints"]:
+            tls = endpoint.get("tlsConfig", {})
+            for ref in [tls.get(k, {}).get("secret") for k in ("ca", "cert")] + [tls.get("keySecret")]:
+                if ref is not None:
+                    yield f"ServiceMonitor/{monitor['metadata']['name']}", ref["name"], ref.get("optional", False)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_only_the_documented_secrets_are_referenced(overlay: str) -> None:
-    readme = (ROOT / "README.md").read_text()
-    for deployment, container in containers(RENDERED[overlay]):
-        for var in container.get("env", []):
-            ref = var.get("valueFrom", {}).get("secretKeyRef")
-            if ref is None:
-                continue
-            assert ref["name"] in OPERATOR_SECRETS, f"{deployment['metadata']['name']}: secret {ref['name']}"
-            assert ref.get("optional", False) == OPERATOR_SECRETS[ref["name"]]
-            assert f"secret generic {ref['name']}" in readme + _yaml_comments(), f"how to create {ref['name']}"
+    docs = (ROOT / "README.md").read_text() + K8S_README.read_text() + _yaml_comments()
+    refs = list(secret_refs(RENDERED[overlay]))
+    for where, name, optional in refs:
+        assert name in OPERATOR_SECRETS, f"{where}: secret {name}"
+        assert optional == OPERATOR_SECRETS[name], f"{where}: {name} optional={optional}"
+        assert f"secret generic {name}" in docs, f"how to create {name}"
+        assert f"`{name}`" in K8S_README.read_text(), f"deploy/k8s/README.md lists {name}"
+    assert {"pilotfish-tls", "pilotfish-metrics-client"} <= {name for _, name, _ in refs}
     assert not find(RENDERED[overlay], "Secret"), "no credential is committed: the operator creates the Secret"
+    assert not [p for p in K8S.rglob("*") if re.search(r"\.(key|pem|crt|p12)$", p.name)], "no key or certificate file"
+    for path in K8S.rglob("*.yaml"):
+        assert "PRIVATE KEY" not in path.read_text(), path
 
 
 def _yaml_comments() -> str:
@@ -523,6 +667,243 @@ print(json.dumps(out))
     for overlay in OVERLAYS:
         assert parsed[overlay]["port"] == 8000 and parsed[overlay]["host"] == "0.0.0.0"
         assert parsed[overlay]["scheduler"] == "LlumletScheduler"
+
+
+# ---- security -----------------------------------------------------------------------------------
+
+COMPONENT_DEPLOYMENTS = {"ext-proc": "pilotfish-epp", "scheduler": "pilotfish-scheduler"}
+
+
+def pilotfish_containers(objects: list[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    for deployment, container in containers(objects):
+        if container["image"].split(":")[0] == "pilotfish":
+            yield deployment, container
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_listener_beyond_loopback_serves_tls_or_checks_a_token(overlay: str, mounts: Path) -> None:
+    """pilotfish/security.py's own start-up rule on every container's args as the CLI parses them, so no
+    manifest can ship a listener that refuses to start, or one that --insecure lets start open."""
+    from pilotfish.security import Security, is_loopback
+    from pilotfish.vllm_plugin.config import config_from_env, llumlet_security
+
+    for deployment, container in containers(RENDERED[overlay]):
+        where = f"{deployment['metadata']['name']}/{container['name']}"
+        image = container["image"].split(":")[0]
+        if image == "pilotfish":
+            config = config_of(container, mounts)
+            assert not config.insecure, f"{where}: --insecure"
+            security = Security.from_config(config, environ={})
+            security.check_listener(config.host)  # what the server runs first; /metrics binds the same host
+            if not is_loopback(config.host):
+                assert security.tls or security.token, where
+        elif image == "pilotfish-vllm":
+            # the llumlet's gRPC server (Migrate, Abort) inside the engine: loopback unless told, and the
+            # same rule beyond. vLLM's own OpenAI port (--host=0.0.0.0) is the data plane the gateway
+            # routes to through the pool, not a Pilotfish listener.
+            env = {k: v.replace(MOUNT_ROOT, f"{mounts}/") for k, v in env_of(container).items()}
+            llumlet = config_from_env(env)
+            assert not llumlet.insecure, f"{where}: PILOTFISH_INSECURE"
+            if llumlet.enabled and llumlet.serve_grpc:
+                llumlet_security(llumlet).check_listener(llumlet.llumlet_host, "PILOTFISH_LLUMLET_HOST")
+        elif image == "redis":
+            assert container["args"][:2] == ["--requirepass", "$(REDIS_PASSWORD)"], f"{where}: Redis needs AUTH"
+        else:
+            pytest.fail(f"{where}: {image} is not classified here: say what guards its listeners")
+
+
+@pytest.mark.parametrize("component", sorted(COMPONENT_DEPLOYMENTS))
+def test_the_listener_rule_refuses_a_manifest_without_tls_or_a_token(component: str, mounts: Path) -> None:
+    """The test above has teeth: the same container without its TLS flags fails it."""
+    from pilotfish.config import ConfigError
+    from pilotfish.security import Security
+
+    deployment = one(RENDERED["lite"], "Deployment", COMPONENT_DEPLOYMENTS[component])
+    container = copy.deepcopy(deployment["spec"]["template"]["spec"]["containers"][0])
+    container["args"] = [a for a in container["args"] if not a.startswith(("--tls-", "--auth-token-file"))]
+    config = config_of(container, mounts)
+    with pytest.raises(ConfigError, match="beyond loopback"):
+        Security.from_config(config, environ={}).check_listener(config.host)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_tls_comes_read_only_from_the_secret_and_each_link_gets_what_it_needs(overlay: str, mounts: Path) -> None:
+    from pilotfish.security import Security
+
+    objects = RENDERED[overlay]
+    seen = set()
+    for deployment, container in pilotfish_containers(objects):
+        component = container["args"][0]
+        seen.add(component)
+        config = config_of(container)
+        files = {"tls_cert_file": "tls.crt", "tls_key_file": "tls.key", "tls_ca_file": "ca.crt"}
+        for field, key in files.items():
+            assert secret_file(deployment, container, getattr(config, field)) == (TLS_SECRET, key), field
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v.get("secret", {}).get("secretName") == TLS_SECRET]
+        mode = volume["secret"]["defaultMode"]
+        assert mode & 0o040 and not mode & 0o007, "readable by the pod's group (fsGroup), by no one else"
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+        security = Security.from_config(config_of(container, mounts), environ={})
+        assert security.tls
+        if component == "ext-proc":
+            # the gateway presents no client certificate; the scheduler is dialled with TLS, verified
+            # by the CA, and given the picker's certificate
+            assert config.tls_no_client_auth and not security.mutual
+            assert security.client_tls and security.cert and security.ca
+        else:
+            assert not config.tls_no_client_auth and security.mutual, "only clients with the CA's certificate"
+    assert seen == {"ext-proc", "scheduler"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_service_monitors_scrape_over_https_with_what_the_servers_require(overlay: str, mounts: Path) -> None:
+    from pilotfish.security import Security
+
+    objects = RENDERED[overlay]
+    by_app = {d["metadata"]["name"]: c for d, c in pilotfish_containers(objects)}
+    names = documented_names()
+    scraped = set()
+    for monitor in find(objects, "ServiceMonitor"):
+        apps = set(monitor["spec"]["selector"].get("matchLabels", {}).values())
+        for e in monitor["spec"]["selector"].get("matchExpressions", []):
+            apps |= set(e["values"])
+        for app in apps & set(by_app):
+            scraped.add(app)
+            security = Security.from_config(config_of(by_app[app], mounts), environ={})
+            (endpoint,) = monitor["spec"]["endpoints"]
+            tls = endpoint["tlsConfig"]
+            assert endpoint["scheme"] == "https" and security.tls
+            assert tls["ca"] == {"secret": {"name": TLS_SECRET, "key": "ca.crt"}}
+            assert tls["serverName"] in names and "insecureSkipVerify" not in tls
+            assert not security.token, "a token on /metrics needs bearerTokenSecret here"
+            if security.mutual:
+                assert tls["cert"] == {"secret": {"name": "pilotfish-metrics-client", "key": "tls.crt"}}
+                assert tls["keySecret"] == {"name": "pilotfish-metrics-client", "key": "tls.key"}
+    assert scraped == set(by_app)
+
+
+def test_the_readmes_certificates_fit_the_manifests() -> None:
+    """deploy/k8s/README.md's cert-manager objects and openssl commands make what the manifests use."""
+    namespace = yaml.safe_load((K8S / "base" / "kustomization.yaml").read_text())["namespace"]
+    objects = cert_manager_objects()
+    assert {o["metadata"]["namespace"] for o in objects} == {namespace}
+    tls, client = documented_certificate(TLS_SECRET), documented_certificate("pilotfish-metrics-client")
+    assert {"server auth", "client auth"} <= set(tls["spec"]["usages"])
+    assert "client auth" in client["spec"]["usages"] and "server auth" not in client["spec"]["usages"]
+    assert tls["spec"]["issuerRef"] == client["spec"]["issuerRef"], "one CA: the ca.crt in each Secret"
+    (ca_issuer,) = [
+        o for o in objects if o["kind"] == "Issuer" and o["metadata"]["name"] == tls["spec"]["issuerRef"]["name"]
+    ]
+    (ca_cert,) = [o for o in objects if o["kind"] == "Certificate" and o["spec"].get("isCA")]
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca_cert["spec"]["secretName"]
+    services = {s["metadata"]["name"] for s in find(RENDERED["lite"], "Service")} & set(COMPONENT_DEPLOYMENTS.values())
+    expected = {
+        f"{s}{suffix}" for s in services for suffix in ("", f".{namespace}.svc", f".{namespace}.svc.cluster.local")
+    }
+    assert set(tls["spec"]["dnsNames"]) == expected
+    assert set(re.findall(r"DNS:([a-z0-9.-]+)", openssl_script())) == expected, "openssl makes the same names"
+    listed = next(b for b in re.findall(r"```\n(.*?)```", K8S_README.read_text(), re.S))
+    assert set(listed.split()) == expected, "the README's list of names"
+
+
+@pytest.mark.integration
+async def test_the_manifests_serve_tls_as_documented(tmp_path: Path) -> None:
+    """The picker and the scheduler started from the lite manifests' own args (ports, discovery and the
+    scheduler's address swapped for loopback ones), with certificates the README's openssl commands
+    make: the manifests' probes pass; a gateway without a client certificate reaches the picker but
+    not the scheduler; the picker schedules through the scheduler over mutual TLS; /metrics answers
+    Prometheus as the ServiceMonitors configure it, and refuses a scraper without the client certificate."""
+    import asyncio
+    import ssl
+    import sys
+
+    import grpc
+    import msgspec
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pilotfish.ext_proc.routing import SCHEDULER
+    from pilotfish.ext_proc.server import ExtProcServer
+    from pilotfish.procs import free_port
+    from pilotfish.protos import scheduler_pb2
+    from pilotfish.scheduler.service import SchedulerServer
+
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary: the README's commands cannot run")
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    made = subprocess.run(["bash", "-c", openssl_script()], cwd=pki, capture_output=True, text=True, timeout=60)
+    assert made.returncode == 0, made.stderr[-2000:]
+    files = fake_mounts(tmp_path / "etc-pilotfish", pki / "tls.crt", pki / "tls.key", pki / "ca.crt")
+    objects = RENDERED["lite"]
+    epp = one(objects, "Deployment", "pilotfish-epp")["spec"]["template"]["spec"]["containers"][0]
+    sched = one(objects, "Deployment", "pilotfish-scheduler")["spec"]["template"]["spec"]["containers"][0]
+    engines = ["e0=127.0.0.1:8001", "e1=127.0.0.1:8002"]
+    sched_config = msgspec.structs.replace(config_of(sched, files), port=free_port(), metrics_port=free_port(),
+                                           discovery="", instances=engines)  # fmt: skip
+    scheduler = SchedulerServer(sched_config)
+    await scheduler.start()
+    epp_config = msgspec.structs.replace(config_of(epp, files), port=free_port(), metrics_port=free_port(),
+                                         discovery="", instances=engines,
+                                         scheduler_address=f"127.0.0.1:{scheduler.port}")  # fmt: skip
+    picker = ExtProcServer(epp_config)
+    await picker.start()
+    try:
+        # the manifests' probes, as the kubelet runs them (with the ports swapped)
+        for container, port in ((epp, picker.port), (sched, scheduler.port)):
+            for kind in ("readinessProbe", "livenessProbe"):
+                code, _, name, service = tls_probe(container[kind])
+                proc = await asyncio.create_subprocess_exec(
+                    sys.executable, "-c", code.replace(MOUNT_ROOT, f"{files}/"), f"127.0.0.1:{port}", name, service,
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+                )  # fmt: skip
+                out, _ = await asyncio.wait_for(proc.communicate(), 30)
+                assert proc.returncode == 0, f"{container['name']} {kind}: {out.decode()[-2000:]}"
+
+        # a gateway: TLS, verifies with the CA, presents no client certificate
+        gateway = grpc.ssl_channel_credentials((pki / "ca.crt").read_bytes())
+
+        async def health(port: int, name: str) -> int:
+            options = [("grpc.ssl_target_name_override", name)]
+            async with grpc.aio.secure_channel(f"127.0.0.1:{port}", gateway, options) as channel:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                return int(reply.status)
+
+        assert await health(picker.port, "pilotfish-epp") == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.aio.AioRpcError):  # the scheduler asks for a client certificate
+            await health(scheduler.port, "pilotfish-scheduler")
+
+        # the picker's own link: mutual TLS to the scheduler, which decides
+        request = scheduler_pb2.ScheduleRequest(request_id="r1", model=epp_config.model[0], prompt_tokens=10)
+        decision = await picker.router.choose(request)
+        assert decision.source == SCHEDULER and decision.address in ("127.0.0.1:8001", "127.0.0.1:8002")
+
+        # /metrics as the ServiceMonitors scrape it
+        monitors = {
+            m["metadata"]["name"]: m["spec"]["endpoints"][0].get("tlsConfig") for m in find(objects, "ServiceMonitor")
+        }
+
+        async def scrape(port: int, server_name: str, client: bool) -> bytes:
+            context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+            if client:
+                context.load_cert_chain(pki / "client.crt", pki / "client.key")
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context, server_hostname=server_name)
+            writer.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            status = await asyncio.wait_for(reader.readline(), 10)
+            writer.close()
+            return status
+
+        assert b" 200 " in await scrape(sched_config.metrics_port, monitors["pilotfish-scheduler"]["serverName"], True)
+        assert b" 200 " in await scrape(epp_config.metrics_port, monitors["pilotfish-epp"]["serverName"], True)
+        assert b" 200 " in await scrape(epp_config.metrics_port, monitors["pilotfish-epp"]["serverName"], False)
+        try:  # TLS 1.3: the refusal of a missing client certificate comes on the first read
+            status = await scrape(sched_config.metrics_port, "pilotfish-scheduler", False)
+        except (ssl.SSLError, ConnectionError, asyncio.IncompleteReadError):
+            status = b""
+        assert status == b"", "no answer to a scraper without the client certificate"
+    finally:
+        await picker.stop(0)
+        await scheduler.stop(grace=0)
 
 
 # ---- images ------------------------------------------------------------------------------------

@@ -84,10 +84,11 @@ FAULTS: dict[str, Fault] = {
               "the discovery store restarting under its consumers"),
         Fault("redis-kill", "full", "component", "full mode; kill -9 Redis, restart it (empty) on its port after "
               "component_down_seconds", "the CMS store crashing and losing its records"),
-        Fault("cms-notices-drop", "full", "notices", "full mode; CLIENT KILL TYPE pubsub every 0.1 s for "
-              "notice_drop_seconds: the scheduler's subscription to the llumlets' change notices keeps being cut",
-              "Redis disconnecting a subscriber (its pub/sub output-buffer limit, a network blip): pub/sub is "
-              "at most once, so notices sent meanwhile are lost and only the reader's poll catches up"),
+        Fault("cms-notices-drop", "full", "notices", "full mode; for notice_drop_seconds Redis's ACL denies "
+              "SUBSCRIBE and the subscriber connections are cut (CLIENT KILL TYPE pubsub): every change notice the "
+              "llumlets publish reaches nobody, their status writes go on",
+              "a subscriber Redis disconnected (its pub/sub output-buffer limit, a network blip) that cannot get "
+              "back for a while: pub/sub is at most once, so only the reader's poll (every 2 s) catches up"),
         Fault("llumlet-export-kill", "full", "not-applicable", "kill a llumlet's export process",
               "the process inside a vLLM engine that writes the llumlet's records to Redis dying alone"),
     )
@@ -347,6 +348,26 @@ def envoy_retries(admin_port: int) -> dict[str, float]:
     return dict(out)
 
 
+EXT_PROC_COUNTERS = ("routed", "rejected", "releases", "served_elsewhere", "gateway_errors")
+
+
+def ext_proc_counters(port: int) -> dict[str, float]:
+    """The ext_proc's routing and release counters, by label (the process running at the end: a
+    restarted ext_proc counts from its restart)."""
+    from pilotfish.prom_scrape import scrape
+
+    try:
+        samples = scrape(port)
+    except Exception as exc:
+        return {"unreachable": 1.0, "error": str(exc)}  # type: ignore[dict-item]
+    out: dict[str, float] = {}
+    for name in EXT_PROC_COUNTERS:
+        for labels, value in samples.get(f"pilotfish_ext_proc_{name}_total", []):
+            tag = ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+            out[f"{name}{{{tag}}}" if tag else name] = value
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- load
 
 
@@ -531,6 +552,7 @@ async def measure_fault(rig: Rig, fault: Fault, cfg: FaultsBenchConfig) -> dict[
     stop_sampling.set()
     await sampler
     extra["envoy_retries"] = await asyncio.to_thread(envoy_retries, rig.stack.admin_port)
+    extra["ext_proc_counters"] = await asyncio.to_thread(ext_proc_counters, rig.stack.ext_proc_metrics_port)
     return {
         "records": load.records,
         "skipped": load.skipped,
@@ -735,9 +757,15 @@ async def _wait_listed(rig: Rig, engines: set[str], timeout: float) -> bool:
     return False
 
 
+SUBSCRIBE_COMMANDS = ("subscribe", "psubscribe", "ssubscribe")
+
+
 async def inject_notices_drop(
     rig: Rig, cfg: FaultsBenchConfig, clock: Clock, samples: list, extra: dict
 ) -> list[Window]:
+    """Redis's ACL takes SUBSCRIBE from its (default) user and the subscriber connections are cut:
+    the scheduler's reader cannot subscribe again (NOPERM, retried with its backoff) and every
+    notice the llumlets PUBLISH meanwhile reaches nobody; their writes are untouched."""
     import redis
 
     from pilotfish.cms import keys
@@ -745,18 +773,28 @@ async def inject_notices_drop(
     channel = keys.events_channel(rig.stack_cluster)
     client = redis.Redis(host="127.0.0.1", port=rig.redis.port, socket_timeout=2)
     kills = checks = unsubscribed = 0
-    start = clock.mark("CLIENT KILL TYPE pubsub every 0.1 s starts")
+
+    def acl(sign: str) -> None:
+        client.execute_command("ACL", "SETUSER", "default", *(sign + c for c in SUBSCRIBE_COMMANDS))
+
+    def subscribers() -> int:
+        [(_, n)] = client.pubsub_numsub(channel)
+        return int(n)
+
     try:
+        await asyncio.to_thread(acl, "-")
+        kills += await asyncio.to_thread(client.client_kill_filter, _type="pubsub")
+        start = clock.mark("ACL: SUBSCRIBE denied; CLIENT KILL TYPE pubsub")
         while clock.now() < start + cfg.notice_drop_seconds:
-            kills += await asyncio.to_thread(client.client_kill_filter, _type="pubsub")
-            await asyncio.sleep(0.05)
-            [(_, subscribers)] = await asyncio.to_thread(client.pubsub_numsub, channel)
+            await asyncio.sleep(0.1)
             checks += 1
-            unsubscribed += int(subscribers == 0)
-            await asyncio.sleep(0.05)
-        restart = clock.mark("subscriber cuts stop")
+            unsubscribed += int(await asyncio.to_thread(subscribers) == 0)
     finally:
-        client.close()
+        await asyncio.to_thread(acl, "+")
+    restart = clock.mark("ACL: SUBSCRIBE allowed again")
+    again = await _wait(lambda: subscribers() > 0, 15, every=0.05)
+    extra["resubscribed_after_s"] = round(clock.now() - restart, 2) if again else None
+    client.close()
     extra["subscriber_connections_cut"] = kills
     extra["checks_with_no_subscriber"] = f"{unsubscribed} of {checks}"
     return [Window(start, restart, restart)]
@@ -831,6 +869,9 @@ def outcome_counts(records: list[Record]) -> dict[str, Any]:
         "failed": sum(errors.values()),
         "failed_by_error": dict(errors.most_common()),
         "incomplete_streams": errors.get(INCOMPLETE, 0),
+        # a stalled engine fails nothing but holds its requests: those that took over 2 s
+        "slower_than_2s": sum(1 for r in records if r.t_end - r.t_send > 2.0),
+        "longest_s": round(max((r.t_end - r.t_send for r in records), default=0.0), 2),
     }
 
 
@@ -890,6 +931,7 @@ def component_figures(records: list[Record], windows: list[Window]) -> dict[str,
         "detect_s": round(min(around) - w.start, 2) if around else None,
         "recover_s": round(max(0.0, max(bad) - w.restart), 2) if bad else 0.0,
         "answers_after_restart_s": round(w.back - w.restart, 2),
+        "recover_after_answering_s": round(max(0.0, max(bad) - w.back), 2) if bad else 0.0,
         "not_via_scheduler": len(bad),
     }
 
@@ -945,7 +987,7 @@ def summarise_fault(fault: Fault, raw: dict[str, Any], cfg: FaultsBenchConfig) -
         "fault": fault.name, "mode": fault.mode, "kind": fault.kind, "what": fault.what, "models": fault.models,
         "applies": True, "max_tokens": raw["max_tokens"], **outcome_counts(records),
         "skipped_by_client_cap": raw["skipped"],
-        "routes": dict(Counter(r.route or "(none: no ext_proc)" for r in records).most_common()),
+        "routes": dict(Counter(r.route or "(none)" for r in records).most_common()),
         "windows": [{k: round(v, 3) for k, v in vars(w).items()} for w in windows],
         "events": raw["events"], "account_after": raw["drain"], **raw["extra"],
     }  # fmt: skip
@@ -1032,6 +1074,34 @@ def _met(goal_list: list[dict[str, Any]]) -> str:
     return "; ".join(f"{'met' if g['met'] else 'NOT met'}: {g['goal']}" for g in goal_list)
 
 
+DETAIL_KEYS = (
+    "slower_than_2s",
+    "longest_s",
+    "routed_to_faulty_during",
+    "routed_to_faulty_after_1s",
+    "dispatched_to_faulty_after_1s",
+    "inflight_on_faulty_at_fault",
+    "sent_first_second",
+    "failed_bound",
+    "ejected_at_s",
+    "detect_s",
+    "recover_s",
+    "answers_after_restart_s",
+    "recover_after_answering_s",
+    "not_via_scheduler",
+    "view_staleness_max_s",
+    "view_fresh_after_restart_s",
+    "engines_listed_after_restart_s",
+    "subscriber_connections_cut",
+    "resubscribed_after_s",
+    "checks_with_no_subscriber",
+    "streams_on_target_seen_before_kill",
+    "envoy_retries",
+    "ext_proc_counters",
+    "scheduler_unreachable_samples",
+)  # the figures listed under each fault in report.md, when present
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     lines = [
         "# bench faults",
@@ -1079,12 +1149,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                      f"Skipped by the client's in-flight cap: {e['skipped_by_client_cap']}. "
                      f"Routes: {', '.join(f'{k} {v}' for k, v in e['routes'].items())}.")  # fmt: skip
         lines.append("")
-        keys = ["routed_to_faulty_during", "routed_to_faulty_after_1s", "dispatched_to_faulty_after_1s",
-                "inflight_on_faulty_at_fault", "sent_first_second", "failed_bound", "ejected_at_s", "detect_s",
-                "recover_s", "answers_after_restart_s", "not_via_scheduler", "view_staleness_max_s",
-                "view_fresh_after_restart_s", "engines_listed_after_restart_s", "subscriber_connections_cut",
-                "checks_with_no_subscriber", "streams_on_target_seen_before_kill", "envoy_retries",
-                "scheduler_unreachable_samples"]  # fmt: skip
+        keys = DETAIL_KEYS
         lines += [f"- {k}: {_show(e[k])}" for k in keys if k in e]
         d = e["account_after"]
         lines.append(f"- account after the load: drained {d['drained']} in {d['seconds']} s (account "

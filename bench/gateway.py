@@ -40,12 +40,15 @@ from pilotfish.procs import cpu_seconds
 
 MODEL = "bench-sim"
 SIDECAR = "sidecar"
+# the response through the sidecar's observing filter (--response-bodies observe), not a body mode
+OBSERVE = "OBSERVE"
 DEFAULT_BODY_MODES = (
     "BUFFERED/STREAMED",
     "STREAMED/STREAMED",
     "FULL_DUPLEX_STREAMED/FULL_DUPLEX_STREAMED",
     "BUFFERED/BUFFERED",
     "BUFFERED/NONE",  # full mode: response bodies skipped, releases from Envoy's access log
+    "BUFFERED/OBSERVE",  # lite mode, counted through an observing filter: no reply per chunk
     "istio",
     "ai-gateway",
 )
@@ -107,11 +110,11 @@ def parse_body_mode(text: str) -> BodyMode:
     if text in GATEWAYS:
         return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", text)
     request, _, response = text.partition("/")
-    if request in BODY_MODES and response in (*BODY_MODES, "NONE"):
+    if request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE):
         return BodyMode(request, response)
     raise ConfigError(
         f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)} (the response "
-        f"also NONE), or a gateway: {', '.join(GATEWAYS)}"
+        f"also NONE or {OBSERVE}), or a gateway: {', '.join(GATEWAYS)}"
     )
 
 
@@ -179,8 +182,8 @@ def run(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------------------- set-up
 
 
-def _skips(modes: dict[str, BodyMode]) -> bool:
-    return any(m.response == "NONE" for m in modes.values())
+def _uses(modes: dict[str, BodyMode], response: str) -> bool:
+    return any(m.response == response for m in modes.values())
 
 
 def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], upstream: int) -> str:
@@ -200,7 +203,8 @@ def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], up
         ext_proc_ports=ext_proc_ports,
         default_endpoints=endpoints,
         request_body_mode=sidecar.request,
-        response_body_mode=sidecar.response,
+        response_body_mode="NONE" if sidecar.response == OBSERVE else sidecar.response,
+        observe_response_bodies=sidecar.response == OBSERVE,
     )
     return render_plain_proxy(text) if mode is None else text
 
@@ -252,9 +256,12 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_colo = ext_proc("ext_proc-colocated", on_fast, False, "--colocated-scheduling")
     xp_paced = ext_proc("ext_proc-paced", on_paced, False)
     # response bodies skipped (full mode): the ext_proc releases from Envoy's access log
-    skip = ("--response-bodies", "skip")
-    xp_skip = ext_proc("ext_proc-skip", on_fast, True, *on_socket, *skip) if _skips(modes) else None
-    xp_paced_skip = ext_proc("ext_proc-paced-skip", on_paced, False, *skip) if _skips(modes) else None
+    skip, observe = ("--response-bodies", "skip"), ("--response-bodies", "observe")
+    xp_skip = ext_proc("ext_proc-skip", on_fast, True, *on_socket, *skip) if _uses(modes, "NONE") else None
+    xp_paced_skip = ext_proc("ext_proc-paced-skip", on_paced, False, *skip) if _uses(modes, "NONE") else None
+    xp_obs = ext_proc("ext_proc-observe", on_fast, True, *on_socket, *observe) if _uses(modes, OBSERVE) else None
+    xp_paced_obs = ext_proc("ext_proc-paced-observe", on_paced, False, *observe) if _uses(modes, OBSERVE) else None
+    by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs)}
     for child, port in pending:
         child.wait_port(port)
 
@@ -282,8 +289,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         load[_scale_arm(n)] = arm(_scale_arm(n), scale[:n], remote=True)
     for mode in modes.values():
         if mode_arm(mode) not in load:
-            xps = [xp_skip] if mode.response == "NONE" and xp_skip else scale[:1]
-            load[mode_arm(mode)] = arm(mode_arm(mode), xps, mode=mode, remote=True)
+            own = by_response.get(mode.response, (None, None))[0]
+            load[mode_arm(mode)] = arm(mode_arm(mode), [own] if own else scale[:1], mode=mode, remote=True)
     if cfg.vllm_router:
         port = free_port()
         router = group.start(
@@ -296,10 +303,9 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         load["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
     streaming = {"envoy": arm("paced envoy", [], paced)}
     streaming |= {
-        label: arm(f"paced {label}", [xp_paced_skip if mode.response == "NONE" and xp_paced_skip else xp_paced],
-                   paced, mode)
+        label: arm(f"paced {label}", [by_response.get(mode.response, (None, None))[1] or xp_paced], paced, mode)
         for label, mode in modes.items()
-    }  # fmt: skip
+    }
     # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
     dead = free_port()
     down = {label: arm(f"down {label}", [(dead, 0)], mode=mode) for label, mode in modes.items()}

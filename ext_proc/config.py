@@ -121,11 +121,14 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = 0
     response_bodies: Annotated[
-        Literal["count", "skip"],
+        Literal["count", "observe", "skip"],
         Meta(
             description="count: read streamed response bodies to count generated tokens (lite mode needs them) "
-            "and release each request at its stream's end; skip: leave response bodies alone (full mode: the "
-            "llumlets count tokens; the sidecar then asks Envoy for none), and release each request from "
-            "Envoy's access log, which the sidecar sends to this process"
+            "and release each request at its stream's end; observe: the same counts from a second Envoy filter "
+            "in observability mode (the sidecar's), which sends each chunk without waiting for a reply: "
+            "cheaper, but the usage chunk cannot be added and removed, so tokens are counted per event unless "
+            "the client asked for usage; skip: leave response bodies alone (full mode: the llumlets count "
+            "tokens; the sidecar then asks Envoy for none), and release each request from Envoy's access log, "
+            "which the sidecar sends to this process"
         ),
     ] = "count"

@@ -22,6 +22,8 @@ ROUTE_METADATA_KEY = "destination"
 # Who chose the engine (scheduler or fallback), for Envoy's access log: only the scheduler's picks
 # are released from it (access_log.py).
 ROUTE_SOURCE_KEY = "source"
+# The gateway's request id, for the filter that observes response bodies (--response-bodies observe).
+ROUTE_REQUEST_ID_KEY = "request_id"
 # The gateway's subset hint: the pick must come from these endpoints.
 SUBSET_METADATA_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_METADATA_KEY = "x-gateway-destination-endpoint-subset"
@@ -90,7 +92,9 @@ def destination_list(address: str, fallbacks: tuple[str, ...] = ()) -> str:
     return ",".join((address, *fallbacks)) if fallbacks else address
 
 
-def _destination_metadata(address: str, fallbacks: tuple[str, ...] = (), source: str = "") -> struct_pb2.Struct:
+def _destination_metadata(
+    address: str, fallbacks: tuple[str, ...] = (), source: str = "", request_id: str = ""
+) -> struct_pb2.Struct:
     """envoy.lb metadata (the Inference Extension's), and Pilotfish's own route key: the primary alone.
 
     The top-level key of dynamic_metadata is the namespace Envoy files it under.
@@ -102,6 +106,8 @@ def _destination_metadata(address: str, fallbacks: tuple[str, ...] = (), source:
     route.fields[ROUTE_METADATA_KEY].string_value = address
     if source:
         route.fields[ROUTE_SOURCE_KEY].string_value = source
+    if request_id:
+        route.fields[ROUTE_REQUEST_ID_KEY].string_value = request_id
     return metadata
 
 
@@ -152,7 +158,7 @@ def route_on_headers(
     )
     return ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=common),
-        dynamic_metadata=_destination_metadata(address, fallbacks, source),
+        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id),
     )
 
 
@@ -196,7 +202,7 @@ def route_on_body(
         common.body_mutation.body = new_body
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=common),
-        dynamic_metadata=_destination_metadata(address, fallbacks, source),
+        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id),
     )
 
 

@@ -83,6 +83,7 @@ class _Stream:
         "decision",
         "flow",
         "held",
+        "observed",
         "owed",
         "path",
         "rejected",
@@ -113,6 +114,7 @@ class _Stream:
         self.status = 0
         self.released = False
         self.rejected = False  # answered by the gateway itself: whatever else comes is not routed
+        self.observed = False  # a stream of the observing filter (--response-bodies observe): it releases
         self.trace: tracing.Trace | None = None  # None: this process does not trace (ext_proc/tracing.py)
 
 
@@ -129,15 +131,17 @@ class ExtProcServicer:
         exact_usage: bool = True,
         prefix_block_size: int = 0,
         destination_fallbacks: int = 0,
-        count_response_tokens: bool = True,
+        response_bodies: str = "count",
         flow_headers: FlowHeaders | None = None,
     ) -> None:
         self._prefix_block_size = prefix_block_size
         self._flow_headers = flow_headers or FlowHeaders()
-        # False: response bodies are not read (full mode: the llumlets count tokens); Envoy is asked
-        # for none, and every release comes from Envoy's access log (release_from_access_log), once
-        # per request, when Envoy has really finished it: the ext_proc stream ends at the headers
-        self._count_tokens = count_response_tokens
+        # --response-bodies: "count" reads them on this stream; "skip" (full mode: the llumlets count
+        # tokens) asks Envoy for none, and every release comes from Envoy's access log once Envoy has
+        # really finished the request (this stream ends at the headers); "observe" leaves counting and
+        # releasing to the sidecar's observing filter (_observe)
+        self._count_tokens = response_bodies == "count"
+        self._access_log_releases = response_bodies == "skip"  # "observe": the observing filter releases
         self._destination_fallbacks = destination_fallbacks
         self._router = router
         self._tokenize = tokenize
@@ -154,6 +158,9 @@ class ExtProcServicer:
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
+                if message.observability_mode:  # the filter that only watches response bodies
+                    self._observe(s, kind, message)
+                    continue
                 try:
                     if kind == "response_body":  # first: SSE chunks are most of the messages
                         replies = [self._on_response_body(s, message.response_body)]
@@ -404,6 +411,49 @@ class ExtProcServicer:
             return messages.streamed_response_body(out, body.end_of_stream)
         return messages.replace_response_body(out) if stripper is not None else messages.CONTINUE_RESPONSE_BODY
 
+    # -- the observing filter (--response-bodies observe) ---------------------------------------------
+
+    def _observe(self, s: _Stream, kind: str | None, message: ep.ProcessingRequest) -> None:
+        """A message of the filter that watches response bodies in observability mode: Envoy expects
+        no reply and never waits, so counting costs it nothing per chunk. The request's id and who
+        placed it come in the pilotfish metadata the routing filter wrote."""
+        try:
+            if kind == "response_body":
+                counter, body = s.counter, message.response_body
+                if counter is None or s.released or s.decision is None:
+                    return
+                counter.feed(body.body)
+                if body.end_of_stream:
+                    counter.finish()
+                    self._release(s, FINISHED)
+                elif counter.tokens and s.decision.source == SCHEDULER:
+                    self._router.report(s.request_id, counter.tokens, prefill_done=True)
+            elif kind == "response_headers":
+                self._observe_headers(s, message.response_headers, message.metadata_context)
+        except Exception:
+            self._metrics.gateway_errors.inc()
+            log.exception("ext_proc failed observing request %s at %s", s.request_id or "?", kind)
+
+    def _observe_headers(self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata) -> None:
+        route = metadata.filter_metadata.get(messages.ROUTE_METADATA_NAMESPACE)
+        if route is None or messages.ROUTE_REQUEST_ID_KEY not in route.fields:
+            return  # not routed by this gateway (answered by it, or Envoy's own 404)
+        s.observed = True
+        s.request_id = route.fields[messages.ROUTE_REQUEST_ID_KEY].string_value
+        source = (
+            route.fields[messages.ROUTE_SOURCE_KEY].string_value if messages.ROUTE_SOURCE_KEY in route.fields else ""
+        )
+        s.decision = Decision("", "", source or FALLBACK)
+        h = messages.header_map(headers)
+        try:
+            s.status = int(h.get(":status", "0"))
+        except ValueError:
+            s.status = 0
+        if s.status == 200 and not headers.end_of_stream and h.get("content-type", "").startswith("text/event-stream"):
+            s.counter = TokenCounter()
+        else:  # a whole response: done
+            self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
+
     # -- ends ------------------------------------------------------------------------------------
 
     def _release(self, s: _Stream, reason: int) -> None:
@@ -412,13 +462,13 @@ class ExtProcServicer:
             self._metrics.generated_tokens.inc(s.counter.tokens)
         # A round-robin fallback was never scheduled, so the scheduler holds nothing to release; with
         # response bodies skipped, the release comes from Envoy's access log instead.
-        if s.decision is not None and s.decision.source == SCHEDULER and self._count_tokens:
+        if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):
             self._send_release(s.request_id, reason)
 
     def release_from_access_log(self, request_id: str, reason: int) -> None:
         """Envoy finished a request the scheduler placed (access_log.py); the release path when
         response bodies are skipped, ignored when the streams themselves release."""
-        if not self._count_tokens:
+        if self._access_log_releases:
             self._send_release(request_id, reason)
 
     def _send_release(self, request_id: str, reason: int) -> None:

@@ -67,7 +67,7 @@ class ExtProcServer:
             exact_usage=config.exact_usage,
             prefix_block_size=config.prefix_block_size,
             destination_fallbacks=config.destination_fallbacks,
-            count_response_tokens=config.response_bodies == "count",
+            response_bodies=config.response_bodies,
             flow_headers=FlowHeaders(
                 config.priority_header.lower(), config.flow_header.lower(), config.schedule_queue_timeout_ms
             ),

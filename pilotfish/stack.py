@@ -43,6 +43,9 @@ class StackSpec:
     # "" = the mode's own: full mode skips response bodies (the llumlets count tokens; releases come
     # from Envoy's access log), lite mode streams them to count tokens
     response_body_mode: str = ""
+    # the ext_proc's --response-bodies: "" = the mode's own (skip in full mode, count in lite);
+    # "observe" counts through the sidecar's observing filter
+    response_bodies: str = ""
     failure_mode_allow: bool = False
     # the sidecar only: the scheduler's fallbacks the ext_proc lists after the engine it picked
     # (--destination-fallbacks); N > 0 lets Envoy retry a request that failed before its first
@@ -164,7 +167,7 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
          "--model", spec.model,
          "--metrics-port", str(ext_proc_metrics_port),
          *(["--destination-fallbacks", str(fallbacks)] if fallbacks else []),
-         *(["--response-bodies", "skip"] if _response_body_mode(spec) == "NONE" else []),
+         *(["--response-bodies", _response_bodies(spec)] if _response_bodies(spec) != "count" else []),
          *spec.ext_proc_args],
         log_path=log_dir / "ext_proc.log",
     )  # fmt: skip
@@ -188,10 +191,16 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
     )  # fmt: skip
 
 
+def _response_bodies(spec: StackSpec) -> str:
+    if spec.response_bodies:
+        return spec.response_bodies
+    return "skip" if spec.cms_url and spec.gateway == "sidecar" and not spec.response_body_mode else "count"
+
+
 def _response_body_mode(spec: StackSpec) -> str:
     if spec.response_body_mode:
         return spec.response_body_mode
-    return "NONE" if spec.cms_url and spec.gateway == "sidecar" else "STREAMED"
+    return "NONE" if _response_bodies(spec) in ("skip", "observe") else "STREAMED"
 
 
 def _bootstrap(
@@ -219,6 +228,7 @@ def _bootstrap(
         default_endpoints=engines,
         request_body_mode=spec.request_body_mode,
         response_body_mode=_response_body_mode(spec),
+        observe_response_bodies=_response_bodies(spec) == "observe",
         destination_fallbacks=spec.destination_fallbacks,
         eds_path=eds_path or "",
     )

@@ -76,3 +76,36 @@ def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
     asyncio.run(abort())
     wait_until(lambda: releases(stack, "client_abort") == 1, 30, "the aborted stream released as such")
     assert releases(stack) == 9
+
+
+def test_an_observing_filter_counts_streams_exactly_without_a_reply_per_chunk(make_stack) -> None:
+    """Lite mode, --response-bodies observe: the routing filter reads no response body; a second
+    filter in observability mode hands the SSE chunks over without waiting for replies."""
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="observe")
+    engines_before = sum(metric(port, "vllm:generation_tokens_total") for _, port in stack.engines)
+
+    async def run() -> list[tuple[int, bytes, bool]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one(i: int) -> tuple[int, bytes, bool]:
+                stream = i < 6
+                body = {"model": MODEL, "prompt": f"observe {i} " * 10, "max_tokens": 40, "stream": stream}
+                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.read(), stream
+
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    for status, raw, stream in asyncio.run(run()):
+        assert status == 200, raw[:300]
+        if stream:
+            payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+            assert payloads[-1] == b"[DONE]" and len(payloads) == 41
+    wait_until(lambda: releases(stack, "finished") == 8, 30, "one release per request")
+    assert releases(stack) == 8
+    streamed = sum(metric(port, "vllm:generation_tokens_total") for _, port in stack.engines) - engines_before
+    # the streams' tokens counted exactly (the whole responses are released at their headers, uncounted)
+    assert (
+        metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total") == 6 * 40 == streamed - 2 * 40
+    )
+    wait_until(lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_requests") == 0, 30,
+               "the scheduler's account drained")  # fmt: skip

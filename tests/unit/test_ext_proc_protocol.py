@@ -367,7 +367,7 @@ def test_subset_hint_entries_are_bounded() -> None:
 
 
 def test_skipping_bodies_adds_no_usage_reads_no_body_and_leaves_the_release_to_the_access_log() -> None:
-    svc, backend, metrics = servicer(count_response_tokens=False)
+    svc, backend, metrics = servicer(response_bodies="skip")
     replies = run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0])])
     # the body went on unchanged: no usage asked for, since nothing counts it here
     assert not any(r.request_body.response.body_mutation.body for r in replies if r.HasField("request_body"))
@@ -426,3 +426,44 @@ def test_the_access_log_releases_only_what_the_scheduler_placed(source: str | No
     released: list[tuple[str, int]] = []
     AccessLogReleaser(lambda rid, why: released.append((rid, why))).entry(log_entry(source=source))
     assert released == []
+
+
+# -- the observing filter (--response-bodies observe) ----------------------------------------------
+
+
+def observed(message: ep.ProcessingRequest, request_id: str = "gw-1", source: str | None = "scheduler"):
+    message.observability_mode = True
+    if message.HasField("response_headers"):
+        route = message.metadata_context.filter_metadata["pilotfish"]
+        route.fields["request_id"].string_value = request_id
+        if source is not None:
+            route.fields["source"].string_value = source
+    return message
+
+
+def test_an_observed_stream_is_counted_reported_and_released_once_with_no_reply() -> None:
+    svc, backend, metrics = servicer(response_bodies="observe")
+    replies = run(
+        svc,
+        [observed(response_headers()), observed(response_body(SSE[0])), observed(response_body(SSE[1])),
+         observed(response_body(SSE[2], end=True))],
+    )  # fmt: skip
+    assert replies == []  # observability mode: Envoy expects nothing back
+    assert backend.releases == [("gw-1", scheduler_pb2.RELEASE_REASON_FINISHED)]
+    assert metrics.generated_tokens._value.get() == 2
+
+
+@pytest.mark.parametrize(("source", "released"), [("scheduler", 1), ("fallback", 0)])
+def test_an_observed_stream_cut_short_is_released_only_if_the_scheduler_placed_it(source: str, released: int) -> None:
+    svc, backend, _ = servicer(response_bodies="observe")
+    run(svc, [observed(response_headers(), source=source), observed(response_body(SSE[0]))])
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_CLIENT_ABORT] * released
+
+
+def test_the_routing_stream_leaves_the_release_to_the_observer() -> None:
+    svc, backend, _ = servicer(response_bodies="observe")
+    replies = run(svc, [headers(), body(STREAMING), response_headers()])
+    routed = next(r for r in replies if r.HasField("dynamic_metadata"))
+    route = routed.dynamic_metadata.fields["pilotfish"].struct_value
+    assert route.fields["request_id"].string_value == backend.scheduled[0].request_id  # the observer's key
+    assert backend.releases == []

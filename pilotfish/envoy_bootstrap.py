@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 from pathlib import Path
 from string import Template
+from typing import Any
 
 from pilotfish.envoy_binary import config_path
 
@@ -41,6 +43,31 @@ _ACCESS_LOG = {
 }
 
 
+def _observer_filter(ext_proc_timeout_s: float) -> dict[str, object]:
+    """A second ext_proc filter that only watches response bodies: observability mode, so Envoy sends
+    each chunk without waiting for (or expecting) a reply; the request's id and who placed it come
+    in the pilotfish metadata the first filter wrote."""
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "pilotfish_ext_proc"}, "timeout": f"{ext_proc_timeout_s}s"},
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "forward_rules": {"allowed_headers": {"patterns": [{"exact": ":status"}, {"exact": "content-type"}]}},
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["pilotfish"]}},
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
 def render_sidecar(
     *,
     listen_port: int,
@@ -52,9 +79,15 @@ def render_sidecar(
     ext_proc_timeout_s: float = 5.0,
     request_body_mode: str = "BUFFERED",
     response_body_mode: str = "STREAMED",
+    observe_response_bodies: bool = False,
     destination_fallbacks: int = 0,
     engines: list[tuple[str, int]] | None = None,
     eds_path: str | Path = "",
+    ext_proc_tls_ca_file: str | Path = "",
+    ext_proc_tls_cert_file: str | Path = "",
+    ext_proc_tls_key_file: str | Path = "",
+    ext_proc_tls_server_name: str = "",
+    ext_proc_auth_token_file: str | Path = "",
 ) -> str:
     """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters.
 
@@ -68,11 +101,22 @@ def render_sidecar(
     members are `eds_path` (a file `write_eds` keeps current) when given, else `engines`
     (default: `default_endpoints`) as a static list; an address outside them is not reachable
     that way, so keep them the engines the scheduler may pick.
+
+    An ext_proc started with TLS or a token (pilotfish/security.py) is dialled accordingly, by every
+    gRPC call Envoy makes to it (the ext_proc filter and, with response bodies skipped, the access
+    log): `ext_proc_tls_ca_file` verifies its certificate, under `ext_proc_tls_server_name` (also
+    the SNI; default: the address dialled, 127.0.0.1), and `ext_proc_tls_cert_file` and
+    `ext_proc_tls_key_file` are the client certificate an ext_proc with --tls-ca-file requires.
+    `ext_proc_auth_token_file` is read now: each call carries `authorization: Bearer <token>`, so the
+    rendered text holds the token; write it where only its owner reads it. Without these, the output is
+    the template's text unchanged.
     """
     if request_body_mode not in BODY_MODES:
         raise ValueError(f"request_body_mode {request_body_mode!r}: expected one of {', '.join(BODY_MODES)}")
     if response_body_mode not in (*BODY_MODES, "NONE"):
         raise ValueError(f"response_body_mode {response_body_mode!r}: expected NONE or one of {', '.join(BODY_MODES)}")
+    if observe_response_bodies and response_body_mode != "NONE":
+        raise ValueError("observe_response_bodies: the first filter's response_body_mode must be NONE")
     if destination_fallbacks < 0:
         raise ValueError(f"destination_fallbacks {destination_fallbacks}: expected 0 or more")
     if eds_path:
@@ -86,7 +130,7 @@ def render_sidecar(
             {"cluster_name": PICKED_POOL, "endpoints": [{"lb_endpoints": _endpoint_list(engines or default_endpoints)}]}
         )
     template = Template(config_path("sidecar.yaml").read_text())
-    return template.substitute(
+    text = template.substitute(
         listen_host=listen_host,
         listen_port=listen_port,
         admin_port=admin_port,
@@ -95,7 +139,8 @@ def render_sidecar(
         request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
         # response bodies skipped: requests are released from Envoy's access log (ext_proc/access_log.py)
-        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" else []),
+        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" and not observe_response_bodies else []),
+        observer_filter=f"- {json.dumps(_observer_filter(ext_proc_timeout_s))}" if observe_response_bodies else "",
         send_body_early="true" if request_body_mode == "STREAMED" else "false",
         # In full duplex a body that ends in trailers has no end_of_stream chunk: the ext_proc must
         # see the trailers to know it is complete (Envoy refuses the config otherwise).
@@ -108,6 +153,75 @@ def render_sidecar(
         picked_pool_type=pool_type,
         picked_pool_members=members,
     )
+    return _secure_ext_proc(
+        text,
+        ca=str(ext_proc_tls_ca_file),
+        cert=str(ext_proc_tls_cert_file),
+        key=str(ext_proc_tls_key_file),
+        server_name=ext_proc_tls_server_name,
+        token_file=str(ext_proc_auth_token_file),
+    )
+
+
+EXT_PROC_CLUSTER = "pilotfish_ext_proc"
+
+
+def _secure_ext_proc(text: str, *, ca: str, cert: str, key: str, server_name: str, token_file: str) -> str:
+    """`text` with TLS on the ext_proc cluster and the token on every gRPC service that calls it."""
+    if not (ca or cert or key or server_name or token_file):
+        return text
+    import yaml
+
+    from pilotfish.security import Security, SecurityConfig
+
+    if (cert or key or server_name) and not ca:
+        raise ValueError("ext_proc TLS: ext_proc_tls_ca_file verifies the ext_proc; set it with a certificate or name")
+    # the files are checked as the ext_proc's own client would check them (pair, CA, token): errors name them
+    security = Security.from_config(
+        SecurityConfig(tls_ca_file=ca, tls_cert_file=cert, tls_key_file=key, auth_token_file=token_file), environ={}
+    )
+    config = yaml.safe_load(text)
+    if security.token:
+        bearer = "Bearer " + security.token.decode()
+        for service in _grpc_services(config):
+            if service.get("envoy_grpc", {}).get("cluster_name") == EXT_PROC_CLUSTER:
+                service["initial_metadata"] = [{"key": "authorization", "value": bearer}]
+    if ca:
+        name = server_name or "127.0.0.1"  # the ext_proc endpoints the sidecar dials
+        try:
+            ipaddress.ip_address(name)
+            san = {"san_type": "IP_ADDRESS", "matcher": {"exact": name}}
+        except ValueError:
+            san = {"san_type": "DNS", "matcher": {"exact": name}}
+        common: dict[str, Any] = {
+            "alpn_protocols": ["h2"],  # gRPC
+            "validation_context": {"trusted_ca": {"filename": ca}, "match_typed_subject_alt_names": [san]},
+        }
+        if cert:
+            common["tls_certificates"] = [{"certificate_chain": {"filename": cert}, "private_key": {"filename": key}}]
+        tls: dict[str, Any] = {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            "common_tls_context": common,
+        }
+        if server_name:
+            tls["sni"] = server_name
+        (cluster,) = [c for c in config["static_resources"]["clusters"] if c["name"] == EXT_PROC_CLUSTER]
+        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": tls}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def _grpc_services(node: Any) -> list[dict[str, Any]]:
+    """Every `grpc_service` in a config tree (ext_proc filters, gRPC access logs, ...)."""
+    found: list[dict[str, Any]] = []
+    if isinstance(node, dict):
+        for field, value in node.items():
+            if field == "grpc_service" and isinstance(value, dict):
+                found.append(value)
+            found += _grpc_services(value)
+    elif isinstance(node, list):
+        for item in node:
+            found += _grpc_services(item)
+    return found
 
 
 def write_eds(path: str | Path, engines: list[tuple[str, int]], version: str = "") -> None:

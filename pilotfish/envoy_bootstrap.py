@@ -43,6 +43,31 @@ _ACCESS_LOG = {
 }
 
 
+def _observer_filter(ext_proc_timeout_s: float) -> dict[str, object]:
+    """A second ext_proc filter that only watches response bodies: observability mode, so Envoy sends
+    each chunk without waiting for (or expecting) a reply; the request's id and who placed it come
+    in the pilotfish metadata the first filter wrote."""
+    return {
+        "name": "envoy.filters.http.ext_proc",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+            "grpc_service": {"envoy_grpc": {"cluster_name": "pilotfish_ext_proc"}, "timeout": f"{ext_proc_timeout_s}s"},
+            "observability_mode": True,
+            "failure_mode_allow": True,
+            "forward_rules": {"allowed_headers": {"patterns": [{"exact": ":status"}, {"exact": "content-type"}]}},
+            "metadata_options": {"forwarding_namespaces": {"untyped": ["pilotfish"]}},
+            "processing_mode": {
+                "request_header_mode": "SKIP",
+                "response_header_mode": "SEND",
+                "request_body_mode": "NONE",
+                "response_body_mode": "STREAMED",
+                "request_trailer_mode": "SKIP",
+                "response_trailer_mode": "SKIP",
+            },
+        },
+    }
+
+
 def render_sidecar(
     *,
     listen_port: int,
@@ -54,6 +79,7 @@ def render_sidecar(
     ext_proc_timeout_s: float = 5.0,
     request_body_mode: str = "BUFFERED",
     response_body_mode: str = "STREAMED",
+    observe_response_bodies: bool = False,
     destination_fallbacks: int = 0,
     engines: list[tuple[str, int]] | None = None,
     eds_path: str | Path = "",
@@ -89,6 +115,8 @@ def render_sidecar(
         raise ValueError(f"request_body_mode {request_body_mode!r}: expected one of {', '.join(BODY_MODES)}")
     if response_body_mode not in (*BODY_MODES, "NONE"):
         raise ValueError(f"response_body_mode {response_body_mode!r}: expected NONE or one of {', '.join(BODY_MODES)}")
+    if observe_response_bodies and response_body_mode != "NONE":
+        raise ValueError("observe_response_bodies: the first filter's response_body_mode must be NONE")
     if destination_fallbacks < 0:
         raise ValueError(f"destination_fallbacks {destination_fallbacks}: expected 0 or more")
     if eds_path:
@@ -111,7 +139,8 @@ def render_sidecar(
         request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
         # response bodies skipped: requests are released from Envoy's access log (ext_proc/access_log.py)
-        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" else []),
+        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" and not observe_response_bodies else []),
+        observer_filter=f"- {json.dumps(_observer_filter(ext_proc_timeout_s))}" if observe_response_bodies else "",
         send_body_early="true" if request_body_mode == "STREAMED" else "false",
         # In full duplex a body that ends in trailers has no end_of_stream chunk: the ext_proc must
         # see the trailers to know it is complete (Envoy refuses the config otherwise).

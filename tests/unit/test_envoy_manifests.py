@@ -36,15 +36,20 @@ def test_inference_pool_points_at_the_pilotfish_picker():
     assert route["spec"]["rules"][0]["backendRefs"][0]["name"] == pool["metadata"]["name"]
 
 
-def test_manifest_commands_parse_with_the_real_cli():
-    parser = build_parser()
-    for deployment in by_kind(documents("inferencepool.yaml"), "Deployment"):
-        for container in deployment["spec"]["template"]["spec"]["containers"]:
-            assert container["command"] == ["pilotfish"]
-            args, unknown = parser.parse_known_args(container["args"])
-            assert not unknown, f"{deployment['metadata']['name']}: unknown flags {unknown}"
-            ports = {p["containerPort"] for p in container["ports"]}
-            assert args.port in ports
+def test_the_picker_service_fronts_the_picker_of_the_kubernetes_deployment():
+    """The gateway's objects carry no Deployment of their own: the picker is deploy/k8s's, which
+    serves TLS (its tests start it from those args); this Service must reach it."""
+    docs = documents("inferencepool.yaml")
+    assert not by_kind(docs, "Deployment")
+    (service,) = by_kind(docs, "Service")
+    k8s = [d for d in yaml.safe_load_all((GATEWAY_API.parents[1] / "deploy/k8s/base/picker.yaml").read_text()) if d]
+    (picker,) = [d for d in k8s if d["kind"] == "Deployment"]
+    assert service["spec"]["selector"].items() <= picker["spec"]["template"]["metadata"]["labels"].items()
+    (container,) = picker["spec"]["template"]["spec"]["containers"]
+    args, unknown = build_parser().parse_known_args(container["args"])
+    assert not unknown and args.tls_cert_file  # TLS toward the gateway
+    assert service["spec"]["ports"][0]["targetPort"] == args.port
+    assert service["spec"]["ports"][0]["appProtocol"] == "http2"
 
 
 def test_envoy_gateway_policy_buffers_requests_streams_responses_and_fails_closed():

@@ -154,7 +154,11 @@ def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespac
     if args.switch_interval_us is not None:
         cfg.gil_switch_interval_us = args.switch_interval_us
     meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1)
-    llumlet = Llumlet(cfg, instance, meta)
+    # the export process writes in a process of its own: no acknowledgement to stamp here (it
+    # logs its own event -> Redis figures); the view's staleness is the measure
+    llumlet = Llumlet(
+        cfg, instance, meta, own_process=args.write_from == "process", step_hooks=args.write_from == "engine"
+    )
     written: list[tuple[int, int]] = []  # (step_id, monotonic ns when Redis acknowledged it)
     write = llumlet.writer.write_status
 
@@ -171,10 +175,6 @@ def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespac
         return done
 
     llumlet.writer.try_write_status = timed_try_write  # type: ignore[method-assign]
-    llumlet.write_from_engine_thread = args.write_from == "engine"
-    # the export process writes in a process of its own: no acknowledgement to stamp here (it
-    # logs its own event -> Redis figures); the view's staleness is the measure
-    llumlet.export_from_process = args.write_from == "process"
     llumlet.start(serve_grpc=False)
     applied: list[int] = [0]  # event k applied at applied[k] (monotonic ns); step_id k == event k
     hook_cpu_ns: list[int] = []  # the engine thread's CPU per event: the hook, and the write made in it

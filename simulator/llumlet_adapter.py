@@ -8,9 +8,11 @@ With the HTTP driver as well (`driver=`), the llumlet can migrate requests in an
 (simulator/llumlet_migration.py).
 
 Observer hooks run inside the simulator's step (on its asyncio loop, or in virtual time); each
-updates the LoadState under the llumlet's lock and wakes the export thread, exactly as the vLLM
-adapter does. KV usage is read from the engine's block pool: the block events alone cannot
-track it, because a prefix-cache hit that revives a freed block is not a `blocks_allocated`.
+updates the LoadState under the llumlet's lock and wakes the export thread (the llumlet's
+"thread" exporter, vllm_plugin/core/exporter.py), as the vLLM adapter's hooks do when they
+write from vLLM's process. KV usage is read from the engine's block pool: the block events
+alone cannot track it, because a prefix-cache hit that revives a freed block is not a
+`blocks_allocated`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import asyncio
 import concurrent.futures
 from typing import TYPE_CHECKING, Any
 
+from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
@@ -108,13 +111,17 @@ def attach_llumlet(
     driver: EngineDriver | None = None,
     serve_grpc: bool = True,
     start: bool = True,
+    writer: CmsWriter | None = None,
 ) -> Llumlet:
     """Attach a started llumlet to a simulator engine core (`V1Engine` or any EngineCore).
 
     `loop` is the asyncio loop that owns the core: Abort calls from the gRPC thread run there.
     Without it Abort answers UNIMPLEMENTED (a virtual-time core has no thread to hand them to).
     `driver` (the HTTP driver running `core` on `loop`) enables Migrate and MigrateIn; without
-    it they answer UNIMPLEMENTED.
+    it they answer UNIMPLEMENTED. `writer`: the CMS writer (default: one for `config.cms_url`).
+
+    Every write goes from the export thread: the observer's hooks fire per token, where the
+    thread coalesces, and the simulated engines share one process (no export process each).
     """
     meta = cms_pb2.InstanceMetadata(
         host=host,
@@ -144,7 +151,16 @@ def attach_llumlet(
     migration = None
     if loop is not None and driver is not None:
         migration = SimMigrationAdapter(driver, engine_config, loop)
-    llumlet = Llumlet(config, instance_id, meta, abort_handler=abort, migration_adapter=migration)
+    llumlet = Llumlet(
+        config,
+        instance_id,
+        meta,
+        writer=writer,
+        abort_handler=abort,
+        migration_adapter=migration,
+        own_process=False,
+        step_hooks=False,
+    )
     core.add_observer(LlumletObserver(llumlet, core, engine_config.block_size, engine_config.num_gpu_blocks))
     if migration is not None:
         migration.llumlet = llumlet

@@ -23,6 +23,7 @@ from typing import Any
 
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
+from pilotfish.vllm_plugin.core.export_supervisor import ProcessExporter
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, create_region
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 
@@ -270,8 +271,12 @@ def hooked(adapter: Any, rng: random.Random, max_seqs: int, budget: int, **optio
     engine._init_hooks()
     engine._randomized_ids = False
     _, region = create_region()
-    llumlet = Llumlet(LlumletConfig(cms_url="redis://unused"), "e0", cms_pb2.InstanceMetadata(block_size=BLOCK))
-    llumlet._exporter = _Exporter(region)  # type: ignore[assignment]
+    llumlet = Llumlet(
+        LlumletConfig(cms_url="redis://unused"), "e0", cms_pb2.InstanceMetadata(block_size=BLOCK), own_process=True
+    )
+    exporter = llumlet.exporter
+    assert isinstance(exporter, ProcessExporter)
+    exporter.adopt(_Exporter(region))  # type: ignore[arg-type]  # a bare hand-off: no child process
     with llumlet.events() as s:
         s.kv_usage(0, engine._total_blocks, BLOCK)
     engine.llumlet = llumlet

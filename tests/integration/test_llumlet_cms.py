@@ -37,8 +37,7 @@ def wait_for(condition, timeout: float = 10.0, what: str = "condition"):
 def make_llumlet(url: str, instance: str = "e0", abort=None, write_from_engine_thread: bool = True, **kw) -> Llumlet:
     cfg = LlumletConfig(cms_url=url, cluster="t", **{"ttl_ms": 1500, "refresh_ms": 500, **kw})
     meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=8000, model="m", block_size=16)
-    llumlet = Llumlet(cfg, instance, meta, abort_handler=abort)
-    llumlet.write_from_engine_thread = write_from_engine_thread
+    llumlet = Llumlet(cfg, instance, meta, abort_handler=abort, step_hooks=write_from_engine_thread)
     return llumlet
 
 

@@ -35,9 +35,7 @@ LONG_TTL = {"ttl_ms": 120_000, "refresh_ms": 500}
 def make_llumlet(url: str, instance: str = "e0", **kw: object) -> Llumlet:
     cfg = LlumletConfig(cms_url=url, cluster="t", **{"ttl_ms": 1500, "refresh_ms": 500, **kw})  # type: ignore[arg-type]
     meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=8000, model="m", block_size=16)
-    llumlet = Llumlet(cfg, instance, meta)
-    llumlet.export_from_process = True
-    return llumlet
+    return Llumlet(cfg, instance, meta, own_process=True)
 
 
 def status_of(client: redis.Redis, instance: str = "e0") -> cms_pb2.InstanceStatus | None:
@@ -59,7 +57,7 @@ def test_the_export_process_writes_every_change_and_removes_the_keys(redis_servi
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url)
     llumlet.start(serve_grpc=False)
-    child = llumlet._exporter.pid  # type: ignore[union-attr]
+    child = llumlet.export_process.pid  # type: ignore[union-attr]
     try:
         assert child != os.getpid()
         meta = wait_for(lambda: client.get(keys.meta_key("t", "e0")), what="metadata")
@@ -122,12 +120,11 @@ def engine_process(url: str, instance: str, **popen: object) -> Iterator[tuple[s
         from pilotfish.vllm_plugin.config import LlumletConfig
         from pilotfish.vllm_plugin.core.llumlet import Llumlet
         cfg = LlumletConfig(cms_url={url!r}, cluster="t", ttl_ms=120_000, refresh_ms=500)
-        llumlet = Llumlet(cfg, {instance!r}, cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1))
-        llumlet.export_from_process = True
+        llumlet = Llumlet(cfg, {instance!r}, cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1), own_process=True)
         llumlet.start(serve_grpc=False)
         with llumlet.events() as s:
             s.added("r1", 10)
-        print(llumlet._exporter.pid, flush=True)
+        print(llumlet.export_process.pid, flush=True)
         time.sleep(600)
     """)
     argv = [sys.executable, "-c", engine_code]
@@ -219,7 +216,7 @@ def test_a_dead_export_process_is_replaced_on_an_idle_engine(redis_service):
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url, **LONG_TTL)
     llumlet.start(serve_grpc=False)
-    first = llumlet._exporter
+    first = llumlet.export_process
     assert first is not None
     try:
         with llumlet.events() as s:
@@ -229,7 +226,7 @@ def test_a_dead_export_process_is_replaced_on_an_idle_engine(redis_service):
         first.wait_exit()
         client.delete(keys.status_key("t", "e0"), keys.meta_key("t", "e0"))  # as if they had expired meanwhile
         wait_for(
-            lambda: (e := llumlet._exporter) is not None and e.pid != first.pid and not e.wait_exit(0),
+            lambda: (e := llumlet.export_process) is not None and e.pid != first.pid and not e.wait_exit(0),
             timeout=30,
             what="a new export process",
         )
@@ -245,13 +242,13 @@ def test_a_dead_export_process_is_replaced_on_an_idle_engine(redis_service):
 
 
 def test_stopping_after_the_export_process_died_still_removes_the_keys(redis_service, monkeypatch):
-    from pilotfish.vllm_plugin.core import llumlet as llumlet_module
+    from pilotfish.vllm_plugin.core import export_supervisor
 
-    monkeypatch.setattr(llumlet_module, "_RESPAWN_EVERY_S", 3600.0)  # no replacement in this test
+    monkeypatch.setattr(export_supervisor, "_RESPAWN_EVERY_S", 3600.0)  # no replacement in this test
     client = redis.Redis.from_url(redis_service.url)
     llumlet = make_llumlet(redis_service.url, **LONG_TTL)
     llumlet.start(serve_grpc=False)
-    child = llumlet._exporter
+    child = llumlet.export_process
     assert child is not None
     wait_for(lambda: status_of(client), what="first status")
     child.kill()
@@ -275,7 +272,7 @@ def test_an_export_process_that_cannot_start_leaves_the_writes_to_the_engine_pro
     llumlet = make_llumlet(redis_service.url)
     llumlet.start(serve_grpc=False)
     try:
-        assert llumlet._exporter is None
+        assert llumlet.export_process is None
         with llumlet.events() as s:
             s.added("r1", 10)
         wait_for(lambda: (st := status_of(client)) and st.num_waiting == 1, what="a write from the engine's process")

@@ -192,8 +192,7 @@ def run_simulation(seed: int, num_requests: int, num_blocks: int) -> None:
                        num_gpu_blocks=num_blocks, enable_prefix_caching=True)  # fmt: skip
     engine = V1Engine(cfg, PROFILE)
     writer = FakeWriter()
-    llumlet = attach_llumlet(engine, cfg, config(), "sim-0", "127.0.0.1", 8000, start=False)
-    llumlet.writer = writer  # type: ignore[assignment]
+    llumlet = attach_llumlet(engine, cfg, config(), "sim-0", "127.0.0.1", 8000, start=False, writer=writer)  # type: ignore[arg-type]
     shared = [rng.randrange(50) for _ in range(24)]  # a common prefix, so cache hits happen
     now = 0.0
     pending = [
@@ -329,8 +328,7 @@ class InlineWriter(FakeWriter):
 
 def test_deferred_events_ride_with_the_next_write():
     writer = InlineWriter()
-    llumlet = Llumlet(config(refresh_ms=5000, ttl_ms=20000), "e0", cms_pb2.InstanceMetadata(), writer)  # type: ignore[arg-type]
-    llumlet.write_from_engine_thread = True
+    llumlet = Llumlet(config(refresh_ms=5000, ttl_ms=20000), "e0", cms_pb2.InstanceMetadata(), writer, step_hooks=True)  # type: ignore[arg-type]
     llumlet.start(serve_grpc=False)
     try:
         wait_until(lambda: llumlet.exports >= 1, "the first write")  # done, export lock released

@@ -11,8 +11,7 @@ import pytest
 
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
-from pilotfish.vllm_plugin.core import export_process, handoff
-from pilotfish.vllm_plugin.core import llumlet as llumlet_module
+from pilotfish.vllm_plugin.core import export_process, export_supervisor, handoff
 from pilotfish.vllm_plugin.core.export_process import STOP_KEEP, STOP_REMOVE, Exporter, exporter_cpus
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, create_region, map_region
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
@@ -419,9 +418,9 @@ class _Exporter:
 
 def _llumlet_with(region: object, **config: object) -> tuple[Llumlet, _Exporter]:
     cfg = LlumletConfig(cms_url="redis://unused", **config)  # type: ignore[arg-type]
-    llumlet = Llumlet(cfg, "e0", cms_pb2.InstanceMetadata(block_size=16), writer=FakeWriter())  # type: ignore[arg-type]
+    llumlet = Llumlet(cfg, "e0", cms_pb2.InstanceMetadata(block_size=16), writer=FakeWriter(), own_process=True)  # type: ignore[arg-type]
     exporter = _Exporter(region)
-    llumlet._exporter = exporter  # type: ignore[assignment]
+    llumlet.exporter.adopt(exporter)  # type: ignore[attr-defined]
     return llumlet, exporter
 
 
@@ -452,7 +451,7 @@ def test_llumlet_decode_step_goes_as_a_tick_only_when_nothing_else_waits(region)
 
 def test_llumlet_decode_step_stores_a_full_record_every_tick_span(region, monkeypatch):
     _, mapped = region
-    monkeypatch.setattr(llumlet_module, "TICK_SPAN", 4)
+    monkeypatch.setattr(export_supervisor, "TICK_SPAN", 4)
     llumlet, exporter = _llumlet_with(mapped)
     reader = HandoffReader(mapped, block_size=16)
     with llumlet.events() as s:

@@ -122,7 +122,7 @@ def test_steady_decode_steps_go_as_ticks_and_finishes_as_full_records(adapter):
     engine, reader = hooked(adapter, random.Random(1), max_seqs=4, budget=512)
     for i in range(4):
         engine.add_request(StandinRequest(f"r{i}", 20, 10 + i))
-    handoff = engine.llumlet._exporter.handoff
+    handoff = engine.llumlet.export_process.handoff
     full: list[bool] = []
 
     def dispatched() -> None:

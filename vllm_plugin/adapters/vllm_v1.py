@@ -23,7 +23,7 @@ The hooks run once or twice a step on vLLM's engine thread, after the model has 
 caches, where each Python call, lock and C routine touched costs microseconds (bench llumlet;
 bench llumlet-cachesim counts the misses). So a step costs as little as its kind
 allows: the steady decode step (every running request decoded one token, nothing else moved) is
-O(1) and goes to the export process as a tick, without the lock (Llumlet.decode_step); a step
+O(1) and goes to the export process as a tick, without the lock (ProcessExporter.decode_step); a step
 where requests are in prefill or finish moves the decodes in bulk and visits only the others;
 anything else visits each request scheduled. Admissions and finishes inside a step are entered
 by the block that follows at once, so a step takes the lock at most twice.
@@ -157,14 +157,20 @@ class _LlumletHooks:
                     "subscribes only to a publisher vLLM binds (tcp://*:PORT or ipc://PATH): not advertised",
                     endpoint,
                 )
-        llumlet = Llumlet(config, instance_id, meta, abort_handler=self._abort_from_grpc)
         self.migration = VllmMigrationAdapter(self, engine_core, self._randomized_ids)
-        llumlet.migration_adapter = self.migration  # type: ignore[attr-defined]
-        llumlet.watch_parent = True  # the API server is our parent: its death is ours
-        # vLLM's engine core owns its process: by default a child writes to the CMS (export_process),
-        # else the hooks, which run once or twice a step around the model, write once a step
-        llumlet.export_from_process = True
-        llumlet.write_from_engine_thread = config.engine_thread_writes
+        llumlet = Llumlet(
+            config,
+            instance_id,
+            meta,
+            abort_handler=self._abort_from_grpc,
+            migration_adapter=self.migration,
+            # vLLM's engine core owns its process: by default a child writes to the CMS
+            # (export_process), else the hooks, which run once or twice a step around the model,
+            # write once a step (engine_thread_writes)
+            own_process=True,
+            step_hooks=True,
+            watch_parent=True,  # the API server is our parent: its death is ours
+        )
         llumlet.engine_cpu_start_ns = thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:
             s.kv_usage(0, self._total_blocks, self._block_size)

@@ -37,7 +37,7 @@ word is stored in one aligned 8-byte write, which no CPU shows half done; a read
 two words' tags differ reads again.
 
 Writers: full records under the llumlet's lock, from any thread; ticks from the engine thread
-alone, without it (Llumlet.decode_step says why that is safe).
+alone, without it (ProcessExporter.decode_step says why that is safe).
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ FAULTS: dict[str, Fault] = {
 
 EXPORT_PROCESS_NOT_APPLICABLE = (
     "does not apply to the simulator: its llumlet writes to Redis from a thread of the engine process "
-    "(Llumlet.export_from_process is set only by the vLLM adapter, vllm_plugin/adapters/vllm_v1.py; "
+    "(only the vLLM adapter, vllm_plugin/adapters/vllm_v1.py, builds its Llumlet with own_process=True; "
     "simulated engines share one process), so there is no export process to kill. A dead export process is "
     "replaced on a stand-in engine in tests/integration/test_llumlet_export_process.py "
     "(test_a_dead_export_process_is_replaced_on_an_idle_engine); not measured under load here."

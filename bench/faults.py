@@ -311,8 +311,11 @@ class Rig:
 
 
 def wait_routable(base_url: str, engines: set[str], timeout: float) -> None:
-    """Until the scheduler routes to every engine (concurrent requests, so load spreads them)."""
+    """Until the scheduler has routed to every engine (concurrent streams, so load spreads them;
+    engines seen are kept across attempts)."""
     from pilotfish.procs import wait_until
+
+    routed: set[str] = set()
 
     async def seen() -> set[str]:
         import aiohttp
@@ -320,7 +323,7 @@ def wait_routable(base_url: str, engines: set[str], timeout: float) -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
 
             async def one(i: int) -> str:
-                body = {"model": MODEL, "prompt": f"ready {i}", "max_tokens": 8}
+                body = {"model": MODEL, "prompt": f"ready {i}", "max_tokens": 32}
                 try:
                     async with session.post(f"{base_url}/v1/completions", json=body) as resp:
                         await resp.read()
@@ -332,7 +335,11 @@ def wait_routable(base_url: str, engines: set[str], timeout: float) -> None:
 
             return set(await asyncio.gather(*(one(i) for i in range(8))))
 
-    wait_until(lambda: engines <= asyncio.run(seen()), max(timeout, 30.0), "the scheduler routing to every engine")
+    def every_engine() -> bool:
+        routed.update(asyncio.run(seen()))
+        return engines <= routed
+
+    wait_until(every_engine, max(timeout, 60.0), "the scheduler routing to every engine")
 
 
 def envoy_retries(admin_port: int) -> dict[str, float]:
@@ -1113,7 +1120,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['settings']['stream_tokens']} in engine-kill-midstream). Engine faults hit {TARGET_ENGINE}. "
         "Detect/recover as defined in bench/faults.py's docstring: engines, fault → last pick of it while down, "
         "and back → first good pick; components, kill → first request served around it, and restart → last "
-        "request not routed by the scheduler.",
+        "request not routed by the scheduler. Route `(none)`: the response carried no x-pilotfish-route, so "
+        "Envoy's default pool served it (no ext_proc) or the ext_proc answered it itself (a refusal).",
         "",
         "| fault | mode | sent | ok | failed | incomplete | routed to faulty after 1 s (client / scheduler) "
         "| detect s | recover s | account drained | goals |",
@@ -1209,6 +1217,7 @@ def plot_timeline(entry: dict[str, Any], raw: dict[str, Any], path: Path) -> str
     for i, w in enumerate(raw["windows"]):
         ax.axvspan(w.start, w.back, color="tab:orange", alpha=0.2, label="fault" if i == 0 else None)
         ax.axvline(w.start, color="tab:orange", lw=1)
+        ax.axvline(w.restart, color="tab:orange", lw=1, ls="--", label="restart / let go" if i == 0 else None)
     ax.set_xlabel("seconds (request sent)")
     ax.set_ylabel("requests / s")
     ax.set_title(f"{entry['fault']} ({entry['mode']}): sent {entry['sent']}, failed {entry['failed']}")

@@ -74,6 +74,13 @@ class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             "skips response bodies and releases from Envoy's access log), or a gateway's (istio, ai-gateway)"
         ),
     ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
+    tls: Annotated[
+        bool,
+        Meta(
+            description="also measure the default deployment with TLS and a token on every link (Envoy -> "
+            "ext_proc, ext_proc -> scheduler's Session socket, mutual TLS; certificates made for the run)"
+        ),
+    ] = True
     vllm_router: Annotated[
         str, Meta(description="a vllm-router executable (pip install vllm-router) to measure as a peer arm")
     ] = ""
@@ -123,6 +130,7 @@ UNARY_ARM = "envoy+ext_proc, remote scheduler, unary calls (no Session)"
 GRPC_SESSION_ARM = "envoy+ext_proc, remote scheduler, gRPC Session stream"
 NO_SCHEDULER_ARM = "envoy+ext_proc, no scheduler"
 DEFAULT_ARM = "envoy+ext_proc"  # the sidecar's default body modes, remote scheduler on the Session socket
+TLS_ARM = "envoy+ext_proc, TLS and a token on every link"
 
 
 def mode_arm(mode: BodyMode) -> str:
@@ -186,7 +194,9 @@ def _uses(modes: dict[str, BodyMode], response: str) -> bool:
     return any(m.response == response for m in modes.values())
 
 
-def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], upstream: int) -> str:
+def _bootstrap(
+    mode: BodyMode | None, listen: int, ext_proc_ports: list[int], upstream: int, security: dict[str, str] | None = None
+) -> str:
     """Envoy's bootstrap for `mode`; None: Envoy alone (the sidecar without its ext_proc filter)."""
     from pilotfish.envoy_bootstrap import render_gateway, render_plain_proxy, render_sidecar
     from pilotfish.procs import free_port
@@ -205,6 +215,7 @@ def _bootstrap(mode: BodyMode | None, listen: int, ext_proc_ports: list[int], up
         request_body_mode=sidecar.request,
         response_body_mode="NONE" if sidecar.response == OBSERVE else sidecar.response,
         observe_response_bodies=sidecar.response == OBSERVE,
+        **(security or {}),  # type: ignore[arg-type]
     )
     return render_plain_proxy(text) if mode is None else text
 
@@ -262,21 +273,50 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_obs = ext_proc("ext_proc-observe", on_fast, True, *on_socket, *observe) if _uses(modes, OBSERVE) else None
     xp_paced_obs = ext_proc("ext_proc-paced-observe", on_paced, False, *observe) if _uses(modes, OBSERVE) else None
     by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs)}
+    secure: dict[str, str] = {}
+    if cfg.tls:  # the same deployment with every link secured: its own scheduler, ext_proc and Envoy
+        from pilotfish.security_testing import make_pki
+
+        pki = make_pki(tmp / "pki")
+        token = tmp / "token"
+        token.write_text(os.urandom(16).hex() + "\n")
+        token.chmod(0o600)
+        flags = ("--tls-cert-file", str(pki.cert), "--tls-key-file", str(pki.key), "--tls-ca-file", str(pki.ca),
+                 "--auth-token-file", str(token))  # fmt: skip
+        tls_port, tls_session = free_port(), free_port()
+        scheduler_tls = group.start(
+            "scheduler-tls",
+            [*py, "scheduler", "--port", str(tls_port), "--session-port", str(tls_session),
+             "--instances", f"fast=127.0.0.1:{fast}", "--model", MODEL, *flags],
+            log_path=tmp / "scheduler-tls.log",
+        )  # fmt: skip
+        scheduler_tls.wait_port(tls_session)
+        xp_tls = ext_proc("ext_proc-tls", on_fast, True, "--scheduler-address", f"127.0.0.1:{tls_port}",
+                          "--scheduler-session-address", f"127.0.0.1:{tls_session}", *flags)  # fmt: skip
+        secure = {"ext_proc_tls_ca_file": str(pki.ca), "ext_proc_tls_cert_file": str(pki.client_cert),
+                  "ext_proc_tls_key_file": str(pki.client_key), "ext_proc_auth_token_file": str(token)}  # fmt: skip
     for child, port in pending:
         child.wait_port(port)
 
     def arm(
-        name: str, xps: list[tuple[int, int]], upstream: int = fast, mode: BodyMode = DEFAULT_MODE, remote: bool = False
+        name: str,
+        xps: list[tuple[int, int]],
+        upstream: int = fast,
+        mode: BodyMode = DEFAULT_MODE,
+        remote: bool = False,
+        scheduler_pid: int = 0,
+        security: dict[str, str] | None = None,
     ) -> Arm:
         listen = free_port()
-        bootstrap = _bootstrap(mode if xps else None, listen, [p for p, _ in xps], upstream)
+        bootstrap = _bootstrap(mode if xps else None, listen, [p for p, _ in xps], upstream, security or {})
         # one worker thread each: the same share of the machine for every arm
         service = start_envoy(bootstrap, tmp / re.sub(r"[^\w.-]+", "-", name), extra_args=["--concurrency", "1"])
         assert service.child is not None
         group.children.append(service.child)
         service.child.wait_port(listen)
         pids = [pid for _, pid in xps if pid]
-        return Arm(name, listen, pids, service.url, scheduler.pid if remote else 0, service.child.pid)
+        scheduler_pid = scheduler_pid or (scheduler.pid if remote else 0)
+        return Arm(name, listen, pids, service.url, scheduler_pid, service.child.pid)
 
     load = {
         "envoy": arm("envoy", []),
@@ -287,6 +327,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     }
     for n in range(1, len(scale) + 1):
         load[_scale_arm(n)] = arm(_scale_arm(n), scale[:n], remote=True)
+    if secure:
+        load[TLS_ARM] = arm(TLS_ARM, [xp_tls], scheduler_pid=scheduler_tls.pid, security=secure)
     for mode in modes.values():
         if mode_arm(mode) not in load:
             own = by_response.get(mode.response, (None, None))[0]
@@ -358,9 +400,10 @@ async def _measure(cfg: GatewayBenchConfig, arms: Arms) -> dict[str, Any]:
     sbody = {"model": MODEL, "prompt": "hi", "max_tokens": cfg.stream_tokens, "stream": True}
     mode_arms = [name for name in dict.fromkeys(map(mode_arm, arms.modes.values())) if name != DEFAULT_ARM]
     latency_arms = ["envoy", DEFAULT_ARM, GRPC_SESSION_ARM, UNARY_ARM, COLOCATED_ARM, NO_SCHEDULER_ARM, *mode_arms]
-    latency_arms += [name for name in load if name.startswith("vllm-router")]
+    secured = [TLS_ARM] if TLS_ARM in load else []
+    latency_arms += [*secured, *(name for name in load if name.startswith("vllm-router"))]
     scale_arms = [_scale_arm(n) for n in range(1, cfg.ext_procs + 1)]
-    load_arms = ["envoy", COLOCATED_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM, *mode_arms]
+    load_arms = ["envoy", COLOCATED_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM, *mode_arms, *secured]
     raw: dict[str, Any] = {
         "latency": {a: [] for a in latency_arms},
         "load": {a: [] for a in load_arms},

@@ -119,11 +119,11 @@ def test_component_figures_when_the_client_never_saw_the_fault() -> None:
 
 
 def test_per_second_buckets_by_send_time() -> None:
-    rows = fb.per_second([rec(0.1, instance=T), rec(0.9, INCOMPLETE), rec(2.5, instance=T)], T)
+    rows = fb.per_second([rec(0.1, instance=T), rec(0.9, INCOMPLETE, route=""), rec(2.5, instance=T)], T)
     assert rows == [
-        {"t": 0, "ok": 1, "failed": 1, "picked": 1},
-        {"t": 1, "ok": 0, "failed": 0, "picked": 0},
-        {"t": 2, "ok": 1, "failed": 0, "picked": 1},
+        {"t": 0, "ok": 1, "failed": 1, "picked": 1, "around": 1},
+        {"t": 1, "ok": 0, "failed": 0, "picked": 0, "around": 0},
+        {"t": 2, "ok": 1, "failed": 0, "picked": 1, "around": 0},
     ]
     assert fb.per_second([]) == []
 
@@ -146,6 +146,13 @@ def test_rss_growth_slope_is_per_minute() -> None:
     growth = fb.rss_growth([(0, 1024), (30, 2048), (60, 3072)], warmup=0, flat_pct=5.0)
     assert growth["slope_mib_per_min"] == 2.0
     assert growth["growth_mib"] == 2.0 and not growth["flat"]
+    assert growth["second_half_growth_mib"] == 1.0
+
+
+def test_rss_growth_tells_a_step_that_levels_off_from_a_climb() -> None:
+    step = [(t, 100 * 1024 + (20 * 1024 if t >= 100 else 0)) for t in range(0, 600, 10)]
+    growth = fb.rss_growth(step, warmup=10, flat_pct=5.0)
+    assert growth["growth_mib"] == 20.0 and not growth["flat"] and growth["second_half_growth_mib"] == 0.0
 
 
 def _entry(**figures: object) -> dict:
@@ -216,7 +223,7 @@ def test_the_report_has_a_row_per_fault_and_the_soak() -> None:
     md = fb.render_markdown({"wall_seconds": 300.0, "settings": settings, "faults": [kill, na], "soak": soak})
     assert "| engine-kill | lite | 10 | 9 | 1 | 1 | 0 / 0 | 0.3 | 0.5 | yes | 1 of 1 met |" in md
     assert "| llumlet-export-kill | full |" in md and "does not apply" in md
-    assert "| scheduler | 1.0 | 1.0 |" in md and "## Soak: 60 s at 20/s" in md
+    assert "| scheduler | 1.0 | 1.0 | 1.0 | 0.0 | 0.0 | 0.0 | 0.0 | yes |" in md and "## Soak: 60 s at 20/s" in md
     json.dumps({"faults": [kill, na], "soak": soak})  # result.json must serialise
 
 

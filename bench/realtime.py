@@ -186,6 +186,7 @@ def run_one(
             )
             start_seconds = time.monotonic() - started
             cpu0 = sum(cpu_seconds(p) for p in running.router_pids)
+            parts0 = {part: cpu_seconds(pid) for part, pid in running.router_parts.items()}
             result = asyncio.run(
                 replay(
                     trace,
@@ -197,6 +198,7 @@ def run_one(
                 )
             )
             router_cpu = sum(cpu_seconds(p) for p in running.router_pids) - cpu0
+            parts = {part: cpu_seconds(pid) - parts0[part] for part, pid in running.router_parts.items()}
         except Exception as exc:  # one target that cannot start must not cost the other targets' runs
             for _ in trace:
                 tick()
@@ -208,6 +210,11 @@ def run_one(
         {
             "client_cpu_share": result.client_cpu_seconds / result.wall_seconds if result.wall_seconds else 0.0,
             "router_cpu_seconds": router_cpu,
+            # per request of the replay, so targets compare whatever finished; and by component
+            "router_cpu_ms_per_request": router_cpu * 1000 / len(result.records) if result.records else 0.0,
+            "router_cpu_ms_per_request_parts": {
+                part: cpu * 1000 / len(result.records) for part, cpu in parts.items() if result.records
+            },
             "replay_seconds": result.wall_seconds,
             "start_seconds": start_seconds,
             "load_avg_1m": load_avg,

@@ -28,8 +28,12 @@ FIGURES: dict[str, tuple[tuple[str, ...], float, str, bool]] = {
     "failures": (("failures",), 1.0, "failed", True),
     "client_cpu_share": (("client_cpu_share",), 1.0, "client CPU", True),
     "router_cpu_seconds": (("router_cpu_seconds",), 1.0, "router CPU s", True),
+    "router_cpu_ms_per_request": (("router_cpu_ms_per_request",), 1.0, "router CPU ms/req", True),
 }
-TABLE = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "requests_per_s", "failures", "router_cpu_seconds")
+TABLE = (
+    "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "requests_per_s", "failures",
+    "router_cpu_ms_per_request",
+)  # fmt: skip
 VERDICT = ("ttft_p50", "ttft_p99", "tpot_p99", "e2e_p99", "failures", "router_cpu_seconds")
 
 
@@ -145,6 +149,35 @@ def losses(summary: dict[str, dict[str, Any]], families: dict[str, str]) -> list
     return lines
 
 
+def cpu_ratios(summary: dict[str, dict[str, Any]], families: dict[str, str]) -> list[str]:
+    """Each Pilotfish target's router-side CPU per request against each real router's (medians)."""
+    lines: list[str] = []
+    peers = [n for n in summary if families.get(n) == "peer" and summary[n].get("router_cpu_ms_per_request")]
+    for name in (n for n in summary if families.get(n) == "pilotfish"):
+        mine = summary[name].get("router_cpu_ms_per_request")
+        if not mine:
+            continue
+        for peer in peers:
+            theirs = summary[peer]["router_cpu_ms_per_request"]["median"]
+            if theirs:
+                lines.append(
+                    f"- `{name}` / `{peer}`: {mine['median'] / theirs:.1f}x "
+                    f"({mine['median']:.3g} against {theirs:.3g} ms per request)"
+                )
+    return lines
+
+
+def cpu_parts(per_target: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Median router-side CPU per request of each component, for the targets that report them."""
+    lines: list[str] = []
+    for name, runs in per_target.items():
+        parts = [r["router_cpu_ms_per_request_parts"] for r in runs if r.get("router_cpu_ms_per_request_parts")]
+        if parts:
+            cells = ", ".join(f"{part} {statistics.median(p[part] for p in parts):.3g}" for part in parts[0])
+            lines.append(f"- `{name}`: {cells} ms per request")
+    return lines
+
+
 def best(summary: dict[str, dict[str, Any]]) -> list[str]:
     lines = []
     for figure in VERDICT[:-2]:
@@ -208,6 +241,12 @@ def render_markdown(result: dict[str, Any]) -> str:
             *losses(summary, families),
             "",
         ]
+        ratios = cpu_ratios(summary, families)
+        if ratios:
+            md += ["Router-side CPU per request against each real router (medians):", "", *ratios, ""]
+        parts = cpu_parts(result.get("runs", {}).get(str(load), {}))
+        if parts:
+            md += ["Router-side CPU per request by component (medians):", "", *parts, ""]
     md += _agreement_section(result)
     md += [
         "## The client and the machine",

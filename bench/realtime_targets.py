@@ -120,6 +120,7 @@ class Running:
     engine_ids: list[str]
     token_id_prompts: bool = False
     router_pids: list[int] = field(default_factory=list)  # router-side processes, for their CPU time
+    router_parts: dict[str, int] = field(default_factory=dict)  # component -> pid (Pilotfish: envoy, ext_proc, ...)
     engine_urls: list[str] = field(default_factory=list)  # the engines a peer router was given, in order
 
 
@@ -216,8 +217,9 @@ def _start_pilotfish(name: str, fleet: FleetSpec, group: Any, log_dir: Path) -> 
     stack = start_stack(spec, group, log_dir)
     if full:
         _wait_cms(spec.cms_url, spec.cms_cluster, [engine_id for engine_id, _ in stack.engines])
-    pids = [c.pid for n, c in stack.children.items() if n in ("scheduler", "ext_proc", "envoy")]
-    return Running([stack.base_url], [engine_id for engine_id, _ in stack.engines], router_pids=pids)
+    parts = {n: c.pid for n, c in stack.children.items() if n in ("scheduler", "ext_proc", "envoy")}
+    ids = [engine_id for engine_id, _ in stack.engines]
+    return Running([stack.base_url], ids, router_pids=list(parts.values()), router_parts=parts)
 
 
 def _wait_cms(url: str, cluster: str, engine_ids: list[str]) -> None:

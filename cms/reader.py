@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 
 MGET_BATCH = 512
 SCAN_COUNT = 1000
+# How long a record must stay missing before the reader believes its instance gone (see __init__).
+REMOVAL_GRACE_SECONDS = 3.0
+
 # Reconnect backoff: doubles from FIRST_BACKOFF to MAX_BACKOFF, each sleep drawn from [half, all]
 # of it, so readers do not reconnect in step and one resumes within ~1 s of Redis returning.
 FIRST_BACKOFF = 0.05
@@ -77,6 +81,8 @@ class CmsReader:
         poll_interval: float = 2.0,
         *,
         redis_options: dict[str, Any] | None = None,
+        removal_grace: float = REMOVAL_GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`redis_options`: extra redis-py connection options (the password, rediss:// CA and client
         certificate: pilotfish/security.py's `redis_options`)."""
@@ -96,6 +102,12 @@ class CmsReader:
         self.num_redis_errors = 0
         self.num_polls = 0
         self.num_notices = 0
+        # A key missing from a poll is believed gone only after `removal_grace`: a Redis that restarts
+        # comes back empty, and its llumlets write their records again within their refresh interval;
+        # dropping the engines at once would leave nothing to schedule on in between.
+        self.removal_grace = removal_grace
+        self._clock = clock
+        self._missing_since: dict[tuple[str, str], float] = {}
 
     @property
     def num_bad_records(self) -> int:
@@ -180,12 +192,21 @@ class CmsReader:
         status_keys = [k async for k in client.scan_iter(match=keys.status_pattern(self.cluster), count=SCAN_COUNT)]
         meta_seen = await self._read_all(meta_keys, keys.META)
         status_seen = await self._read_all(status_keys, keys.STATUS)
-        for instance_id in self.sink.known() - meta_seen:
-            self._forget(keys.meta_key(self.cluster, instance_id))
-            self._forget(keys.status_key(self.cluster, instance_id))
-            self.sink.remove(instance_id)
-        for instance_id in meta_seen - status_seen:
-            if self._forget(keys.status_key(self.cluster, instance_id)):
+        missing = {(keys.META, i) for i in self.sink.known() - meta_seen}
+        held = self._last_digest
+        missing |= {(keys.STATUS, i) for i in meta_seen - status_seen if keys.status_key(self.cluster, i) in held}
+        now = self._clock()
+        for gone in self._missing_since.keys() - missing:  # back (or forgotten): no longer pending
+            del self._missing_since[gone]
+        for kind, instance_id in missing:
+            if now - self._missing_since.setdefault((kind, instance_id), now) < self.removal_grace:
+                continue
+            del self._missing_since[(kind, instance_id)]
+            if kind == keys.META:
+                self._forget(keys.meta_key(self.cluster, instance_id))
+                self._forget(keys.status_key(self.cluster, instance_id))
+                self.sink.remove(instance_id)
+            elif self._forget(keys.status_key(self.cluster, instance_id)):
                 self.sink.status_gone(instance_id)
         self.num_polls += 1
 

@@ -182,8 +182,9 @@ def test_a_refused_write_is_reported_and_the_latest_state_lands_later(redis_serv
             assert "OOM" in caplog.text
             client.config_set("maxmemory", "0")
             wait_for(
-                lambda: (raw := client.get(keys.status_key("t", "e0")))
-                and decode_status(raw, "e0").num_waiting == events,
+                lambda: (
+                    (raw := client.get(keys.status_key("t", "e0"))) and decode_status(raw, "e0").num_waiting == events
+                ),
                 timeout=30,
                 what="the latest state after Redis takes writes again",
             )
@@ -430,3 +431,46 @@ def test_an_engine_without_the_grpc_server_advertises_no_llumlet_port(redis_serv
         assert (llumlet._server is not None) is serve_grpc
     finally:
         llumlet.stop()
+
+
+async def test_a_redis_that_comes_back_empty_does_not_empty_the_view_before_the_llumlets_write_again(
+    redis_service,
+):
+    """Records missing from a poll count as gone only after the removal grace (the clock here is
+    the test's): a restarted Redis is refilled by the llumlets within their refresh interval."""
+    url = redis_service.url
+    writer = CmsWriter(url, "t", "e0", ttl_ms=60_000)
+    writer.write_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="127.0.0.1", http_port=8000))
+    writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=5))
+    now = [1000.0]
+    sink = Sink()
+    reader = CmsReader(url, "t", sink, poll_interval=0.02, removal_grace=3.0, clock=lambda: now[0])
+    task = asyncio.create_task(reader.run())
+    try:
+        await reader.wait_first_poll(timeout=10)
+        redis.Redis.from_url(url).flushall()  # what a Redis restarted without persistence holds
+
+        async def polls(n: int) -> None:
+            target = reader.num_polls + n
+            async with asyncio.timeout(30):
+                while reader.num_polls < target:
+                    await asyncio.sleep(0.01)
+
+        await polls(3)
+        now[0] += 2.9  # within the grace: still there, schedulable on its last status
+        await polls(3)
+        assert "e0" in sink.meta and "e0" in sink.status
+        writer.write_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="127.0.0.1", http_port=8000))
+        writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=6))
+        now[0] += 10  # written again in time: the grace never ran out
+        await polls(3)
+        assert sink.status["e0"].update_id == 6
+        redis.Redis.from_url(url).flushall()
+        await polls(3)
+        now[0] += 3.1  # missing past the grace: gone
+        await polls(3)
+        assert "e0" not in sink.meta
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        writer.close()

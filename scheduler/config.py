@@ -223,6 +223,14 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "long without Schedule, Report or confirmation, so a lost Release never leaks load",
         ),
     ] = 300.0
+    orphan_grace_seconds: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="a gateway Session that ends with requests held (the ext_proc died, so nobody will "
+            "release them): each is dropped after this long unless a report or a release reaches it first",
+        ),
+    ] = 5.0
 
     # -- engine health in the data path (scheduler/health.py) --
     outlier_consecutive_failures: Annotated[

@@ -99,6 +99,8 @@ class SchedulerCore:
             self.prefix_index = self.ctx.prefix_index = PrefixIndex(config.prefix_index_capacity_blocks)
         self._dirty: set[str] = set()
         self._lrs = LocalRealtimeState(config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add)
+        # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
+        self._orphans: dict[str, tuple[float, float]] = {}
         self.account = InflightAccount(
             config.request_local_account_staleness_seconds,
             config.account_admission_grace_seconds,
@@ -407,6 +409,27 @@ class SchedulerCore:
             self._drop(self.health.success(entry.instance_id))
         return True
 
+    def orphan(self, request_ids: Iterable[str]) -> None:
+        """The gateway that placed these requests is gone (its Session ended with them held): each
+        is dropped after --orphan-grace-seconds unless a report or a release reaches it first."""
+        deadline = self._clock() + self.config.orphan_grace_seconds
+        for request_id in request_ids:
+            entry = self._lrs.get(request_id)
+            if entry is not None:
+                self._orphans[request_id] = (deadline, entry.last_touch)
+
+    def _drop_orphans(self) -> int:
+        now, dropped = self._clock(), 0
+        for request_id, (deadline, touched) in list(self._orphans.items()):
+            if deadline > now:
+                continue
+            del self._orphans[request_id]
+            entry = self._lrs.get(request_id)
+            if entry is not None and entry.last_touch <= touched:  # nobody spoke for it since
+                self.release(request_id)
+                dropped += 1
+        return dropped
+
     def probe_result(self, instance_id: str, ok: bool) -> None:
         """One health probe of an engine (health.HealthProber); unknown instances are ignored."""
         if instance_id in self._instances:
@@ -422,6 +445,8 @@ class SchedulerCore:
         Also lets back engines whose ejection ran out (health.py)."""
         if self.health.due() <= self._clock():
             self._drop(self.health.tick())
+        if self._orphans and (orphaned := self._drop_orphans()):
+            log.info("dropped %d requests whose gateway's Session ended with them held", orphaned)
         dropped = self._lrs.expire()
         if dropped:
             log.warning(

@@ -319,7 +319,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         outbox: asyncio.Queue[object] = asyncio.Queue()  # flow control's late answers
         answer = self.answerer(_peer_of(context), outbox.put_nowait)
         try:
-            if isinstance(answer, flow_wire.SessionAnswer):
+            if isinstance(answer.answer, flow_wire.SessionAnswer):
                 async for response in flow_wire.merged(request_iterator, answer, outbox):
                     yield response
             else:
@@ -327,8 +327,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     yield response
         finally:
             self._sessions.discard(context)
-            if isinstance(answer, flow_wire.SessionAnswer):
-                answer.close()  # its waiting requests leave the queue
+            answer.close()  # waiting requests leave the queue; held ones become orphans
 
     async def _session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], answer: Answer
@@ -338,19 +337,24 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if reply is not None:
                 yield reply
 
-    def answerer(self, peer: str, deliver: Callable[[scheduler_pb2.SessionResponse], None] | None = None) -> Answer:
-        """`answer` for the messages of one peer (its IP): they count against its rates. With flow
-        control and `deliver`, a schedule may wait: `deliver` then gets its late answer."""
+    def answerer(
+        self, peer: str, deliver: Callable[[scheduler_pb2.SessionResponse], None] | None = None
+    ) -> SessionRequests:
+        """`answer` for the messages of one peer's Session (its IP): they count against its rates.
+        With flow control and `deliver`, a schedule may wait: `deliver` then gets its late answer.
+        `close()` when the Session ends."""
         buckets = self._rates.peer(peer) if peer else None
+        answer: Answer
         if self.flow is not None and deliver is not None:
-            return flow_wire.SessionAnswer(
+            answer = flow_wire.SessionAnswer(
                 lambda message, reply: self._answer(message, buckets, reply), self.flow, deliver, decision_to_proto
             )
+        else:
 
-        def answer(message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
-            return self._answer(message, buckets)
+            def answer(message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
+                return self._answer(message, buckets)
 
-        return answer
+        return SessionRequests(answer, self.core)
 
     def answer(self, message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
         """One Session message, no peer's rate applied: a schedule's reply, or None for the rest."""
@@ -396,6 +400,41 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self._report(message.report.reports)
         elif message.release.request_id:  # an empty id is dropped
             self._release(message.release.request_id, message.release.reason)
+
+
+class SessionRequests:
+    """One gateway Session's answer, and the requests it placed and has not released. When the
+    Session ends with some still held, its gateway is gone (nobody will release them): the core
+    drops each after --orphan-grace-seconds unless a report or a release reaches it first."""
+
+    MAX_TRACKED = 65536  # a Session holds at most this many ids; the oldest are forgotten first
+
+    __slots__ = ("_core", "answer", "held")
+
+    def __init__(self, answer: Answer, core: SchedulerCore) -> None:
+        self.answer = answer
+        self._core = core
+        self.held: dict[str, None] = {}  # insertion-ordered set
+
+    def __call__(self, message: scheduler_pb2.SessionRequest) -> scheduler_pb2.SessionResponse | None:
+        reply = self.answer(message)
+        kind = message.WhichOneof("kind")
+        if kind == "schedule":
+            held = self.held
+            held[message.schedule.request_id] = None
+            if len(held) > self.MAX_TRACKED:
+                del held[next(iter(held))]
+        elif kind == "release":
+            self.held.pop(message.release.request_id, None)
+        return reply
+
+    def close(self) -> None:
+        close = getattr(self.answer, "close", None)
+        if close is not None:
+            close()
+        held, self.held = self.held, {}
+        if held:
+            self._core.orphan(held)
 
 
 def _session_error(seq: int, code: grpc.StatusCode, message: str) -> scheduler_pb2.SessionResponse:

@@ -33,6 +33,9 @@ class FakeCore:
         self.released.append(request_id)
         return True
 
+    def orphan(self, request_ids: Any) -> None:  # the Session ended with these held
+        self.orphaned = list(request_ids)
+
 
 class FakeContext:
     def __init__(self) -> None:

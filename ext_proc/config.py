@@ -85,8 +85,14 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
         int, Meta(ge=1, description="consecutive scheduler failures that open the circuit breaker")
     ] = 3
     breaker_open_seconds: Annotated[
-        float, Meta(gt=0, description="how long an open breaker skips the scheduler before probing it again")
-    ] = 2.0
+        float,
+        Meta(
+            gt=0,
+            description="how long an open breaker skips the scheduler before probing it again (one request "
+            "per period then waits out --schedule-timeout-ms; short, so a restarted scheduler is used again "
+            "within about a second)",
+        ),
+    ] = 0.5
     tokenizer_path: Annotated[
         str, Meta(description="local tokenizer.json (or its folder) for exact prompt token counts (empty: estimate)")
     ] = ""

@@ -44,24 +44,27 @@ TARGETS: dict[str, TargetInfo] = {
         TargetInfo(
             "pilotfish-lite",
             "pilotfish",
-            "Envoy + ext_proc + scheduler, lite mode, shipped defaults: `load-balance` ranked by "
-            "num_requests (the scheduler's own dispatch account), cache-aware off",
+            "Envoy + ext_proc + scheduler, lite mode, shipped defaults: `predicted-latency` from the "
+            "scheduler's own request table, with cache affinity inside its TTFT band",
         ),
         TargetInfo(
             "pilotfish-full",
             "pilotfish",
             "Envoy + ext_proc + scheduler, full mode with a Redis CMS fed by a llumlet in every engine, "
-            "shipped defaults: `load-balance` ranked by all_prefills_tokens_num, cache-aware off",
+            "shipped defaults: `predicted-latency` from the llumlets' statuses, with cache affinity inside "
+            "its TTFT band; response bodies skipped, releases from Envoy's access log",
         ),
         TargetInfo(
             "pilotfish-lite-cache",
             "pilotfish",
-            "pilotfish-lite plus --enable-cache-aware-scheduling (kv_cache_hit_len first, then load)",
+            "pilotfish-lite plus --enable-cache-aware-scheduling (no change under the default policy, "
+            "which has cache affinity already)",
         ),
         TargetInfo(
             "pilotfish-full-cache",
             "pilotfish",
-            "pilotfish-full plus --enable-cache-aware-scheduling (kv_cache_hit_len first, then load)",
+            "pilotfish-full plus --enable-cache-aware-scheduling (no change under the default policy, "
+            "which has cache affinity already)",
         ),
         TargetInfo("vllm-router:round_robin", "peer", "vllm-router --policy round_robin, defaults otherwise"),
         TargetInfo(

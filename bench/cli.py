@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "sim-capacity": ("pilotfish.bench.sim_capacity", "HTTP simulator fleet: client TTFT minus engine TTFT under load"),
     "sim-speed": ("pilotfish.bench.sim_speed", "virtual-time cluster: wall time of one hour of Mooncake trace"),
     "cluster": ("pilotfish.bench.cluster", "virtual-time cluster: policies, peers and an oracle side by side"),
+    "matrix": (
+        "pilotfish.bench.matrix",
+        "virtual-time cluster: shipped defaults, peers and the oracle over workload families x loads x fleets",
+    ),
     "reschedule": ("pilotfish.bench.reschedule", "virtual-time cluster: rescheduling off vs on (balance, failover)"),
     "flow": ("pilotfish.bench.flow", "virtual-time cluster: flow control off vs on past the knee, priorities, tenants"),
     "realtime": ("pilotfish.bench.realtime", "real time over HTTP: Pilotfish and real peer routers, same requests"),

@@ -112,23 +112,9 @@ class K8sDiscovery(ServiceDiscovery):
 
     async def _discovery_api(self) -> Any:
         if self._api is None:
-            from kubernetes_asyncio import client, config
+            from kubernetes_asyncio import client
 
-            configuration = client.Configuration()
-            try:
-                if self._options.api_url:
-                    configuration.host = self._options.api_url
-                elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-                    config.load_incluster_config(client_configuration=configuration)
-                else:
-                    await config.load_kube_config(
-                        config_file=self._options.kubeconfig,
-                        context=self._options.context,
-                        client_configuration=configuration,
-                    )
-            except (config.ConfigException, OSError, ValueError) as exc:
-                raise ConfigError(f"--discovery k8s: cannot load the Kubernetes client config: {exc}") from None
-            self._api_client = client.ApiClient(configuration)
+            self._api_client = await api_client(self._options, "k8s")
             self._api = client.DiscoveryV1Api(self._api_client)
         return self._api
 
@@ -242,3 +228,23 @@ class K8sDiscovery(ServiceDiscovery):
 def _name(obj: dict[str, Any]) -> str | None:
     name = (obj.get("metadata") or {}).get("name")
     return name if isinstance(name, str) and name else None
+
+
+async def api_client(options: K8sOptions, scheme: str) -> Any:
+    """A kubernetes_asyncio ApiClient: the URL's API server, else in-cluster, else the kubeconfig;
+    `scheme` names the --discovery form in the error."""
+    from kubernetes_asyncio import client, config
+
+    configuration = client.Configuration()
+    try:
+        if options.api_url:
+            configuration.host = options.api_url
+        elif os.environ.get("KUBERNETES_SERVICE_HOST"):
+            config.load_incluster_config(client_configuration=configuration)
+        else:
+            await config.load_kube_config(
+                config_file=options.kubeconfig, context=options.context, client_configuration=configuration
+            )
+    except (config.ConfigException, OSError, ValueError) as exc:
+        raise ConfigError(f"--discovery {scheme}: cannot load the Kubernetes client config: {exc}") from None
+    return client.ApiClient(configuration)

@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ import aiohttp
 
 from pilotfish.config import ConfigError
 from pilotfish.discovery.api import InstanceEvent, ServiceDiscovery, StoreUnavailable
-from pilotfish.discovery.backends.k8s import K8sOptions
+from pilotfish.discovery.backends.k8s import K8sOptions, api_client
 from pilotfish.discovery.static import Instance
 from pilotfish.discovery.view import Emit, View, event_stream
 
@@ -264,23 +263,7 @@ class InferencePoolDiscovery(ServiceDiscovery):
 
     async def _client(self) -> Any:
         if self._api_client is None:
-            from kubernetes_asyncio import client, config
-
-            configuration = client.Configuration()
-            try:
-                if self._options.api_url:
-                    configuration.host = self._options.api_url
-                elif os.environ.get("KUBERNETES_SERVICE_HOST"):
-                    config.load_incluster_config(client_configuration=configuration)
-                else:
-                    await config.load_kube_config(
-                        config_file=self._options.kubeconfig,
-                        context=self._options.context,
-                        client_configuration=configuration,
-                    )
-            except (config.ConfigException, OSError, ValueError) as exc:
-                raise ConfigError(f"--discovery k8s-pool: cannot load the Kubernetes client config: {exc}") from None
-            self._api_client = client.ApiClient(configuration)
+            self._api_client = await api_client(self._options, "k8s-pool")
         return self._api_client
 
     def _pool_reflector(self, api_client: Any) -> _Reflector:

@@ -31,6 +31,23 @@ def envoy_stat(stack: Stack, name: str) -> int:
     return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
 
 
+def send_mixed(stack: Stack, max_tokens: int) -> list[tuple[int, bytes, bool]]:
+    """Six streamed and two whole completions at once: (status, body, streamed) each."""
+
+    async def run() -> list[tuple[int, bytes, bool]]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+            async def one(i: int) -> tuple[int, bytes, bool]:
+                stream = i < 6
+                body = {"model": MODEL, "prompt": f"mixed {i} " * 10, "max_tokens": max_tokens, "stream": stream}
+                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+                    return resp.status, await resp.read(), stream
+
+            return list(await asyncio.gather(*(one(i) for i in range(8))))
+
+    return asyncio.run(run())
+
+
 def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
     make_stack, redis_service: RunningService
 ) -> None:
@@ -40,18 +57,7 @@ def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
                "both engines in the scheduler's CMS view")  # fmt: skip
     sent_before = envoy_stat(stack, "http.inference.ext_proc.stream_msgs_sent")
 
-    async def run() -> list[tuple[int, bytes, bool]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-
-            async def one(i: int) -> tuple[int, bytes, bool]:
-                stream = i < 6
-                body = {"model": MODEL, "prompt": f"skip {i} " * 10, "max_tokens": 100, "stream": stream}
-                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
-                    return resp.status, await resp.read(), stream
-
-            return list(await asyncio.gather(*(one(i) for i in range(8))))
-
-    for status, raw, stream in asyncio.run(run()):
+    for status, raw, stream in send_mixed(stack, max_tokens=100):
         assert status == 200, raw[:300]
         if stream:
             payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
@@ -84,18 +90,7 @@ def test_an_observing_filter_counts_streams_exactly_without_a_reply_per_chunk(ma
     stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="observe")
     engines_before = sum(metric(port, "vllm:generation_tokens_total") for _, port in stack.engines)
 
-    async def run() -> list[tuple[int, bytes, bool]]:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
-
-            async def one(i: int) -> tuple[int, bytes, bool]:
-                stream = i < 6
-                body = {"model": MODEL, "prompt": f"observe {i} " * 10, "max_tokens": 40, "stream": stream}
-                async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
-                    return resp.status, await resp.read(), stream
-
-            return list(await asyncio.gather(*(one(i) for i in range(8))))
-
-    for status, raw, stream in asyncio.run(run()):
+    for status, raw, stream in send_mixed(stack, max_tokens=40):
         assert status == 200, raw[:300]
         if stream:
             payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]

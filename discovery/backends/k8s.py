@@ -17,7 +17,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,26 +120,13 @@ class K8sDiscovery(ServiceDiscovery):
 
     async def _list(self, namespace: str, component: str) -> tuple[str, dict[str, dict[str, Any]]]:
         api = await self._discovery_api()
-        try:
-            response = await api.list_namespaced_endpoint_slice(
-                self._options.namespace(),
-                label_selector=label_selector(namespace, component),
-                _preload_content=False,
-                _request_timeout=10,
-            )
-            async with response:
-                body = await response.read()
-                status = response.status
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise StoreUnavailable(f"kubernetes: {exc or type(exc).__name__}") from None
-        if status != 200:
-            raise StoreUnavailable(f"kubernetes: listing EndpointSlices: HTTP {status}: {body[:200]!r}")
-        try:
-            data = json.loads(body)
-            items = data.get("items") or []
-            version = str((data.get("metadata") or {}).get("resourceVersion") or "")
-        except (ValueError, AttributeError):
-            raise StoreUnavailable("kubernetes: EndpointSliceList is not valid JSON") from None
+        call = api.list_namespaced_endpoint_slice(
+            self._options.namespace(),
+            label_selector=label_selector(namespace, component),
+            _preload_content=False,
+            _request_timeout=10,
+        )
+        version, items = await read_list(call, "EndpointSlices")
         slices = {o["metadata"]["name"]: o for o in items if isinstance(o, dict) and _name(o)}
         return version, slices
 
@@ -248,3 +235,24 @@ async def api_client(options: K8sOptions, scheme: str) -> Any:
     except (config.ConfigException, OSError, ValueError) as exc:
         raise ConfigError(f"--discovery {scheme}: cannot load the Kubernetes client config: {exc}") from None
     return client.ApiClient(configuration)
+
+
+async def read_list(call: Awaitable[Any], what: str) -> tuple[str, list[Any]]:
+    """A list call made with `_preload_content=False`: (resourceVersion, items); StoreUnavailable
+    on a transport fault, a status other than 200, or a body that is not a list."""
+    try:
+        response = await call
+        async with response:
+            body = await response.read()
+            status = response.status
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        raise StoreUnavailable(f"kubernetes: listing {what}: {exc or type(exc).__name__}") from None
+    if status != 200:
+        raise StoreUnavailable(f"kubernetes: listing {what}: HTTP {status}: {body[:200]!r}")
+    try:
+        data = json.loads(body)
+        items = data.get("items") or []
+        version = str((data.get("metadata") or {}).get("resourceVersion") or "")
+    except (ValueError, AttributeError):
+        raise StoreUnavailable(f"kubernetes: the {what} list is not valid JSON") from None
+    return version, items

@@ -32,7 +32,7 @@ import aiohttp
 
 from pilotfish.config import ConfigError
 from pilotfish.discovery.api import InstanceEvent, ServiceDiscovery, StoreUnavailable
-from pilotfish.discovery.backends.k8s import K8sOptions, api_client
+from pilotfish.discovery.backends.k8s import K8sOptions, api_client, read_list
 from pilotfish.discovery.static import Instance
 from pilotfish.discovery.view import Emit, View, event_stream
 
@@ -174,21 +174,8 @@ class _Reflector:
 
     async def list(self) -> str:
         """Replace the store with a fresh listing; returns its resourceVersion."""
-        try:
-            response = await self.call(**self.selectors, _preload_content=False, _request_timeout=10)
-            async with response:
-                body = await response.read()
-                status = response.status
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise StoreUnavailable(f"kubernetes: listing {self.what}: {exc or type(exc).__name__}") from None
-        if status != 200:
-            raise StoreUnavailable(f"kubernetes: listing {self.what}: HTTP {status}: {body[:200]!r}")
-        try:
-            data = json.loads(body)
-            items = data.get("items") or []
-            version = str((data.get("metadata") or {}).get("resourceVersion") or "")
-        except (ValueError, AttributeError):
-            raise StoreUnavailable(f"kubernetes: the {self.what} list is not valid JSON") from None
+        call = self.call(**self.selectors, _preload_content=False, _request_timeout=10)
+        version, items = await read_list(call, self.what)
         self.store = {n: o for o in items if isinstance(o, dict) and (n := _name(o))}
         self.lists += 1
         return version

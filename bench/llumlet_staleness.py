@@ -26,38 +26,45 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
 
 NAME = "llumlet_staleness"
 
 
+class LlumletStalenessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    events: Annotated[int, Meta(ge=1, description="events per schedule")] = 5000
+    interval_us: Annotated[int, Meta(ge=0, description="steady: gap between events (µs)")] = 2000
+    burst: Annotated[int, Meta(ge=1, description="burst: events per burst")] = 50
+    burst_gap_ms: Annotated[float, Meta(ge=0, description="burst: pause between bursts (ms)")] = 20.0
+    engine: Annotated[
+        Literal["idle", "busy"],
+        Meta(description="engine thread between events: blocked (idle) or running Python (busy)"),
+    ] = "idle"
+    switch_interval_us: Annotated[
+        int | None,
+        Meta(
+            description="the llumlet's gil_switch_interval_us in the engine process (unset: the llumlet's "
+            "default; 0: leave Python's 5000)"
+        ),
+    ] = None
+    redis_url: Annotated[str, Meta(description="use this Redis instead of starting a redis-server")] = ""
+    write_from: Annotated[
+        Literal["process", "engine", "export"],
+        Meta(
+            description="who writes a change: the export process, fed through shared memory, as the vLLM adapter "
+            "does by default; the engine's thread at once (PILOTFISH_EXPORT_PROCESS=false); or the export "
+            "thread, woken by it"
+        ),
+    ] = "process"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--events", type=int, default=5000, help="events per schedule (default 5000)")
-    parser.add_argument("--interval-us", type=int, default=2000, help="steady: gap between events (default 2000)")
-    parser.add_argument("--burst", type=int, default=50, help="burst: events per burst (default 50)")
-    parser.add_argument("--burst-gap-ms", type=float, default=20.0, help="burst: pause between bursts (default 20)")
-    parser.add_argument(
-        "--engine",
-        choices=("idle", "busy"),
-        default="idle",
-        help="engine thread between events: blocked (idle) or running Python (busy)",
-    )
-    parser.add_argument(
-        "--switch-interval-us",
-        type=int,
-        default=None,
-        help="the llumlet's gil_switch_interval_us in the engine process (default: the llumlet's "
-        "default; 0: leave Python's 5000)",
-    )
-    parser.add_argument("--redis-url", default="", help="use this Redis instead of starting a redis-server")
-    parser.add_argument(
-        "--write-from",
-        choices=("process", "engine", "export"),
-        default="process",
-        help="who writes a change: the export process, fed through shared memory, as the vLLM adapter "
-        "does by default; the engine's thread at once (PILOTFISH_EXPORT_PROCESS=false); or the export "
-        "thread, woken by it",
-    )
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, LlumletStalenessConfig)
 
 
 # ---------------------------------------------------------------- the scheduler side (subprocess)
@@ -139,25 +146,66 @@ def _wait_until(deadline_ns: int, engine: str) -> None:
         pass
 
 
-def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    from pilotfish.protos import cms_pb2
-    from pilotfish.vllm_plugin.config import LlumletConfig
-    from pilotfish.vllm_plugin.core.llumlet import Llumlet
-
-    instance = f"bench-{schedule}"
+def _run_schedule(url: str, cluster: str, schedule: str, cfg: LlumletStalenessConfig, work: Path) -> dict[str, Any]:
+    """One schedule's events through a fresh llumlet, seen by a fresh reader process: its figures."""
     out = work / f"{schedule}.json"
     ready = work / f"{schedule}.ready"
     reader = subprocess.Popen(
         [sys.executable, __file__, "--reader", url, cluster, str(out), str(ready)], stdin=subprocess.DEVNULL
     )
-    cfg = LlumletConfig(cms_url=url, cluster=cluster)
-    if args.switch_interval_us is not None:
-        cfg.gil_switch_interval_us = args.switch_interval_us
+    llumlet = None
+    try:
+        # the llumlet first: its metadata is in Redis by the reader's first poll, so the reader
+        # knows the instance from the start (else it finds it a poll interval later)
+        llumlet, written = _timed_llumlet(cfg, url, cluster, f"bench-{schedule}")
+        _wait_ready(reader, ready)
+        applied, hook_cpu_ns = _play(cfg, schedule, llumlet)
+        time.sleep(0.5)  # the tail of the writes: what is not visible by then counts as never seen
+    finally:
+        Path(str(out) + ".stop").write_text("")
+        reader.wait(timeout=60)
+        if llumlet is not None:
+            llumlet.stop()
+    seen = [tuple(x) for x in json.loads(out.read_text())]
+    view_us = _staleness(applied, seen)
+    redis_us = _staleness(applied, written)
+    return {
+        "events": cfg.events,
+        "records_written": len(written),
+        "records_seen": len(seen),
+        "never_seen": cfg.events - len(view_us),
+        "view": _summary(view_us),
+        "redis": _summary(redis_us) if redis_us else None,
+        # thread_time's resolution is the scheduler tick on some kernels: the mean is the figure
+        "engine_cpu_per_event": _summary([ns / 1000 for ns in hook_cpu_ns]),
+    }
+
+
+def _wait_ready(reader: subprocess.Popen[bytes], ready: Path) -> None:
+    """Until the scheduler-side process has subscribed (it writes `ready`)."""
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if reader.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the reader process did not start")
+        time.sleep(0.05)
+
+
+def _timed_llumlet(
+    cfg: LlumletStalenessConfig, url: str, cluster: str, instance: str
+) -> tuple[Any, list[tuple[int, int]]]:
+    """A started llumlet whose writer stamps each record as Redis takes it: (llumlet, its (step_id, ns) stamps)."""
+    from pilotfish.protos import cms_pb2
+    from pilotfish.vllm_plugin.config import LlumletConfig
+    from pilotfish.vllm_plugin.core.llumlet import Llumlet
+
+    llumlet_cfg = LlumletConfig(cms_url=url, cluster=cluster)
+    if cfg.switch_interval_us is not None:
+        llumlet_cfg.gil_switch_interval_us = cfg.switch_interval_us
     meta = cms_pb2.InstanceMetadata(host="127.0.0.1", http_port=1)
     # the export process writes in a process of its own: no acknowledgement to stamp here (it
     # logs its own event -> Redis figures); the view's staleness is the measure
     llumlet = Llumlet(
-        cfg, instance, meta, own_process=args.write_from == "process", step_hooks=args.write_from == "engine"
+        llumlet_cfg, instance, meta, own_process=cfg.write_from == "process", step_hooks=cfg.write_from == "engine"
     )
     written: list[tuple[int, int]] = []  # (step_id, monotonic ns when Redis acknowledged it)
     write = llumlet.writer.write_status
@@ -176,48 +224,31 @@ def _run_schedule(url: str, cluster: str, schedule: str, args: argparse.Namespac
 
     llumlet.writer.try_write_status = timed_try_write  # type: ignore[method-assign]
     llumlet.start(serve_grpc=False)
-    applied: list[int] = [0]  # event k applied at applied[k] (monotonic ns); step_id k == event k
-    hook_cpu_ns: list[int] = []  # the engine thread's CPU per event: the hook, and the write made in it
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists():
-            if reader.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the reader process did not start")
-            time.sleep(0.05)
-        next_at = time.monotonic_ns()
-        for k in range(1, args.events + 1):
-            if schedule == "steady":
-                next_at += args.interval_us * 1000
-            elif k % args.burst == 1:
-                next_at = time.monotonic_ns() + int(args.burst_gap_ms * 1e6)
-            else:
-                next_at = 0
-            _wait_until(next_at, args.engine)
-            cpu = time.thread_time_ns()
-            with llumlet.events() as s:
-                s.added(f"r{k}", 100)
-                s.step_finished(0.001, 100, 0, 0)
-                stamp = time.monotonic_ns()
-            hook_cpu_ns.append(time.thread_time_ns() - cpu)
-            applied.append(stamp)
-        time.sleep(0.5)
-    finally:
-        Path(str(out) + ".stop").write_text("")
-        reader.wait(timeout=60)
-        llumlet.stop()
-    seen = [tuple(x) for x in json.loads(out.read_text())]
-    view_us = _staleness(applied, seen)
-    redis_us = _staleness(applied, written)
-    return {
-        "events": args.events,
-        "records_written": len(written),
-        "records_seen": len(seen),
-        "never_seen": args.events - len(view_us),
-        "view": _summary(view_us),
-        "redis": _summary(redis_us) if redis_us else None,
-        # thread_time's resolution is the scheduler tick on some kernels: the mean is the figure
-        "engine_cpu_per_event": _summary([ns / 1000 for ns in hook_cpu_ns]),
-    }
+    return llumlet, written
+
+
+def _play(cfg: LlumletStalenessConfig, schedule: str, llumlet: Any) -> tuple[list[int], list[int]]:
+    """The engine thread: --events load changes on `schedule`; (when event k was applied at index k
+    in monotonic ns, the engine thread's CPU per event: the hook and the write made in it)."""
+    applied: list[int] = [0]  # step_id k == event k
+    hook_cpu_ns: list[int] = []
+    next_at = time.monotonic_ns()
+    for k in range(1, cfg.events + 1):
+        if schedule == "steady":
+            next_at += cfg.interval_us * 1000
+        elif k % cfg.burst == 1:
+            next_at = time.monotonic_ns() + int(cfg.burst_gap_ms * 1e6)
+        else:
+            next_at = 0
+        _wait_until(next_at, cfg.engine)
+        cpu = time.thread_time_ns()
+        with llumlet.events() as s:
+            s.added(f"r{k}", 100)
+            s.step_finished(0.001, 100, 0, 0)
+            stamp = time.monotonic_ns()
+        hook_cpu_ns.append(time.thread_time_ns() - cpu)
+        applied.append(stamp)
+    return applied, hook_cpu_ns
 
 
 def _staleness(applied: list[int], visible: list[tuple[int, int]]) -> list[float]:
@@ -244,24 +275,58 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from pilotfish.config import struct_from_args
+
+    cfg = struct_from_args(LlumletStalenessConfig, args)
+    return 0 if _report(cfg, _measure(cfg), Path(args.out)) else 1
+
+
+GOAL_P99_US = 5000  # event -> view, at p99
+
+
+def _measure(cfg: LlumletStalenessConfig) -> dict[str, dict[str, Any]]:
+    """Both schedules against one Redis (--redis-url, else a loopback redis-server started and stopped here)."""
     from pilotfish import services
-    from pilotfish.bench.report import write_report
 
     with tempfile.TemporaryDirectory(prefix="pf-staleness-") as tmp:
         work = Path(tmp)
-        service = None if args.redis_url else services.start_redis(work / "redis")
-        url = args.redis_url or service.url  # type: ignore[union-attr]
+        service = None if cfg.redis_url else services.start_redis(work / "redis")
+        url = cfg.redis_url or service.url  # type: ignore[union-attr]
         try:
-            results = {s: _run_schedule(url, "bench", s, args, work) for s in ("steady", "burst")}
+            return {s: _run_schedule(url, "bench", s, cfg, work) for s in ("steady", "burst")}
         finally:
             if service is not None:
                 service.stop()
-    goal_met = all(r["view"]["p99_us"] <= 5000 and r["never_seen"] == 0 for r in results.values())
+
+
+def _report(cfg: LlumletStalenessConfig, results: dict[str, dict[str, Any]], out: Path) -> bool:
+    """result.json and report.md; whether the goal was met."""
+    from pilotfish.bench.report import write_report
+
+    goal_met = all(r["view"]["p99_us"] <= GOAL_P99_US and r["never_seen"] == 0 for r in results.values())
     result = {
-        "schedules": results, "goal_p99_ms": 5, "goal_met": goal_met, "cpus": os.cpu_count(),
-        "engine": args.engine, "switch_interval_us": round(sys.getswitchinterval() * 1e6),
-        "write_from": args.write_from,
+        "schedules": results, "goal_p99_ms": GOAL_P99_US // 1000, "goal_met": goal_met, "cpus": os.cpu_count(),
+        "engine": cfg.engine, "switch_interval_us": round(sys.getswitchinterval() * 1e6),
+        "write_from": cfg.write_from,
     }  # fmt: skip
+    markdown = "\n".join([
+        "# llumlet staleness: engine event -> Redis -> scheduler view", "",
+        f"Loopback redis-server, the scheduler's CmsReader in a second process, {os.cpu_count()} CPUs. "
+        f"{cfg.events} events per schedule; steady: one every {cfg.interval_us} µs; burst: {cfg.burst} back to "
+        f"back every {cfg.burst_gap_ms} ms. Engine thread between events: {cfg.engine}; GIL switch interval "
+        f"{result['switch_interval_us']} µs. Changes written from the "
+        f"{'export process' if cfg.write_from == 'process' else cfg.write_from + ' thread'} "
+        f"(event → Redis: handed to the kernel from the engine's thread, acknowledged from the export thread, "
+        f"not stamped here from the export process). "
+        f"Goal p99 <= {GOAL_P99_US // 1000} ms (event → view): {'met' if goal_met else 'NOT met'}.",
+        "", *_table(results),
+    ])  # fmt: skip
+    write_report(out, NAME, result, markdown)
+    print(markdown)
+    return goal_met
+
+
+def _table(results: dict[str, dict[str, Any]]) -> list[str]:
     rows = [
         "| schedule | path | records | p50 (µs) | p90 (µs) | p99 (µs) | max (µs) |",
         "|---|---|---|---|---|---|---|",
@@ -277,22 +342,8 @@ def run(args: argparse.Namespace) -> int:
             rows.append(f"| {name} | {label} | {r[count]} | {figures} |")
     rows += ["", "Engine thread's CPU per event (the hook and the write made in it, `thread_time`): "
              + "; ".join(f"{name} mean {r['engine_cpu_per_event']['mean_us']} µs, p50 "
-                         f"{r['engine_cpu_per_event']['p50_us']} µs" for name, r in results.items()) + "."]
-    markdown = "\n".join([
-        "# llumlet staleness: engine event -> Redis -> scheduler view", "",
-        f"Loopback redis-server, the scheduler's CmsReader in a second process, {os.cpu_count()} CPUs. "
-        f"{args.events} events per schedule; steady: one every {args.interval_us} µs; burst: {args.burst} back to "
-        f"back every {args.burst_gap_ms} ms. Engine thread between events: {args.engine}; GIL switch interval "
-        f"{result['switch_interval_us']} µs. Changes written from the "
-        f"{'export process' if args.write_from == 'process' else args.write_from + ' thread'} "
-        f"(event → Redis: handed to the kernel from the engine's thread, acknowledged from the export thread, "
-        f"not stamped here from the export process). "
-        f"Goal p99 <= 5 ms (event → view): {'met' if goal_met else 'NOT met'}.",
-        "", *rows,
-    ])  # fmt: skip
-    write_report(args.out, NAME, result, markdown)
-    print(markdown)
-    return 0 if goal_met else 1
+                         f"{r['engine_cpu_per_event']['p50_us']} µs" for name, r in results.items()) + "."]  # fmt: skip
+    return rows
 
 
 if __name__ == "__main__":

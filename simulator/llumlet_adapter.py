@@ -10,9 +10,8 @@ With the HTTP driver as well (`driver=`), the llumlet can migrate requests in an
 Observer hooks run inside the simulator's step (on its asyncio loop, or in virtual time); each
 updates the LoadState under the llumlet's lock and wakes the export thread (the llumlet's
 "thread" exporter, vllm_plugin/core/exporter.py), as the vLLM adapter's hooks do when they
-write from vLLM's process. KV usage is read from the engine's block pool: the block events
-alone cannot track it, because a prefix-cache hit that revives a freed block is not a
-`blocks_allocated`.
+write from vLLM's process. The hooks' translation is load_observer.py's, which the virtual-time
+cluster's statuses use too.
 """
 
 from __future__ import annotations
@@ -23,9 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.protos import cms_pb2
-from pilotfish.simulator.engine.events import EngineObserver
-from pilotfish.simulator.engine.request import FinishReason, SimRequest
 from pilotfish.simulator.llumlet_migration import SimMigrationAdapter
+from pilotfish.simulator.load_observer import LoadObserver, used_blocks_reader
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
 
@@ -33,68 +31,6 @@ if TYPE_CHECKING:
     from pilotfish.simulator.server.driver import EngineDriver
 
 ABORT_TIMEOUT_S = 5.0
-
-
-class LlumletObserver(EngineObserver):
-    def __init__(self, llumlet: Llumlet, core: Any, block_size: int, num_blocks: int) -> None:
-        self.llumlet = llumlet
-        self.core = core
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        with llumlet.events() as s:
-            s.kv_usage(0, num_blocks, block_size)
-
-    def _used_blocks(self) -> int:
-        kv = getattr(self.core, "kv", None)
-        if kv is not None:
-            return int(kv.pool.num_used)
-        return round(self.core.stats().kv_cache_usage * self.num_blocks)
-
-    def request_added(self, request: SimRequest, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.added(request.request_id, request.num_prompt_tokens, request.num_output_tokens)
-
-    def request_scheduled(self, request: SimRequest, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.scheduled(request.request_id, request.num_computed_tokens)
-
-    def cache_hit(self, request: SimRequest, num_tokens: int, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.cache_hit(request.request_id, num_tokens)
-
-    def blocks_allocated(self, request: SimRequest, block_ids: list[int], now: float) -> None:
-        with self.llumlet.events() as s:
-            s.kv_usage(self._used_blocks(), self.num_blocks, self.block_size)
-
-    def blocks_freed(self, request: SimRequest, block_ids: list[int], now: float) -> None:
-        with self.llumlet.events() as s:
-            s.kv_usage(self._used_blocks(), self.num_blocks, self.block_size)
-
-    def prefill_chunk(self, request: SimRequest, num_tokens: int, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.progressed(request.request_id, request.num_computed_tokens, request.num_output_tokens)
-
-    def token_generated(self, request: SimRequest, token_id: int, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.progressed(request.request_id, request.num_computed_tokens, request.num_output_tokens)
-
-    def preempted(self, request: SimRequest, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.preempted(request.request_id)
-
-    def finished(self, request: SimRequest, reason: FinishReason, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.finished(request.request_id)
-
-    def detached(self, request: SimRequest, now: float) -> None:
-        with self.llumlet.events() as s:
-            s.finished(request.request_id)  # migrated away: no longer load here
-
-    def step_finished(
-        self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int
-    ) -> None:
-        with self.llumlet.events() as s:
-            s.step_finished(duration, num_prefill_tokens, num_decodes, num_context_tokens)
 
 
 def attach_llumlet(
@@ -161,7 +97,9 @@ def attach_llumlet(
         own_process=False,
         step_hooks=False,
     )
-    core.add_observer(LlumletObserver(llumlet, core, engine_config.block_size, engine_config.num_gpu_blocks))
+    num_blocks = engine_config.num_gpu_blocks
+    used_blocks = used_blocks_reader(core, num_blocks)
+    core.add_observer(LoadObserver(llumlet.events, used_blocks, engine_config.block_size, num_blocks))
     if migration is not None:
         migration.llumlet = llumlet
         core.add_observer(migration)

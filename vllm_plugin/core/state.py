@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from operator import attrgetter
 
@@ -47,13 +48,17 @@ counter_values = attrgetter(*COUNTER_FIELDS)  # a LoadState's, in that order, in
 
 
 def status_record(
-    instance_id: str, update_id: int, counters: dict[str, int], admitted_ids: list[str], timestamp_ms: int = 0
+    instance_id: str,
+    update_id: int,
+    counters: dict[str, int],
+    admitted_ids: list[str],
+    timestamp_ms: int | None = None,
 ) -> cms_pb2.InstanceStatus:
-    """The CMS status record; `timestamp_ms` 0 is now."""
+    """The CMS status record; `timestamp_ms` None is now (a virtual clock may well read 0)."""
     return cms_pb2.InstanceStatus(
         instance_id=instance_id,
         update_id=update_id,
-        timestamp_ms=timestamp_ms or time.time_ns() // 1_000_000,
+        timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
         num_waiting_prefill=counters["num_waiting"],
         admitted_request_ids=admitted_ids,
         **counters,
@@ -88,8 +93,17 @@ class _Request:
 class LoadState:
     """Mutated only by the engine's thread, under the Llumlet's lock; snapshot() by the exporter."""
 
-    def __init__(self, instance_id: str, admitted_window_ms: int = 2000, max_admitted_ids: int = 1024) -> None:
+    def __init__(
+        self,
+        instance_id: str,
+        admitted_window_ms: int = 2000,
+        max_admitted_ids: int = 1024,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        """`clock_ns` stamps admissions and ages them out of the window: the engine's clock (a
+        virtual-time cluster's, where the engines run faster or slower than the wall)."""
         self.instance_id = instance_id
+        self.clock_ns = clock_ns
         self.admitted_window_ns = admitted_window_ms * 1_000_000
         self.max_admitted_ids = max_admitted_ids
         self.requests: dict[str, _Request] = {}
@@ -115,7 +129,7 @@ class LoadState:
         self.num_loading = 0
         self.num_migrating_out = 0
         self.num_migrating_in = 0
-        self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, request id), oldest first
+        self.admitted: deque[tuple[int, str]] = deque()  # (clock_ns, request id), oldest first
         self.admitted_total = 0  # ids ever appended to `admitted`
         self.decode_steps = 0  # steps applied by decoded_all()
         self.update_id = 0
@@ -164,7 +178,7 @@ class LoadState:
         r = _Request(request_id, num_prompt_tokens, num_output_tokens, decode_mark=self.decode_steps)
         self.requests[request_id] = r
         self._apply(r, +1)
-        self.admitted.append((time.monotonic_ns(), exported_id or request_id))
+        self.admitted.append((self.clock_ns(), exported_id or request_id))
         self.admitted_total += 1
 
     def scheduled(self, request_id: str, num_computed_tokens: int, num_cached_tokens: int = 0) -> None:
@@ -327,19 +341,21 @@ class LoadState:
 
     def trim_admitted(self) -> None:
         """Drop admitted ids older than the window, and the oldest beyond the cap."""
-        horizon = time.monotonic_ns() - self.admitted_window_ns
+        horizon = self.clock_ns() - self.admitted_window_ns
         admitted = self.admitted
         while admitted and admitted[0][0] < horizon:
             admitted.popleft()
         while len(admitted) > self.max_admitted_ids:
             admitted.popleft()
 
-    def snapshot(self, update_id: int | None = None) -> cms_pb2.InstanceStatus:
-        """The status record as of now; `update_id` None keeps the last one (for GetStatus)."""
+    def snapshot(self, update_id: int | None = None, timestamp_ms: int | None = None) -> cms_pb2.InstanceStatus:
+        """The status record as of now; `update_id` None keeps the last one (for GetStatus),
+        `timestamp_ms` None stamps it with the wall clock."""
         self.trim_admitted()
         return status_record(
             self.instance_id,
             self.update_id if update_id is None else update_id,
             dict(zip(COUNTER_FIELDS, counter_values(self), strict=True)),
             [rid for _, rid in self.admitted],
+            timestamp_ms,
         )

@@ -28,93 +28,60 @@ import os
 import platform
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.cluster_policies import DEFAULT_POLICIES
+from pilotfish.bench.options import DEFAULT_TRACE, ClusterRunOptions
+from pilotfish.bench.traces import load_trace
 
 if TYPE_CHECKING:
     from pilotfish.bench.cluster_policies import PolicySpec
     from pilotfish.simulator.cluster import ClusterConfig, ClusterResult, Router, RouteRequest
     from pilotfish.simulator.traces import Trace
 
-DEFAULT_TRACE = "mooncake_synthetic.jsonl"
-_SYNTHETIC_KEYS = {"groups": int, "prompts": int, "system": int, "question": int, "output": int, "rate": float,
-                   "seed": int}
+# bench realtime, bench reschedule and the tests import these from here
+__all__ = ["DEFAULT_TRACE", "ClusterBenchConfig", "Progress", "load_trace", "run", "run_policy"]
+
+
+class ClusterBenchConfig(ClusterRunOptions, frozen=True):
+    """Every knob of `bench cluster`, with its default (the flags and bench/README.md's table come from it)."""
+
+    policies: Annotated[
+        list[str],
+        Meta(
+            description="round-robin, least-requests, power-of-two, pilotfish:<policy> (lite), "
+            "pilotfish-full:<policy> (full mode), llm-d, dynamo, sglang, oracle (bench/cluster_policies.py)"
+        ),
+    ] = msgspec.field(default_factory=lambda: list(DEFAULT_POLICIES))
+    sweep: Annotated[
+        list[float], Meta(description="loads to run; --load is always one of them (empty: --load only)")
+    ] = msgspec.field(default_factory=lambda: [1.0, 2.0, 3.0])
+    matrix_at: Annotated[
+        Literal["load", "sweep"],
+        Meta(
+            description="where policies with a feature toggle in their name (pilotfish-full:load-balance"
+            "+predictor, ...-account) run: load (at --load only) or sweep (at every load)"
+        ),
+    ] = "load"
+
+    def loads(self) -> list[float]:
+        """Every load of the sweep with --load in it, in order."""
+        return sorted({self.load, *self.sweep})
+
+    def runs_at(self, spec: PolicySpec, load: float) -> bool:
+        """Whether `spec` runs at `load`: a feature arm only at --load unless --matrix-at sweep."""
+        return not spec.toggles or self.matrix_at == "sweep" or load == self.load
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pilotfish.bench.cluster_policies import DEFAULT_POLICIES
+    from pilotfish.config import add_struct_arguments
 
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--trace", default=DEFAULT_TRACE,
-                        help="Mooncake .jsonl, Azure .csv (name in ../shared/traces or a path), or "
-                             "synthetic[:groups=8,prompts=32,system=1024,question=128,output=128,rate=10,seed=0], or "
-                             "family:<system-prompt|multi-turn|tenants>[:knob=value,...] "
-                             "(simulator/traces/families.py; ranges as low-high)")
-    parser.add_argument("--trace-dir", default=None, help="folder of the shared traces (unset: ../shared/traces)")
-    parser.add_argument("--duration", type=float, default=600.0,
-                        help="seconds of the trace's own timeline to replay, taken before compression (0: all)")
-    parser.add_argument("--instances", type=int, default=16, help="simulated engines")
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma list: round-robin, least-requests, power-of-two, pilotfish:<policy> (lite), "
-                             "pilotfish-full:<policy> (full mode), llm-d, dynamo, sglang, oracle")
-    parser.add_argument("--load", type=float, default=2.0,
-                        help="time compression: 2 = twice the trace's rate (its latency CDFs are plotted)")
-    parser.add_argument("--sweep", default="1,2,3",
-                        help="comma list of loads to run (includes --load; empty: --load only)")
-    parser.add_argument("--matrix-at", choices=("load", "sweep"), default="load",
-                        help="where policies with a feature toggle in their name (pilotfish-full:load-balance"
-                             "+predictor, ...-account) run: at --load only, or at every load of the sweep")
-    parser.add_argument("--profile", default="llama3-8b-a100", help="engine step-time profile")
-    parser.add_argument("--num-gpu-blocks", type=int, default=30000, help="KV blocks per engine (8B on an 80 GB A100)")
-    parser.add_argument("--max-model-len", type=int, default=196608, help="fits the Mooncake trace's longest request")
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT at most this many seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: TPOT at most this many seconds")
-    parser.add_argument("--observation-delay", type=float, default=0.0,
-                        help="seconds every router hears engine events late (token reports, finishes, full-mode "
-                             "statuses); the same for all policies (llm-d's 50 ms scrape comes on top)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the routers' random draws and of synthetic traces")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-
-
-# ---- inputs -----------------------------------------------------------------------------------------------
-
-
-def load_trace(spec: str, trace_dir: str | None, seed: int) -> tuple[Trace, str]:
-    """The trace named by `spec`, and a label for the report."""
-    from pilotfish.simulator.traces import (
-        SharedPrefixSpec,
-        load_azure,
-        load_mooncake,
-        resolve_trace,
-        shared_prefix_trace,
-    )
-
-    if spec.startswith("family:"):  # a seeded workload family (simulator/traces/families.py)
-        from pilotfish.simulator.traces.families import family_trace
-
-        try:
-            return family_trace(spec.partition(":")[2], seed), spec
-        except ValueError as exc:
-            raise SystemExit(f"--trace {spec}: {exc}") from None
-    if spec == "synthetic" or spec.startswith("synthetic:"):
-        values: dict[str, Any] = {"seed": seed}
-        for item in filter(None, spec.partition(":")[2].split(",")):
-            key, _, raw = item.partition("=")
-            if key not in _SYNTHETIC_KEYS:
-                raise SystemExit(f"--trace synthetic: unknown key {key!r} (known: {', '.join(_SYNTHETIC_KEYS)})")
-            values[key] = _SYNTHETIC_KEYS[key](raw)
-        names = {"prompts": "prompts_per_group", "system": "system_prompt_length", "question": "question_length",
-                 "output": "output_length"}
-        trace = shared_prefix_trace(SharedPrefixSpec(**{names.get(k, k): v for k, v in values.items()}))
-        return trace, spec
-    path = resolve_trace(spec, trace_dir)
-    loader = load_azure if path.suffix == ".csv" else load_mooncake
-    return loader(path), path.name
-
-
-def parse_loads(load: float, sweep: str) -> list[float]:
-    loads = {load}
-    loads.update(float(x) for x in sweep.split(",") if x.strip())
-    return sorted(loads)
+    add_struct_arguments(parser, ClusterBenchConfig)
 
 
 # ---- progress -------------------------------------------------------------------------------------------------
@@ -201,75 +168,125 @@ def run_policy(config: ClusterConfig, trace: Trace, spec: PolicySpec, seed: int,
 
 
 def run(args: argparse.Namespace) -> int:
-    from pilotfish.bench.cluster_policies import resolve_policies
-    from pilotfish.bench.cluster_report import latency_samples, policy_metrics, write_plots
-    from pilotfish.bench.report import write_report
-    from pilotfish.simulator.cluster import ClusterConfig
-    from pilotfish.simulator.config import EngineConfig
-    from pilotfish.simulator.traces import compress, take_duration
+    from pilotfish.config import struct_from_args
 
+    cfg = struct_from_args(ClusterBenchConfig, args)
     started = time.monotonic()
-    names = [n.strip() for n in args.policies.split(",") if n.strip()]
-    engine = EngineConfig(profile=args.profile, num_gpu_blocks=args.num_gpu_blocks, max_model_len=args.max_model_len)
+    plan = set_up(cfg)
+    sweep, samples = measure(cfg, plan)
+    result = report(cfg, plan, sweep, samples, Path(args.out), time.monotonic() - started)
+    return 1 if integrity_failed(result) else 0
+
+
+# ---- set-up ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What `measure` runs: the policies, the trace slice and every (load, policy) run, in order."""
+
+    specs: list[PolicySpec]
+    skipped: list[str]  # policies left out, each with its reason
+    base: Trace  # the slice, uncompressed
+    label: str
+    loads: list[float]
+    traces: dict[float, Trace]  # the slice at each load
+    cluster: ClusterConfig
+    runs: list[tuple[float, PolicySpec]]
+
+
+def set_up(cfg: ClusterBenchConfig) -> Plan:
+    """Resolve the policies (ConfigError names a bad one), load and slice the trace, plan the runs."""
+    from pilotfish.bench.cluster_policies import resolve_policies
+    from pilotfish.bench.traces import compressed
+    from pilotfish.config import ConfigError
+    from pilotfish.simulator.cluster import ClusterConfig
+
+    engine = cfg.engine_config()
     try:
-        specs, skipped = resolve_policies(names, engine)
+        specs, skipped = resolve_policies(cfg.policies, engine)
     except ValueError as exc:
-        print(f"--policies: {exc}", file=sys.stderr)
-        return 2
+        raise ConfigError(f"--policies: {exc}") from None
     for line in skipped:
         print(f"skipped {line}", file=sys.stderr)
     if not specs:
-        print("--policies: nothing left to run", file=sys.stderr)
-        return 2
-    base, label = load_trace(args.trace, args.trace_dir, args.seed)
-    if args.duration > 0:
-        base = take_duration(base, args.duration)
-    loads = parse_loads(args.load, args.sweep)
-    config = ClusterConfig(engines=args.instances, engine=engine, observation_delay=args.observation_delay)
+        raise ConfigError("--policies: nothing left to run")
+    base, label = cfg.base_trace()
+    loads = cfg.loads()
+    return Plan(
+        specs=specs, skipped=skipped, base=base, label=label, loads=loads,
+        traces={load: compressed(base, load) for load in loads},
+        cluster=ClusterConfig(engines=cfg.instances, engine=engine, observation_delay=cfg.observation_delay),
+        runs=[(load, spec) for load in loads for spec in specs if cfg.runs_at(spec, load)],
+    )  # fmt: skip
 
-    def runs_at(spec: PolicySpec, load: float) -> bool:
-        return not spec.toggles or args.matrix_at == "sweep" or load == args.load
 
-    plan = [(load, spec) for load in loads for spec in specs if runs_at(spec, load)]
-    progress = Progress(len(base) * len(plan), enabled=not args.no_progress)
-    sweep: dict[str, dict[str, dict[str, Any]]] = {str(load): {} for load in loads}
+# ---- measurement ----------------------------------------------------------------------------------------------
+
+
+Sweep = dict[str, dict[str, dict[str, Any]]]  # load (as a string, as in result.json) -> policy -> metrics
+
+
+def measure(cfg: ClusterBenchConfig, plan: Plan) -> tuple[Sweep, dict[str, dict[str, list[float]]]]:
+    """Every planned run: the metrics per load and policy, and the latency samples at --load (the CDFs)."""
+    from pilotfish.bench.cluster_report import latency_samples, policy_metrics
+
+    progress = Progress(len(plan.base) * len(plan.runs), enabled=cfg.progress)
+    sweep: Sweep = {str(load): {} for load in plan.loads}
     samples: dict[str, dict[str, list[float]]] = {}
-    traces = {load: compress(base, load) if load != 1.0 else base for load in loads}
-    for load, spec in plan:
-        trace = traces[load]
+    for load, spec in plan.runs:
+        trace = plan.traces[load]
         progress.label = f"{spec.name} @ load {load:g}"
-        result = run_policy(config, trace, spec, args.seed, progress)
-        sweep[str(load)][spec.name] = policy_metrics(result, len(trace), args.slo_ttft, args.slo_tpot)
-        if load == args.load:
+        result = run_policy(plan.cluster, trace, spec, cfg.seed, progress)
+        sweep[str(load)][spec.name] = policy_metrics(result, len(trace), cfg.slo_ttft, cfg.slo_tpot)
+        if load == cfg.load:
             samples[spec.name] = latency_samples(result)
     progress.finish()
-    wall = time.monotonic() - started
+    return sweep, samples
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    plots, no_plots = write_plots(args.out, args.load, samples, loads, sweep, {s.name: s.family for s in specs})
-    span = (max(r.arrival for r in base) - min(r.arrival for r in base)) if base else 0.0
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+def report(
+    cfg: ClusterBenchConfig, plan: Plan, sweep: Sweep, samples: dict[str, dict[str, list[float]]], out: Path,
+    wall: float,
+) -> dict[str, Any]:  # fmt: skip
+    """Plots, result.json and report.md in `out` (the report printed too); the result."""
+    from pilotfish.bench.cluster_report import write_plots
+    from pilotfish.bench.report import write_report
+    from pilotfish.bench.traces import arrival_span
+
+    out.mkdir(parents=True, exist_ok=True)
+    families = {s.name: s.family for s in plan.specs}
+    plots, no_plots = write_plots(out, cfg.load, samples, plan.loads, sweep, families)
     result = {
-        "trace": label, "duration": args.duration, "requests": len(base), "span_seconds": span,
-        "instances": args.instances, "profile": args.profile, "num_gpu_blocks": args.num_gpu_blocks,
-        "loads": loads, "load": args.load, "seed": args.seed, "observation_delay": args.observation_delay,
-        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        "trace": plan.label, "duration": cfg.duration, "requests": len(plan.base),
+        "span_seconds": arrival_span(plan.base), "instances": cfg.instances, "profile": cfg.profile,
+        "num_gpu_blocks": cfg.num_gpu_blocks, "loads": plan.loads, "load": cfg.load, "seed": cfg.seed,
+        "observation_delay": cfg.observation_delay, "slo": cfg.slo(),
         "policies": {s.name: {"family": s.family, "description": s.description, "toggles": s.toggles,
-                              "toggled_from": s.toggled_from} for s in specs},
-        "matrix_at": args.matrix_at,
-        "skipped": skipped, "runs": sweep, "plots": plots, "no_plots": no_plots, "wall_seconds": wall,
+                              "toggled_from": s.toggled_from} for s in plan.specs},
+        "matrix_at": cfg.matrix_at,
+        "skipped": plan.skipped, "runs": sweep, "plots": plots, "no_plots": no_plots, "wall_seconds": wall,
+        "settings": msgspec.structs.asdict(cfg),
         "host": platform.node(), "python": platform.python_version(),
         # the machine is shared: its 1/5/15-minute load average at the end puts the wall time in context
         "load_average": list(os.getloadavg()), "cpus": os.cpu_count(),
-    }
+    }  # fmt: skip
     md = render_markdown({"benchmark": "cluster", **result})
-    write_report(args.out, "cluster", result, md)
+    write_report(out, "cluster", result, md)
     print(md)
-    broken = [f"{name} @ load {load}" for load, runs in sweep.items() for name, m in runs.items()
-              if m["integrity_errors"]]
-    if broken:  # a migration lost or duplicated tokens: the figures cannot be trusted
+    return result
+
+
+def integrity_failed(result: dict[str, Any]) -> bool:
+    """Whether a migration lost or duplicated tokens in any run (said on stderr): the figures cannot be trusted."""
+    broken = [f"{name} @ load {load}" for load, runs in result["runs"].items() for name, m in runs.items()
+              if m["integrity_errors"]]  # fmt: skip
+    if broken:
         print(f"token integrity FAILED under: {', '.join(broken)}", file=sys.stderr)
-        return 1
-    return 0
+    return bool(broken)
 
 
 def _machine(result: dict[str, Any]) -> str:
@@ -282,6 +299,7 @@ def _machine(result: dict[str, Any]) -> str:
 def render_markdown(result: dict[str, Any]) -> str:
     """report.md from result.json alone, so a report can be redrawn without running again."""
     from pilotfish.bench.cluster_report import conclusions, knee, matrix, table
+    from pilotfish.bench.report import plots_section
 
     loads = result["loads"]
     sweep = result["runs"]
@@ -329,9 +347,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         md += conclusions(load, sweep[str(load)], families)
     if len(loads) > 1:
         md += ["", "## Knee", "", *knee(loads, sweep, slo["ttft_s"], list(result["policies"]))]
-    md += ["", "## Plots", ""]
-    plots = result["plots"]
-    md += [f"![{p}]({p})" for p in plots] if plots else [f"None: {result.get('no_plots')}."]
+    md += ["", "## Plots", "", *plots_section(result["plots"], result.get("no_plots"))]
     md += ["", "Migrations (\"migr\") count moves from the requests' records; only a policy with rescheduling on "
            "moves any. One seed per run: a P99 rests on the slowest 1% of requests, so differences of a few "
            "percent are within what another `--seed` or trace slice can move."]

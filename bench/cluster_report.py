@@ -8,7 +8,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pilotfish.bench.report import plot_latency_cdfs
+from pilotfish.bench.report import (
+    NO_MATPLOTLIB,
+    family_styles,
+    plot_against_load,
+    plot_latency_cdfs,
+    pyplot,
+    save_figure,
+)
 from pilotfish.simulator.cluster import ClusterResult
 
 
@@ -208,51 +215,28 @@ def _names(sweep: dict[str, dict[str, dict[str, Any]]], order: Sequence[str] = (
 # ---- plots ------------------------------------------------------------------------------------------------
 
 
-_DASHES = {"pilotfish": "-", "peer": "--", "baseline": ":", "oracle": "-."}
-
-
-def _styles(names: Sequence[str], families: dict[str, str], plt: Any) -> dict[str, dict[str, Any]]:
-    # a colour each (tab20 has enough for any default set) and a dash per family, so lines tell apart in print
-    cmap = plt.get_cmap("tab20")
-    return {n: {"color": "black" if families.get(n) == "oracle" else cmap(i % 20),
-                "linestyle": _DASHES.get(families.get(n, ""), "-"),
-                "linewidth": 2.2 if families.get(n) in ("pilotfish", "oracle") else 1.4}
-            for i, n in enumerate(names)}
-
-
 def write_plots(out_dir: Path, load: float, samples: dict[str, dict[str, list[float]]],
                 loads: Sequence[float], sweep: dict[str, dict[str, dict[str, Any]]],
                 families: dict[str, str]) -> tuple[list[str], str | None]:
     """PNG files written (names), or the reason none were (matplotlib missing)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (`pip install 'pilotfish[bench]'`): no PNG plots"
-    written: list[str] = []
-    style = _styles(list(families), families, plt)
+    plt = pyplot()
+    if plt is None:
+        return [], NO_MATPLOTLIB
+    style = family_styles(plt, families)
     plot_latency_cdfs(plt, samples, style, f"Latency CDFs per policy, load {load:g}", out_dir / "latency_cdf.png")
-    written.append("latency_cdf.png")
+    written = ["latency_cdf.png"]
     if len(loads) > 1:
         fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-        for name in _names(sweep, list(families)):
-            ran = [ld for ld in loads if name in sweep[str(ld)]]  # a feature arm may run at one load only
-            axes[0].plot(ran, [sweep[str(ld)][name]["ttft"]["p99"] for ld in ran], marker="o", label=name,
-                         **style[name])
-            axes[1].plot(ran, [sweep[str(ld)][name]["goodput_rps"] for ld in ran], marker="o", label=name,
-                         **style[name])
-        axes[0].set_ylabel("P99 TTFT (s)")
-        axes[0].set_yscale("log")
-        axes[1].set_ylabel("goodput (req/s within SLO)")
-        for ax in axes:
-            ax.set_xlabel("load (time compression)")
-            ax.grid(True, alpha=0.3)
+        # a feature arm may run at one load only: each policy's points are the loads it ran at
+        ran = {name: [ld for ld in loads if name in sweep[str(ld)]] for name in _names(sweep, list(families))}
+        for ax, (key, label, log) in zip(axes, (("p99_ttft", "P99 TTFT (s)", True),
+                                                 ("goodput_rps", "goodput (req/s within SLO)", False)), strict=True):
+            points = {name: [(ld, _figure(sweep[str(ld)][name], key)) for ld in lds] for name, lds in ran.items()}
+            plot_against_load(ax, points, style, label, log=log)
         axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "p99_ttft_vs_load.png", dpi=110)
-        plt.close(fig)
-        written.append("p99_ttft_vs_load.png")
+        written.append(save_figure(plt, fig, out_dir / "p99_ttft_vs_load.png"))
     return written, None
 
+
+def _figure(m: dict[str, Any], key: str) -> float:
+    return m["ttft"]["p99"] if key == "p99_ttft" else m[key]

@@ -28,11 +28,16 @@ import platform
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import ClusterRunOptions, Duration, Instances, Load
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
-    from pathlib import Path
 
     from pilotfish.bench.cluster_full import FullModeRouter
     from pilotfish.simulator.cluster import ClusterConfig, ClusterResult, ClusterSim, MigrationOrder
@@ -43,80 +48,47 @@ LOAD_BALANCE_POLICIES = ["decode_load", "neutral_load"]
 FAILOVER_POLICIES = ["prefill_failover", "decode_failover", "neutral_failover", "decode_load", "neutral_load"]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pilotfish.bench.cluster import DEFAULT_TRACE
+class RescheduleBenchConfig(ClusterRunOptions, frozen=True):
+    """Every knob of `bench reschedule`, with its default (the flags and bench/README.md's table come from it)."""
 
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument(
-        "--trace",
-        default=DEFAULT_TRACE,
-        help="Mooncake .jsonl, Azure .csv (name in ../shared/traces or a path), or synthetic[:...]",
-    )
-    parser.add_argument("--trace-dir", default=None, help="folder of the shared traces (unset: ../shared/traces)")
-    parser.add_argument(
-        "--duration",
-        type=float,
-        default=300.0,
-        help="the trace slice: seconds of the trace's own timeline, before compression (0: all)",
-    )
-    parser.add_argument("--load", type=float, default=1.0, help="time compression: 2 = twice the trace's rate")
-    parser.add_argument("--instances", type=int, default=8, help="simulated engines")
-    parser.add_argument("--scenarios", default=",".join(SCENARIOS), help=f"comma list of {', '.join(SCENARIOS)}")
-    parser.add_argument("--scheduling-policy", default="load-balance", help="the dispatch policy (full mode)")
-    parser.add_argument("--profile", default="llama3-8b-a100", help="engine step-time profile")
-    parser.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=16000,
-        help="KV blocks per engine: fewer than bench cluster's 30000 so KV pressure builds up",
-    )
-    parser.add_argument("--max-model-len", type=int, default=196608, help="fits the Mooncake trace's longest request")
-    parser.add_argument(
-        "--migration-bandwidth-gbps",
-        type=float,
-        default=None,
-        help="KV-transfer link between engines (unset: the engine config's default)",
-    )
-    parser.add_argument(
-        "--migration-method",
-        default="auto",
-        choices=("auto", "recompute", "kv_transfer"),
-        help="--rescheduling-migration-method; auto is a KV transfer here (the engines model a link)",
-    )
-    parser.add_argument(
-        "--rescheduling-interval-ms",
-        type=int,
-        default=None,
-        help="period of the rescheduling loop (unset: the scheduler's default)",
-    )
-    parser.add_argument(
-        "--load-threshold",
-        type=float,
-        default=None,
-        help="--rescheduling-{decode,neutral}-load-threshold (unset: the scheduler's default)",
-    )
-    parser.add_argument("--select-rule", default=None, help="--rescheduling-req-select-rule (unset: default)")
-    parser.add_argument("--select-order", default=None, help="--rescheduling-req-select-order (unset: default)")
-    parser.add_argument(
-        "--select-value", type=float, default=None, help="--rescheduling-req-select-value (unset: default)"
-    )
-    parser.add_argument("--failover-engine", type=int, default=0, help="failover: the engine marked unschedulable")
-    parser.add_argument(
-        "--failover-at",
-        type=float,
-        default=0.3,
-        help="failover: when it is marked, as a fraction of the compressed slice's arrival span",
-    )
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT at most this many seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: TPOT at most this many seconds")
-    parser.add_argument(
-        "--observation-delay",
-        type=float,
-        default=0.0,
-        help="seconds the scheduler hears engine events late (statuses, token reports, finishes)",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces")
-    parser.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    num_gpu_blocks: Annotated[
+        int, Meta(ge=1, description="KV blocks per engine: fewer than bench cluster's 30000 so KV pressure builds up")
+    ] = 16000
+    duration: Duration = 300.0
+    load: Load = 1.0
+    instances: Instances = 8
+    scenarios: Annotated[
+        list[Literal["load_balance", "failover"]], Meta(min_length=1, description="scenarios to run, in order")
+    ] = msgspec.field(default_factory=lambda: list(SCENARIOS))
+    scheduling_policy: Annotated[str, Meta(description="the dispatch policy (full mode)")] = "load-balance"
+    migration_bandwidth_gbps: Annotated[
+        float | None, Meta(description="KV-transfer link between engines, Gb/s (unset: the engine config's default)")
+    ] = None
+    migration_method: Annotated[
+        Literal["auto", "recompute", "kv_transfer"],
+        Meta(description="--rescheduling-migration-method; auto is a KV transfer here (the engines model a link)"),
+    ] = "auto"
+    rescheduling_interval_ms: Annotated[
+        int | None, Meta(description="period of the rescheduling loop (unset: the scheduler's default)")
+    ] = None
+    load_threshold: Annotated[
+        float | None,
+        Meta(description="--rescheduling-{decode,neutral}-load-threshold (unset: the scheduler's default)"),
+    ] = None
+    select_rule: Annotated[str | None, Meta(description="--rescheduling-req-select-rule (unset: default)")] = None
+    select_order: Annotated[str | None, Meta(description="--rescheduling-req-select-order (unset: default)")] = None
+    select_value: Annotated[float | None, Meta(description="--rescheduling-req-select-value (unset: default)")] = None
+    failover_engine: Annotated[int, Meta(ge=0, description="failover: the engine marked unschedulable")] = 0
+    failover_at: Annotated[
+        float,
+        Meta(ge=0, description="failover: when it is marked, as a fraction of the compressed slice's arrival span"),
+    ] = 0.3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, RescheduleBenchConfig)
 
 
 # ---- the watcher: what every tick sees, with rescheduling on or off --------------------------------------
@@ -156,23 +128,23 @@ class Watch:
 # ---- one run ------------------------------------------------------------------------------------------------
 
 
-def scheduler_config(args: argparse.Namespace, policies: list[str]) -> Any:
+def scheduler_config(cfg: RescheduleBenchConfig, policies: list[str]) -> Any:
     from pilotfish.scheduler.config import SchedulerConfig
 
     fields: dict[str, Any] = {
         "enable_full_mode_scheduling": True,
-        "scheduling_policy": args.scheduling_policy,
+        "scheduling_policy": cfg.scheduling_policy,
         "enable_rescheduling": True,
         "rescheduling_policies": policies,
-        "rescheduling_migration_method": args.migration_method,
+        "rescheduling_migration_method": cfg.migration_method,
     }
     optional = {
-        "rescheduling_interval_ms": args.rescheduling_interval_ms,
-        "rescheduling_decode_load_threshold": args.load_threshold,
-        "rescheduling_neutral_load_threshold": args.load_threshold,
-        "rescheduling_req_select_rule": args.select_rule,
-        "rescheduling_req_select_order": args.select_order,
-        "rescheduling_req_select_value": args.select_value,
+        "rescheduling_interval_ms": cfg.rescheduling_interval_ms,
+        "rescheduling_decode_load_threshold": cfg.load_threshold,
+        "rescheduling_neutral_load_threshold": cfg.load_threshold,
+        "rescheduling_req_select_rule": cfg.select_rule,
+        "rescheduling_req_select_order": cfg.select_order,
+        "rescheduling_req_select_value": cfg.select_value,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return SchedulerConfig(**fields)
@@ -202,12 +174,12 @@ def arm_metrics(
     watch: Watch,
     planner: Any,
     requests: int,
-    args: argparse.Namespace,
+    cfg: RescheduleBenchConfig,
     mark: tuple[int, float] | None,
 ) -> dict[str, Any]:
     from pilotfish.bench.cluster_report import policy_metrics
 
-    m = policy_metrics(result, requests, args.slo_ttft, args.slo_tpot)
+    m = policy_metrics(result, requests, cfg.slo_ttft, cfg.slo_tpot)
     moved = result.migrations
     m["migrations"] = len(moved)
     m["migrated_requests"] = sum(1 for r in result.records if r.migrations)
@@ -250,89 +222,109 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import msgspec
+    from pilotfish.config import struct_from_args
 
-    from pilotfish.bench.cluster import load_trace
-    from pilotfish.bench.report import write_report
-    from pilotfish.config import ConfigError
-    from pilotfish.simulator.cluster import ClusterConfig
-    from pilotfish.simulator.config import EngineConfig
-    from pilotfish.simulator.traces import compress, take_duration
-
+    cfg = struct_from_args(RescheduleBenchConfig, args)
     started = time.monotonic()
-    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
-    unknown = [s for s in scenarios if s not in SCENARIOS]
-    if unknown or not scenarios:
-        print(f"--scenarios: unknown {unknown} (choose from {', '.join(SCENARIOS)})", file=sys.stderr)
-        return 2
-    if not 0 <= args.failover_engine < args.instances:
-        print(f"--failover-engine: {args.failover_engine} is not one of the {args.instances} engines", file=sys.stderr)
-        return 2
-    engine_fields: dict[str, Any] = {
-        "profile": args.profile,
-        "num_gpu_blocks": args.num_gpu_blocks,
-        "max_model_len": args.max_model_len,
-    }
-    if args.migration_bandwidth_gbps is not None:
-        engine_fields["migration_bandwidth_gbps"] = args.migration_bandwidth_gbps
-    engine = EngineConfig(**engine_fields)
+    setup = set_up(cfg)
+    runs, series = measure(cfg, setup)
+    result = report(cfg, setup, runs, series, Path(args.out), time.monotonic() - started)
+    return 0 if all(arm["integrity"]["ok"] for s in result["runs"].values() for arm in s.values()) else 1
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What both scenarios share: validated scheduler configs, the engine, the compressed slice."""
+
+    configs: dict[str, Any]  # scenario -> SchedulerConfig
+    engine: Any  # EngineConfig
+    trace: Trace
+    label: str
+    start: float  # the first arrival
+    span: float  # seconds from the first arrival to the last
+
+
+def set_up(cfg: RescheduleBenchConfig) -> Setup:
+    """The scheduler's config per scenario (a bad rescheduling flag fails here, named), the engine, the slice."""
+    from pilotfish.bench.traces import arrival_span, compressed
+    from pilotfish.config import ConfigError
+    from pilotfish.scheduler.rescheduler import ReschedulingPlanner
+
+    if not 0 <= cfg.failover_engine < cfg.instances:
+        raise ConfigError(f"--failover-engine: {cfg.failover_engine} is not one of the {cfg.instances} engines")
+    bandwidth = cfg.migration_bandwidth_gbps
+    engine = cfg.engine_config(**({"migration_bandwidth_gbps": bandwidth} if bandwidth is not None else {}))
     try:
         configs = {
-            "load_balance": scheduler_config(args, LOAD_BALANCE_POLICIES),
-            "failover": scheduler_config(args, FAILOVER_POLICIES),
+            "load_balance": scheduler_config(cfg, LOAD_BALANCE_POLICIES),
+            "failover": scheduler_config(cfg, FAILOVER_POLICIES),
         }
-        from pilotfish.scheduler.rescheduler import ReschedulingPlanner
-
         for config in configs.values():
             ReschedulingPlanner(config)  # bad flags fail here, with the flag's name
     except (ConfigError, msgspec.ValidationError, ValueError) as exc:
-        print(f"rescheduling flags: {exc}", file=sys.stderr)
-        return 2
-    base, label = load_trace(args.trace, args.trace_dir, args.seed)
-    if args.duration > 0:
-        base = take_duration(base, args.duration)
-    trace = compress(base, args.load) if args.load != 1.0 else base
-    arrivals = [r.arrival for r in trace]
-    span = (max(arrivals) - min(arrivals)) if arrivals else 0.0
+        raise ConfigError(f"rescheduling flags: {exc}") from None
+    base, label = cfg.base_trace()
+    trace = compressed(base, cfg.load)
+    start = min((r.arrival for r in trace), default=0.0)
+    return Setup(configs=configs, engine=engine, trace=trace, label=label, start=start, span=arrival_span(trace))
+
+
+def measure(cfg: RescheduleBenchConfig, setup: Setup) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """Each scenario with rescheduling off, then on: the metrics and the watcher's series per arm."""
+    from pilotfish.simulator.cluster import ClusterConfig
+
     runs: dict[str, dict[str, Any]] = {}
     series: dict[str, dict[str, Any]] = {}
-    for scenario in scenarios:
-        config = configs[scenario]
+    for scenario in cfg.scenarios:
+        config = setup.configs[scenario]
         cluster = ClusterConfig(
-            engines=args.instances,
-            engine=engine,
-            observation_delay=args.observation_delay,
+            engines=cfg.instances,
+            engine=setup.engine,
+            observation_delay=cfg.observation_delay,
             rescheduling_interval=config.rescheduling_interval_ms / 1000.0,
         )
-        mark = (args.failover_engine, min(arrivals) + args.failover_at * span) if scenario == "failover" else None
+        at = setup.start + cfg.failover_at * setup.span
+        mark = (cfg.failover_engine, at) if scenario == "failover" else None
         runs[scenario], series[scenario] = {}, {}
         for arm, on in (("off", False), ("on", True)):
-            if not args.no_progress:
+            if cfg.progress:
                 print(f"{scenario} / rescheduling {arm} ...", file=sys.stderr, flush=True)
-            result, watch, planner = run_arm(cluster, config, trace, rescheduling=on, mark=mark)
-            runs[scenario][arm] = arm_metrics(result, watch, planner, len(trace), args, mark)
+            result, watch, planner = run_arm(cluster, config, setup.trace, rescheduling=on, mark=mark)
+            runs[scenario][arm] = arm_metrics(result, watch, planner, len(setup.trace), cfg, mark)
             series[scenario][arm] = {"t": watch.times, "kv_max": watch.kv_max, "held": watch.held}
-    wall = time.monotonic() - started
+    return runs, series
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    plots, no_plots = write_plots(args.out, runs, series)
-    example = configs[scenarios[0]]
+
+def report(
+    cfg: RescheduleBenchConfig,
+    setup: Setup,
+    runs: dict[str, dict[str, Any]],
+    series: dict[str, dict[str, Any]],
+    out: Path,
+    wall: float,
+) -> dict[str, Any]:
+    """Plots, result.json and report.md in `out` (the report printed too); the result."""
+    from pilotfish.bench.report import write_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    plots, no_plots = write_plots(out, runs, series)
+    example = setup.configs[cfg.scenarios[0]]
     result = {
-        "trace": label,
-        "duration": args.duration,
-        "load": args.load,
-        "requests": len(trace),
-        "span_seconds": span,
-        "instances": args.instances,
-        "profile": args.profile,
-        "num_gpu_blocks": args.num_gpu_blocks,
-        "migration_bandwidth_gbps": engine.migration_bandwidth_gbps,
-        "scheduling_policy": args.scheduling_policy,
-        "seed": args.seed,
-        "observation_delay": args.observation_delay,
+        "trace": setup.label,
+        "duration": cfg.duration,
+        "load": cfg.load,
+        "requests": len(setup.trace),
+        "span_seconds": setup.span,
+        "instances": cfg.instances,
+        "profile": cfg.profile,
+        "num_gpu_blocks": cfg.num_gpu_blocks,
+        "migration_bandwidth_gbps": setup.engine.migration_bandwidth_gbps,
+        "scheduling_policy": cfg.scheduling_policy,
+        "seed": cfg.seed,
+        "observation_delay": cfg.observation_delay,
         "rescheduling": {
             "interval_ms": example.rescheduling_interval_ms,
-            "method": args.migration_method,
+            "method": cfg.migration_method,
             "load_metric": example.rescheduling_neutral_load_metric,
             "load_threshold": example.rescheduling_neutral_load_threshold,
             "min_difference": example.rescheduling_load_balance_threshold,
@@ -341,10 +333,11 @@ def run(args: argparse.Namespace) -> int:
                 example.rescheduling_req_select_order,
                 example.rescheduling_req_select_value,
             ],
-            "policies": {s: configs[s].rescheduling_policies for s in scenarios},
+            "policies": {s: setup.configs[s].rescheduling_policies for s in cfg.scenarios},
             "failover_domain": example.failover_domain,
         },
-        "slo": {"ttft_s": args.slo_ttft, "tpot_s": args.slo_tpot},
+        "slo": cfg.slo(),
+        "settings": msgspec.structs.asdict(cfg),
         "runs": runs,
         "plots": plots,
         "no_plots": no_plots,
@@ -353,10 +346,9 @@ def run(args: argparse.Namespace) -> int:
         "python": platform.python_version(),
     }
     md = render_markdown(result)
-    write_report(args.out, "reschedule", result, md)
+    write_report(out, "reschedule", result, md)
     print(md)
-    ok = all(arm["integrity"]["ok"] for s in runs.values() for arm in s.values())
-    return 0 if ok else 1
+    return result
 
 
 # ---- report -------------------------------------------------------------------------------------------------
@@ -374,6 +366,8 @@ def _delta(off: float, on: float) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     """report.md from result.json alone."""
+    from pilotfish.bench.report import plots_section
+
     r = result["rescheduling"]
     slo = result["slo"]
     md = [
@@ -439,9 +433,7 @@ def render_markdown(result: dict[str, Any]) -> str:
                 f"{fn['migrated_in_after_mark']} |"
             )
         md.append("")
-    md += ["## Plots", ""]
-    plots = result["plots"]
-    md += [f"![{p}]({p})" for p in plots] if plots else [f"None: {result.get('no_plots')}."]
+    md += ["## Plots", "", *plots_section(result["plots"], result.get("no_plots"))]
     md += [
         "",
         "One seed and one trace slice per run: P99s rest on the slowest 1% of requests, so differences of a "
@@ -459,13 +451,11 @@ def write_plots(
     out_dir: Path, runs: dict[str, dict[str, Any]], series: dict[str, dict[str, Any]]
 ) -> tuple[list[str], str | None]:
     """PNG files written (names), or the reason none were (matplotlib missing)."""
-    try:
-        import matplotlib
+    from pilotfish.bench.report import NO_MATPLOTLIB, pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (`pip install 'pilotfish[bench]'`): no PNG plots"
+    plt = pyplot()
+    if plt is None:
+        return [], NO_MATPLOTLIB
     written: list[str] = []
     scenarios = list(runs)
     fig, axes = plt.subplots(1, 4, figsize=(17, 4))
@@ -490,10 +480,7 @@ def write_plots(
         ax.set_title(label)
         ax.grid(True, axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "reschedule_latency.png", dpi=110)
-    plt.close(fig)
-    written.append("reschedule_latency.png")
+    written.append(save_figure(plt, fig, out_dir / "reschedule_latency.png"))
     fig, axes = plt.subplots(1, len(scenarios), figsize=(7 * len(scenarios), 4), squeeze=False)
     for ax, scenario in zip(axes[0], scenarios, strict=True):
         for arm, color in (("off", "#999999"), ("on", "#1f77b4")):
@@ -510,8 +497,5 @@ def write_plots(
         ax.set_xlabel("virtual time (s)")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out_dir / "reschedule_timeline.png", dpi=110)
-    plt.close(fig)
-    written.append("reschedule_timeline.png")
+    written.append(save_figure(plt, fig, out_dir / "reschedule_timeline.png"))
     return written, None

@@ -21,14 +21,15 @@ from pilotfish.bench.cluster_policies import (
 
 
 def _args(out: Path, **overrides: object) -> argparse.Namespace:
+    """The command line a user would type: the small defaults here, then `overrides` as flags."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path)
     bench.add_arguments(parser)
-    args = parser.parse_args(["--out", str(out), "--trace", "synthetic:groups=3,prompts=6,system=256,question=32,"
-                              "output=16,rate=30", "--instances", "3", "--sweep", "0.5,2", "--no-progress"])
+    argv = ["--out", str(out), "--trace", "synthetic:groups=3,prompts=6,system=256,question=32,output=16,rate=30",
+            "--instances", "3", "--sweep", "0.5,2", "--no-progress"]
     for key, value in overrides.items():
-        setattr(args, key, value)
-    return args
+        argv += ["--" + key.replace("_", "-"), str(value)]
+    return parser.parse_args(argv)
 
 
 def test_every_policy_serves_every_request_and_the_report_has_its_shape(tmp_path: Path) -> None:

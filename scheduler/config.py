@@ -558,6 +558,24 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "report and engine status",
         ),
     ] = 50.0
+    flow_fair_share: Annotated[
+        bool,
+        Meta(
+            description="fairness on what is dispatched: while more than one flow is active (in flight or "
+            "waiting), a flow holding more than 1/active of the work in flight and waiting (tokens: prompt + "
+            "max tokens) is judged against the saturation bounds times --flow-over-share-bound, leaving the "
+            "headroom to the flows within their share; a single flow is never judged so"
+        ),
+    ] = True
+    flow_over_share_bound: Annotated[
+        float,
+        Meta(
+            gt=0,
+            le=1,
+            description="the saturation bounds (every --flow-* bound) times this, for a flow over its fair "
+            "share (--flow-fair-share): lower isolates the other flows better and leaves engines idler",
+        ),
+    ] = 0.5
 
 
 def parse_instance(text: str) -> tuple[str, str]:

@@ -17,6 +17,15 @@ Admission, in order:
    the newest request of the largest flow of the lowest band below the arrival's; with no lower
    band to shed, the arrival is shed. A sheddable request is shed at once when the queue's recent
    drain rate says it would wait past its deadline.
+
+Fair share of what is dispatched (--flow-fair-share): round robin orders the queue, but a flood
+already on the engines (queued prefill, big decode batches) delays everyone else's first token
+however the queue is ordered. So the controller keeps an account of the tokens (prompt + max
+tokens) each flow has in flight, and while more than one flow is active (in flight or waiting),
+a flow holding more than 1/active of them is judged against the saturation bounds times
+--flow-over-share-bound: it waits while an engine is past that, and the headroom above it is
+left to the flows within their share. One flow alone is never judged so, so a single tenant
+pays nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +33,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -39,6 +49,9 @@ from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 log = logging.getLogger(__name__)
 
 MAX_FLOW_LENGTH = 64
+# the fair-share account is checked against the core at most this often (seconds): a walk of every
+# request in flight per Schedule would cost more than the few milliseconds a finished one is counted
+PRUNE_EVERY_S = 0.01
 
 # shed reasons (the metric's label)
 QUEUE_FULL = "queue_full"  # the arrival: no lower band to shed
@@ -72,6 +85,8 @@ class FlowSettings:
     queue_max: int = 4096
     by_model: dict[str, Band] | None = None
     recheck_s: float = 0.05
+    fair_share: bool = True
+    over_share_bound: float = 0.5
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FlowSettings:
@@ -84,6 +99,8 @@ class FlowSettings:
             queue_max=config.flow_queue_max_requests,
             by_model=parse_model_priorities(config.flow_model_priorities),
             recheck_s=config.flow_recheck_ms / 1000,
+            fair_share=config.flow_fair_share,
+            over_share_bound=config.flow_over_share_bound,
         )
 
 
@@ -138,6 +155,12 @@ class FlowController:
         self._seq = itertools.count()
         self._departures: deque[float] = deque(maxlen=64)  # when queued requests left for an engine
         self.stats = FlowStats()
+        # the fair-share account: request id -> (flow, tokens) of what this controller dispatched
+        # and the core still holds; pruned against the core (it also drops requests by itself:
+        # orphans, staleness), so it never outlives a release
+        self._inflight: dict[str, tuple[str, int]] = {}
+        self._flow_tokens: Counter[str] = Counter()
+        self._pruned_at = -math.inf
 
     # -- what waits ---------------------------------------------------------------------------------
 
@@ -177,9 +200,60 @@ class FlowController:
             serving = fresh
         return serving
 
-    def has_room(self, model: str) -> bool:
+    def has_room(self, model: str, flow: str | None = None) -> bool:
+        """An eligible engine has room for `model`, judged for `flow` (tighter bounds while it is
+        over its fair share)."""
+        scale = self.settings.over_share_bound if flow is not None and self.over_share(flow) else 1.0
         saturated = self.saturation.saturated
-        return any(not saturated(i) for i in self._eligible(model))
+        return any(not saturated(i, scale) for i in self._eligible(model))
+
+    # -- the fair-share account ---------------------------------------------------------------------
+
+    def flow_tokens(self) -> dict[str, int]:
+        """Tokens in flight per flow (prompt + max tokens of what is dispatched and held)."""
+        self._prune()
+        return {f: n for f, n in self._flow_tokens.items() if n}
+
+    def over_share(self, flow: str) -> bool:
+        """More than one flow is active and `flow` holds more than 1/active of the work in flight
+        and waiting (tokens). Its waiting requests count: a flow held back keeps its demand, so the
+        flood stays the one over its share instead of the lighter flow in turn."""
+        if not self.settings.fair_share:
+            return False
+        self._prune()
+        demand = Counter({f: n for f, n in self._flow_tokens.items() if n})
+        for queue in self._queues.values():
+            demand.update(queue.flow_tokens)
+        mine = demand.get(flow, 0)
+        if not mine or len(demand) < 2:
+            return False
+        return mine * len(demand) > sum(demand.values())
+
+    def _account(self, req: RequestInfo, flow: str) -> None:
+        if not self.settings.fair_share:
+            return
+        n = req.prompt_tokens + max(req.max_tokens, 0)
+        old = self._inflight.get(req.request_id)
+        if old is not None:  # the same id again (a retry): count it once
+            self._flow_tokens[old[0]] -= old[1]
+        self._inflight[req.request_id] = (flow, n)
+        self._flow_tokens[flow] += n
+
+    def _prune(self) -> None:
+        """Forget what the core no longer holds, at most every PRUNE_EVERY_S."""
+        now = self._clock()
+        if now - self._pruned_at < PRUNE_EVERY_S or not self._inflight:
+            return
+        self._pruned_at = now
+        holds = self.core.holds  # type: ignore[attr-defined]
+        gone = [rid for rid in self._inflight if not holds(rid)]
+        for rid in gone:
+            flow, n = self._inflight.pop(rid)
+            left = self._flow_tokens[flow] - n
+            if left > 0:
+                self._flow_tokens[flow] = left
+            else:
+                del self._flow_tokens[flow]
 
     # -- the request path -----------------------------------------------------------------------------
 
@@ -193,15 +267,19 @@ class FlowController:
             raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
         band = band_of(priority, req.model, self.settings.by_model or {})
         queue = self._queues.get(req.model)
+        flow = flow[:MAX_FLOW_LENGTH]
         if hold_s <= 0 or not self._eligible(req.model):
-            return core.schedule(req)  # type: ignore[attr-defined]
-        if not queue and self.has_room(req.model):
             decision = core.schedule(req)  # type: ignore[attr-defined]
+            self._account(req, flow)
+            return decision
+        if not queue and self.has_room(req.model, flow):
+            decision = core.schedule(req)  # type: ignore[attr-defined]
+            self._account(req, flow)
             self.stats.dispatched[(band.label, AT_ONCE)] += 1
             return decision
         now = self._clock()
         deadline = now + min(self.settings.max_wait_s[band], hold_s)
-        w = Waiting(req, band, flow[:MAX_FLOW_LENGTH], now, deadline)
+        w = Waiting(req, band, flow, now, deadline)
         if queue is None:
             queue = self._queues[req.model] = FlowQueue()
         if band == Band.SHEDDABLE:
@@ -252,7 +330,8 @@ class FlowController:
         n = 0
         for model, queue in list(self._queues.items()):
             while queue and self.has_room(model):
-                w = queue.pop()
+                # the next flow in turn that has room: one over its share may not (tighter bounds)
+                w = queue.pop(lambda flow, model=model: self.has_room(model, flow))
                 if w is None:
                     break
                 self._dispatch(w, FROM_QUEUE)
@@ -300,6 +379,7 @@ class FlowController:
         except SchedulerError as exc:
             outcome = exc
         else:
+            self._account(w.req, w.flow)
             self.stats.dispatched[(w.band.label, how)] += 1
         self._answer(w, outcome)
 

@@ -90,11 +90,19 @@ class FlowCollector(Collector):
             "(lite), prefill, kv, batch, no_status (full).",
             labels=["instance", "reason"],
         )
+        inflight = GaugeMetricFamily(
+            "pilotfish_scheduler_flow_inflight_tokens",
+            f"Tokens (prompt + max tokens) dispatched and not released per flow, the {TOP_FLOWS} largest; "
+            "over_share is 1 while the flow is judged against the tighter bounds (--flow-fair-share).",
+            labels=["flow", "over_share"],
+        )
+        for key, n in sorted(flow.flow_tokens().items(), key=lambda kv: -kv[1])[:TOP_FLOWS]:
+            inflight.add_metric([key, "1" if flow.over_share(key) else "0"], n)
         judge = flow.saturation.reason
         for inst in flow.core.instances():  # type: ignore[attr-defined]
             reason = judge(inst)
             saturated.add_metric([inst.instance_id, reason or "none"], 1.0 if reason else 0.0)
-        yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, saturated)
+        yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, inflight, saturated)
 
 
 def register_flow_metrics(registry: CollectorRegistry, controller: FlowController) -> None:

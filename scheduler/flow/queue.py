@@ -32,6 +32,11 @@ class Waiting:
     done: bool = False
     outcome: object = None
 
+    @property
+    def tokens(self) -> int:
+        """Its work: prompt + max tokens (what fair shares are counted in)."""
+        return self.req.prompt_tokens + max(self.req.max_tokens, 0)
+
 
 @dataclass(slots=True, eq=False)
 class _Band:
@@ -46,6 +51,7 @@ class FlowQueue:
     def __init__(self) -> None:
         self._bands = {band: _Band() for band in BANDS}
         self.live = 0
+        self.flow_tokens: dict[str, int] = {}  # prompt + max tokens waiting per flow, all bands
 
     def __len__(self) -> int:
         return self.live
@@ -65,20 +71,28 @@ class FlowQueue:
                 b.in_turn.add(w.flow)
                 b.turn.append(w.flow)
         q.append(w)
+        if w.tokens:
+            self.flow_tokens[w.flow] = self.flow_tokens.get(w.flow, 0) + w.tokens
         b.counts[w.flow] = b.counts.get(w.flow, 0) + 1
         b.live += 1
         self.live += 1
 
-    def pop(self) -> Waiting | None:
-        """The next request to dispatch: highest band first, flows of a band in turn."""
+    def pop(self, eligible: Callable[[str], bool] | None = None) -> Waiting | None:
+        """The next request to dispatch: highest band first, flows of a band in turn. With
+        `eligible`, a flow it refuses keeps its place in the turn and the next one is tried; bands
+        stay strict (nothing of a lower band passes a band with requests waiting)."""
         for band in BANDS:
             b = self._bands[band]
-            while b.live and b.turn:
-                flow = b.turn.popleft()
+            if not b.live:
+                continue
+            for flow in list(b.turn):
+                if flow not in b.flows:
+                    continue  # emptied by cancels: its stale turn is dropped below
+                if eligible is not None and not eligible(flow):
+                    continue
+                b.turn.remove(flow)
                 b.in_turn.discard(flow)
-                q = b.flows.get(flow)
-                if q is None:
-                    continue  # emptied by cancels: dropped already
+                q = b.flows[flow]
                 while q and q[0].done:
                     q.popleft()
                 w = q.popleft()
@@ -87,6 +101,7 @@ class FlowQueue:
                     b.in_turn.add(flow)
                     b.turn.append(flow)  # still has requests: its next turn is after the others'
                 return w
+            return None
         return None
 
     def evict_for(self, band: Band) -> Waiting | None:
@@ -117,6 +132,11 @@ class FlowQueue:
         w.done = True
         b.live -= 1
         self.live -= 1
+        left = self.flow_tokens.get(w.flow, 0) - w.tokens
+        if left > 0:
+            self.flow_tokens[w.flow] = left
+        else:
+            self.flow_tokens.pop(w.flow, None)
         n = b.counts[w.flow] - 1
         if n:
             b.counts[w.flow] = n

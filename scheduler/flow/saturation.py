@@ -9,6 +9,9 @@ Full mode (CMS status plus the in-flight account), any of:
   batch            running + loading + waiting + in-flight requests >= --flow-max-batch-requests
                    (0: the engine's max_num_seqs, when its metadata gives one)
 A bound of 0 is not judged. An engine with no status yet, or an unschedulable one, offers no room.
+
+`scale` (below 1) tightens every bound at once: a flow over its fair share of the work in flight
+is judged against the scaled bounds (controller.py), so engines keep headroom for the others.
 """
 
 from __future__ import annotations
@@ -49,30 +52,30 @@ class Saturation:
             )
         return sat
 
-    def reason(self, inst: InstanceView) -> str:
-        """Why `inst` is saturated ("" when it has room)."""
+    def reason(self, inst: InstanceView, scale: float = 1.0) -> str:
+        """Why `inst` is saturated ("" when it has room), every bound times `scale`."""
         if not self.full_mode:
             lrs = inst.lrs
-            if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens:
+            if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens * scale:
                 return TOKENS
-            if self.lite_max_requests and lrs.num_requests >= self.lite_max_requests:
+            if self.lite_max_requests and lrs.num_requests >= self.lite_max_requests * scale:
                 return REQUESTS
             return ""
         s, inflight = inst.status, inst.inflight
         if s is None or not s.schedulable:
             return NO_STATUS
         if self.max_queued_prefill_tokens and (
-            s.uncomputed_prefill_tokens + inflight.prefill_tokens >= self.max_queued_prefill_tokens
+            s.uncomputed_prefill_tokens + inflight.prefill_tokens >= self.max_queued_prefill_tokens * scale
         ):
             return PREFILL
         if self.max_kv_usage:
             projected = s.used_kv_tokens + s.unallocated_tokens + inflight.decode_tokens
-            if s.total_kv_tokens and projected >= self.max_kv_usage * s.total_kv_tokens:
+            if s.total_kv_tokens and projected >= self.max_kv_usage * scale * s.total_kv_tokens:
                 return KV
         batch = self.max_batch_requests or inst.max_num_seqs
-        if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch:
+        if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch * scale:
             return BATCH
         return ""
 
-    def saturated(self, inst: InstanceView) -> bool:
-        return bool(self.reason(inst))
+    def saturated(self, inst: InstanceView, scale: float = 1.0) -> bool:
+        return bool(self.reason(inst, scale))

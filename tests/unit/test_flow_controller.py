@@ -262,6 +262,7 @@ def test_metrics_per_band_flow_and_engine() -> None:
     assert 'pilotfish_scheduler_flow_queue_requests{band="standard"} 1.0' in text
     assert 'pilotfish_scheduler_flow_queue_flow_requests{band="sheddable",flow="tenant-b"} 1.0' in text
     assert 'pilotfish_scheduler_instance_saturated{instance="a:1",reason="requests"} 1.0' in text
+    assert 'pilotfish_scheduler_flow_inflight_tokens{flow="",over_share="0"} 10.0' in text
     clock.now += 0.3
     core.release("busy")
     flow.drain()
@@ -272,3 +273,80 @@ def test_metrics_per_band_flow_and_engine() -> None:
     assert 'pilotfish_scheduler_flow_shed_total{band="sheddable",reason="deadline"} 1.0' in text
     assert 'pilotfish_scheduler_flow_wait_seconds_bucket{band="standard",le="0.5"} 1.0' in text
     assert 'pilotfish_scheduler_flow_flow_wait_seconds_total{band="standard",flow="tenant-a"} 0.29' in text
+    assert 'pilotfish_scheduler_flow_inflight_tokens{flow="tenant-a",over_share="0"} 10.0' in text
+    assert 'flow=""' not in text.split("pilotfish_scheduler_flow_inflight_tokens", 1)[1]  # released: gone
+
+
+def fair(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowController]:
+    """Two engines of 100 tokens each (lite mode); over its share a flow may fill them to 50."""
+    values: dict[str, object] = {"flow_lite_max_requests": 0, "flow_lite_max_tokens": 100}
+    values.update(overrides)
+    return make(clock, **values)
+
+
+def treq(rid: str, tokens: int) -> RequestInfo:
+    return RequestInfo(request_id=rid, model="m", prompt_tokens=tokens)
+
+
+def test_a_flow_over_its_share_of_the_work_in_flight_waits_while_the_others_still_get_room() -> None:
+    clock = Clock()
+    core, flow = fair(clock)
+    replies = Replies()
+    for i in range(4):  # the flood alone: judged against the full bounds (60 of 100 per engine)
+        assert isinstance(flow.submit(treq(f"b{i}", 30), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    assert flow.flow_tokens() == {"B": 120}
+    assert isinstance(flow.submit(treq("a0", 10), STD, "A", 5.0, replies.to("a0")), Decision)
+    assert flow.over_share("B") and not flow.over_share("A")
+    # B holds 120 of 130 tokens: against 50 per engine it has no room, though 100 would leave some
+    assert flow.has_room("m") and not flow.has_room("m", "B")
+    assert flow.submit(treq("b4", 30), STD, "B", 5.0, replies.to("b4")) is None
+    assert isinstance(flow.submit(treq("a1", 10), STD, "A", 5.0, replies.to("a1")), Decision)
+    for i in range(4):  # B's requests finish: within its share again, once the account sees it
+        core.release(f"b{i}")
+    clock.now += 1
+    assert flow.drain() == 1 and isinstance(replies.got["b4"], Decision)
+    assert flow.flow_tokens() == {"A": 20, "B": 30}
+
+
+def test_fair_share_off_or_one_flow_alone_is_judged_against_the_full_bounds() -> None:
+    for overrides, flows in (({"flow_fair_share": False}, ("B", "A")), ({}, ("B", "B"))):
+        clock = Clock()
+        _, flow = fair(clock, **overrides)
+        replies = Replies()
+        for i in range(4):
+            assert isinstance(flow.submit(treq(f"b{i}", 30), STD, flows[0], 5.0, replies.to(f"b{i}")), Decision)
+        assert isinstance(flow.submit(treq("x", 10), STD, flows[1], 5.0, replies.to("x")), Decision)
+        assert not flow.over_share("B")
+        assert isinstance(flow.submit(treq("b4", 30), STD, "B", 5.0, replies.to("b4")), Decision)
+
+
+def test_waiting_work_counts_toward_a_flows_share() -> None:
+    """A flood held in the queue stays the flow over its share: when an engine has room again the
+    lighter flow gets it, though the flood's turn comes first and A has nothing in flight."""
+    clock = Clock()
+    core, flow = fair(clock, flow_lite_max_tokens=40)
+    replies = Replies()
+    placed = [flow.submit(treq(f"b{i}", 20), STD, "B", 5.0, replies.to(f"b{i}")) for i in range(4)]
+    for i in range(4, 7):  # 20 tokens each: both engines at their 40
+        assert flow.submit(treq(f"b{i}", 20), STD, "B", 5.0, replies.to(f"b{i}")) is None
+    assert {d.target.instance_id for d in placed[:2]} == {"a:1", "b:2"}  # type: ignore[attr-defined]
+    for i in range(2):
+        core.release(f"b{i}")  # 20 left on each engine: room at 40, none at 20
+    clock.now += 1
+    # B: 40 in flight + 60 waiting against A's 30 waiting: over its share, so A leaves first
+    assert isinstance(flow.submit(treq("a0", 10), STD, "A", 5.0, replies.to("a0")), Decision)
+    assert all(flow.queued(f"b{i}") for i in range(4, 7))
+    assert flow.over_share("B") and not flow.over_share("A")
+
+
+def test_scale_tightens_every_bound() -> None:
+    inst = InstanceView(Endpoint("e", "e:1"))
+    inst.lrs.num_tokens, inst.lrs.num_requests = 500, 2
+    assert Saturation(lite_max_tokens=1000, lite_max_requests=4).reason(inst) == ""
+    assert Saturation(lite_max_tokens=1000).reason(inst, 0.5) == "tokens"
+    assert Saturation(lite_max_requests=4).reason(inst, 0.5) == "requests"
+    full = Saturation(full_mode=True)
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=4096), 0), 0.5) == "prefill"
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, used_kv_tokens=475), 0), 0.5) == "kv"
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=128), 256), 0.5) == "batch"
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=127), 256), 0.5) == ""

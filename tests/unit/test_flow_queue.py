@@ -12,8 +12,8 @@ from pilotfish.scheduler.flow.queue import FlowQueue, Waiting
 from pilotfish.scheduler.view.types import RequestInfo
 
 
-def w(rid: str, band: Band = Band.STANDARD, flow: str = "") -> Waiting:
-    return Waiting(RequestInfo(request_id=rid, model="m"), band, flow, 0.0, 10.0)
+def w(rid: str, band: Band = Band.STANDARD, flow: str = "", tokens: int = 0) -> Waiting:
+    return Waiting(RequestInfo(request_id=rid, model="m", prompt_tokens=tokens), band, flow, 0.0, 10.0)
 
 
 def drain(q: FlowQueue) -> list[str]:
@@ -38,6 +38,21 @@ def test_round_robin_between_flows_a_flood_waits_behind_itself() -> None:
     q.push(w("quiet0", flow="quiet"))
     q.push(w("quiet1", flow="quiet"))
     assert drain(q) == ["flood0", "quiet0", "flood1", "quiet1", "flood2", "flood3", "flood4"]
+
+
+def test_a_flow_refused_by_eligible_keeps_its_turn_and_bands_stay_strict() -> None:
+    q = FlowQueue()
+    for i in range(3):
+        q.push(w(f"flood{i}", flow="flood"))
+    q.push(w("quiet0", flow="quiet"))
+    q.push(w("quiet1", flow="quiet"))
+    q.push(w("low", Band.SHEDDABLE, flow="other"))
+    not_flood = lambda flow: flow != "flood"  # noqa: E731
+    assert q.pop(not_flood).req.request_id == "quiet0"
+    assert q.pop(not_flood).req.request_id == "quiet1"
+    # only the flood waits in the standard band: refused, and the sheddable one may not pass it
+    assert q.pop(not_flood) is None
+    assert drain(q) == ["flood0", "flood1", "flood2", "low"]
 
 
 def test_evict_takes_the_newest_of_the_largest_flow_of_the_lowest_band() -> None:
@@ -81,7 +96,7 @@ def test_invariants_no_request_lost_or_duplicated(ops: list[tuple[str, int, int]
     for op, b, f in ops:
         band = list(Band)[b]
         if op == "push":
-            item = w(f"r{n}", band, f"f{f}")
+            item = w(f"r{n}", band, f"f{f}", tokens=n + 1)
             n += 1
             q.push(item)
             live[item.req.request_id] = item
@@ -103,6 +118,10 @@ def test_invariants_no_request_lost_or_duplicated(ops: list[tuple[str, int, int]
                 left.append(live.pop(item.req.request_id).req.request_id)
         assert len(q) == len(live)
         assert sorted(x.req.request_id for x in q) == sorted(live)
+        by_flow: dict[str, int] = {}
+        for x in live.values():
+            by_flow[x.flow] = by_flow.get(x.flow, 0) + x.tokens
+        assert q.flow_tokens == by_flow
         for bb in Band:
             counts = q.flow_counts(bb)
             assert sum(counts.values()) == q.count(bb) == sum(1 for x in live.values() if x.band == bb)

@@ -26,24 +26,43 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 GOALS_US = {256: 200.0, 4096: 1000.0}
+# the decision configurations: label, full mode, SchedulerConfig fields
+CONFIGS: list[tuple[str, bool, dict[str, Any]]] = [
+    ("lite load-balance (num_requests)", False, {}),
+    ("full load-balance (all_prefills_tokens_num)", True, {}),
+    ("full load-balance, top-k 4", True, {"dispatch_top_k": 4}),
+    ("full load-balance, cache-aware", True, {"enable_cache_aware_scheduling": True}),
+    ("full load-balance, predictor-enhanced", True, {"enable_predictor_enhanced_scheduling": True}),
+]
+
+
+class SchedulerBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Every knob of `bench scheduler`, with its default (the flags and bench/README.md's table come from it)."""
+
+    decisions: Annotated[int, Meta(ge=1, description="timed decisions per configuration")] = 20_000
+    rpcs: Annotated[int, Meta(ge=1, description="timed Schedule round trips")] = 3_000
+    sizes: Annotated[list[int], Meta(min_length=1, description="instance counts")] = msgspec.field(
+        default_factory=lambda: [256, 4096]
+    )
+    seed: Annotated[int, Meta(description="seed of the random statuses and prompts")] = 1
+    configs: Annotated[
+        list[str], Meta(description="only the decision configurations whose label contains one of these (none: all)")
+    ] = msgspec.field(default_factory=list)
+    decisions_only: Annotated[bool, Meta(description="skip the status-update and gRPC figures (with --configs)")] = (
+        False
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--decisions", type=int, default=20_000, help="timed decisions per configuration")
-    parser.add_argument("--rpcs", type=int, default=3_000, help="timed Schedule round trips")
-    parser.add_argument("--sizes", default="256,4096", help="instance counts, comma-separated")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument(
-        "--configs",
-        default="",
-        help="only the decision configurations whose label contains one of these (comma-separated)",
-    )
-    parser.add_argument(
-        "--decisions-only", action="store_true", help="skip the status-update and gRPC figures (with --configs)"
-    )
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, SchedulerBenchConfig)
 
 
 def _pct(samples: list[float], q: float) -> float:
@@ -256,90 +275,90 @@ def _decision_rows(decisions: dict[str, dict[str, Any]]) -> list[str]:
     return rows
 
 
-def _decisions_report(args: argparse.Namespace, decisions: dict[str, dict[str, Any]]) -> int:
-    from pilotfish.bench.report import write_report
-
-    result = {
-        "decisions": decisions,
-        "goals_p99_us": GOALS_US,
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
-        "command": f"pilotfish bench scheduler --configs {args.configs} --decisions-only --out {args.out}",
-    }
-    rows = _decision_rows(decisions)
-    markdown = "\n".join(["# Scheduler benchmark", "", "## Schedule decision, in-process", "", *rows])
-    write_report(Path(args.out), "scheduler", result, markdown)
-    print(markdown)
-    return 0
-
-
 def run(args: argparse.Namespace) -> int:
     from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
 
-    sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
-    configs: list[tuple[str, bool, dict[str, Any]]] = [
-        ("lite load-balance (num_requests)", False, {}),
-        ("full load-balance (all_prefills_tokens_num)", True, {}),
-        ("full load-balance, top-k 4", True, {"dispatch_top_k": 4}),
-        ("full load-balance, cache-aware", True, {"enable_cache_aware_scheduling": True}),
-        ("full load-balance, predictor-enhanced", True, {"enable_predictor_enhanced_scheduling": True}),
-    ]
-    wanted = [w.strip() for w in str(args.configs).split(",") if w.strip()]
-    if wanted:
-        configs = [c for c in configs if any(w in c[0] for w in wanted)]
-    decisions: dict[str, dict[str, Any]] = {}
-    for label, full, flags in configs:
-        for n in sizes:
-            count = args.decisions
-            decisions[f"{label} @ {n}"] = {**_decisions(n, full, count, args.seed, **flags), "instances": n}
-            print(f"{label} @ {n}: {decisions[f'{label} @ {n}']}", flush=True)
-    if args.decisions_only:
-        return _decisions_report(args, decisions)
-    status = _status_cost(max(sizes), 5000, args.seed)
-    print(f"status update: {status}", flush=True)
-    rpc = _grpc(min(sizes), args.rpcs)
-    print(f"gRPC: {rpc}", flush=True)
-    result = {
-        "decisions": decisions,
-        "status_update": status,
-        "grpc": rpc,
-        "goals_p99_us": GOALS_US,
-        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
-        "command": f"pilotfish bench scheduler --out {args.out}",
-    }
-    rows = _decision_rows(decisions)
-    markdown = "\n".join(
-        [
-            "# Scheduler benchmark",
-            "",
-            "## Schedule decision, in-process",
-            "",
-            *rows,
-            "",
-            "## One status update (4,096 instances)",
-            "",
-            f"- decode + apply: p50 {status['decode_and_apply']['p50_us']} µs, "
-            f"p99 {status['decode_and_apply']['p99_us']} µs ({status['bytes']} bytes)",
-            f"- apply only: p50 {status['apply_only']['p50_us']} µs, p99 {status['apply_only']['p99_us']} µs",
-            "",
-            f"## gRPC round trip ({rpc['instances']} instances, lite, another process)",
-            "",
-            "grpc's blocking client, unary calls:",
-            "",
-            f"- Schedule: p50 {rpc['schedule']['p50_us']} µs, p99 {rpc['schedule']['p99_us']} µs",
-            f"- Release: p50 {rpc['release']['p50_us']} µs, p99 {rpc['release']['p99_us']} µs",
-            "",
-            "The ext_proc's client (on uvloop), each request released after:",
-            "",
-            f"- Schedule on the Session socket (`--session-port`): p50 {rpc['client']['socket']['p50_us']} µs, "
-            f"p99 {rpc['client']['socket']['p99_us']} µs",
-            f"- Schedule on the gRPC Session stream: p50 {rpc['client']['session']['p50_us']} µs, "
-            f"p99 {rpc['client']['session']['p99_us']} µs",
-            f"- Schedule as unary calls: p50 {rpc['client']['unary']['p50_us']} µs, "
-            f"p99 {rpc['client']['unary']['p99_us']} µs",
-            "",
-            f"Command: `pilotfish bench scheduler --out {args.out}`",
-        ]
-    )
+    cfg = struct_from_args(SchedulerBenchConfig, args)
+    result = measure(cfg, chosen_configs(cfg))
+    result["command"] = command(cfg, args.out)
+    markdown = render_markdown(result)
     write_report(Path(args.out), "scheduler", result, markdown)
     print(markdown)
     return 0
+
+
+def chosen_configs(cfg: SchedulerBenchConfig) -> list[tuple[str, bool, dict[str, Any]]]:
+    """The decision configurations --configs picks (all without it)."""
+    return [c for c in CONFIGS if not cfg.configs or any(w in c[0] for w in cfg.configs)]
+
+
+def measure(cfg: SchedulerBenchConfig, configs: list[tuple[str, bool, dict[str, Any]]]) -> dict[str, Any]:
+    """Decisions per configuration and size; then, unless --decisions-only, a status update and gRPC."""
+    decisions: dict[str, dict[str, Any]] = {}
+    for label, full, flags in configs:
+        for n in cfg.sizes:
+            decisions[f"{label} @ {n}"] = {**_decisions(n, full, cfg.decisions, cfg.seed, **flags), "instances": n}
+            print(f"{label} @ {n}: {decisions[f'{label} @ {n}']}", flush=True)
+    result: dict[str, Any] = {
+        "decisions": decisions,
+        "goals_p99_us": GOALS_US,
+        "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
+        "settings": msgspec.structs.asdict(cfg),
+    }
+    if cfg.decisions_only:
+        return result
+    result["status_update"] = {**_status_cost(max(cfg.sizes), 5000, cfg.seed), "instances": max(cfg.sizes)}
+    print(f"status update: {result['status_update']}", flush=True)
+    result["grpc"] = _grpc(min(cfg.sizes), cfg.rpcs)
+    print(f"gRPC: {result['grpc']}", flush=True)
+    return result
+
+
+def command(cfg: SchedulerBenchConfig, out: Path) -> str:
+    """The command line that reruns this configuration."""
+    given = (f" --configs {','.join(cfg.configs)}" if cfg.configs else "") + (
+        " --decisions-only" if cfg.decisions_only else ""
+    )
+    return f"pilotfish bench scheduler{given} --out {out}"
+
+
+def render_markdown(result: dict[str, Any]) -> str:
+    """report.md from result.json alone."""
+    md = ["# Scheduler benchmark", "", "## Schedule decision, in-process", "", *_decision_rows(result["decisions"])]
+    if "status_update" in result:
+        md += ["", *_status_lines(result["status_update"])]
+    if "grpc" in result:
+        md += ["", *_grpc_lines(result["grpc"])]
+    md += ["", f"Command: `{result['command']}`"]
+    return "\n".join(md)
+
+
+def _status_lines(status: dict[str, Any]) -> list[str]:
+    return [
+        f"## One status update ({status.get('instances', 4096):,} instances)",
+        "",
+        f"- decode + apply: p50 {status['decode_and_apply']['p50_us']} µs, "
+        f"p99 {status['decode_and_apply']['p99_us']} µs ({status['bytes']} bytes)",
+        f"- apply only: p50 {status['apply_only']['p50_us']} µs, p99 {status['apply_only']['p99_us']} µs",
+    ]
+
+
+def _grpc_lines(rpc: dict[str, Any]) -> list[str]:
+    client = rpc["client"]
+    return [
+        f"## gRPC round trip ({rpc['instances']} instances, lite, another process)",
+        "",
+        "grpc's blocking client, unary calls:",
+        "",
+        f"- Schedule: p50 {rpc['schedule']['p50_us']} µs, p99 {rpc['schedule']['p99_us']} µs",
+        f"- Release: p50 {rpc['release']['p50_us']} µs, p99 {rpc['release']['p99_us']} µs",
+        "",
+        "The ext_proc's client (on uvloop), each request released after:",
+        "",
+        f"- Schedule on the Session socket (`--session-port`): p50 {client['socket']['p50_us']} µs, "
+        f"p99 {client['socket']['p99_us']} µs",
+        f"- Schedule on the gRPC Session stream: p50 {client['session']['p50_us']} µs, "
+        f"p99 {client['session']['p99_us']} µs",
+        f"- Schedule as unary calls: p50 {client['unary']['p50_us']} µs, p99 {client['unary']['p99_us']} µs",
+    ]

@@ -25,7 +25,8 @@ kill to the moment it answers again):
 
 `run()` is split into set-up (`Rig`), measure (`measure_fault`, `measure_soak`) and report
 (`summarise_fault`, `summarise_soak`, `render_markdown`, `plot_timeline`); the functions that
-turn records into figures are pure and tested (tests/unit/test_bench_faults.py).
+turn records into figures are pure and tested (tests/unit/test_bench_faults.py). What the soak
+samples besides RSS and the rule that calls its memory flat live in bench/faults_soak.py.
 """
 
 from __future__ import annotations
@@ -47,6 +48,15 @@ from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
+
+from pilotfish.bench.faults_soak import (
+    MEMORY_FIELDS,
+    envoy_memory,
+    plot_memory,
+    process_kib,
+    render_memory,
+    summarise_memory,
+)
 
 MODEL = "pilotfish-sim"
 TARGET_ENGINE = "sim-1"  # the engine the engine faults hit (engines are sim-0 and sim-1)
@@ -149,8 +159,51 @@ class FaultsBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
         float, Meta(ge=0, description="soak: RSS growth is measured from the first sample after this")
     ] = 10.0
     memory_flat_pct: Annotated[
-        float, Meta(ge=0, description="soak: a process's RSS is flat when it grew at most this percent (+1 MiB)")
+        float,
+        Meta(ge=0, description="soak, the old rule (reported, not deciding): RSS grew at most this percent (+1 MiB)"),
     ] = 5.0
+    soak_leak_pct_per_hour: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="soak: a leak is an RSS slope over the second half, per hour, above this percent of "
+            "the process's level (+ soak_leak_mib_per_hour)",
+        ),
+    ] = 10.0
+    soak_leak_mib_per_hour: Annotated[
+        float, Meta(ge=0, description="soak: the fixed part of the leak bound, MiB per hour")
+    ] = 2.0
+    soak_live_return_pct: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="soak: Envoy's live bytes at the end within this percent (+1 MiB) of their level "
+            "after the warm-up",
+        ),
+    ] = 10.0
+    soak_live_window_seconds: Annotated[
+        float,
+        Meta(gt=0, description="soak: live bytes are the median over this long, after the warm-up and at the end"),
+    ] = 30.0
+    soak_leak_min_seconds: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="soak: the slope rule decides only over a second half at least this long (shorter: "
+            "the whole-run growth decides)",
+        ),
+    ] = 120.0
+    soak_step_window_seconds: Annotated[
+        float, Meta(gt=0, description="soak: a step is the largest RSS rise within this long")
+    ] = 20.0
+    soak_burst_factor: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="soak: a step coincides with a burst when the in-flight peak around it is this many "
+            "times the soak's typical peak",
+        ),
+    ] = 2.0
 
     def effective(self, given: set[str]) -> FaultsBenchConfig:
         """`--quick` shortens every period; flags the user gave win."""
@@ -220,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
             finally:
                 rig.stop()
         soak = summarise_soak(raw_soak, cfg)
-        soak["rss_png"] = plot_rss(raw_soak, out / "soak-rss.png")
+        soak["rss_png"] = plot_rss(soak, out / "soak-rss.png")
         soak["wall_seconds"] = round(time.monotonic() - t, 1)
     with contextlib.suppress(FileNotFoundError):
         (out / "partial.json").unlink()
@@ -821,7 +874,8 @@ INJECT: dict[str, Any] = {
 
 
 async def measure_soak(rig: Rig, cfg: FaultsBenchConfig) -> dict[str, Any]:
-    """A steady load for soak_seconds; the RSS of every process of the stack every rss_interval_seconds."""
+    """A steady load for soak_seconds; every rss_interval_seconds the memory of every process of the
+    stack, Envoy's allocator figures and the requests in flight (bench/faults_soak.py)."""
     clock = Clock(time.monotonic())
     load = OpenLoop(rig.stack.base_url, cfg, clock.t0, cfg.soak_rate, cfg.max_tokens)
     stop = asyncio.Event()
@@ -830,38 +884,38 @@ async def measure_soak(rig: Rig, cfg: FaultsBenchConfig) -> dict[str, Any]:
     )
     rss: list[dict[str, Any]] = []
     while clock.now() < cfg.soak_seconds:
-        rss.append({"t": round(clock.now(), 2), "rss_kib": process_rss(rig.stack.children)})
+        rss.append(await soak_sample(rig, clock, load))
         await asyncio.sleep(min(cfg.rss_interval_seconds, max(0.0, cfg.soak_seconds - clock.now())))
     stop.set()
     await loader
-    rss.append({"t": round(clock.now(), 2), "rss_kib": process_rss(rig.stack.children)})
+    rss.append(await soak_sample(rig, clock, load))
     samples: list[dict[str, Any]] = []
     drain = await wait_drained(rig, clock, samples, cfg)
     return {"records": load.records, "skipped": load.skipped, "rss": rss, "drain": drain}
 
 
-def process_rss(children: dict[str, Any]) -> dict[str, int]:
-    """VmRSS (KiB) of each child of the stack and of each of its descendants, by a stable name."""
+async def soak_sample(rig: Rig, clock: Clock, load: OpenLoop) -> dict[str, Any]:
+    t = round(clock.now(), 2)
+    memory = process_memory(rig.stack.children)
+    return {
+        "t": t,
+        **{key: {name: m[key] for name, m in memory.items() if key in m} for key in MEMORY_FIELDS.values()},
+        "envoy": await asyncio.to_thread(envoy_memory, rig.stack.admin_port),
+        "client_in_flight": load.outstanding,
+    }
+
+
+def process_memory(children: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """faults_soak.process_kib of each child of the stack and of each of its descendants, by a
+    stable name."""
     from pilotfish.procs import descendants
 
-    out: dict[str, int] = {}
+    out: dict[str, dict[str, int]] = {}
     for name, child in children.items():
         for i, pid in enumerate(descendants(child.pid)):  # the child first
-            kib = _vm_rss_kib(pid)
-            if kib is not None:
+            if kib := process_kib(pid):
                 out[name if i == 0 else f"{name} (child {i})"] = kib
     return out
-
-
-def _vm_rss_kib(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 # ---------------------------------------------------------------------------------------------- report (pure)
@@ -1029,48 +1083,16 @@ def _round(value: float | None, digits: int = 2) -> float | None:
 
 
 def summarise_soak(raw: dict[str, Any], cfg: FaultsBenchConfig) -> dict[str, Any]:
-    rss = raw["rss"]
-    processes: dict[str, dict[str, Any]] = {}
-    names = sorted({name for sample in rss for name in sample["rss_kib"]})
-    for name in names:
-        points = [(s["t"], s["rss_kib"][name]) for s in rss if name in s["rss_kib"]]
-        processes[name] = rss_growth(points, cfg.soak_warmup_seconds, cfg.memory_flat_pct)
+    memory = summarise_memory(raw["rss"], [(r.t_send, r.t_end) for r in raw["records"]], cfg)
     return {
         "seconds": cfg.soak_seconds,
         "rate": cfg.soak_rate,
         **outcome_counts(raw["records"]),
         "skipped_by_client_cap": raw["skipped"],
         "account_after": raw["drain"],
-        "processes": processes,
-        "memory_flat": all(p["flat"] for p in processes.values()),
-        "rss_samples": rss,
-    }
-
-
-def rss_growth(points: list[tuple[float, int]], warmup: float, flat_pct: float) -> dict[str, Any]:
-    """RSS (MiB) from the first sample after `warmup` to the last, the least-squares slope over
-    that span, the growth over its second half, and whether it grew at most `flat_pct` percent
-    plus 1 MiB (first to last)."""
-    span = [(t, kib / 1024) for t, kib in points if t >= warmup] or [(t, kib / 1024) for t, kib in points]
-    first, last = span[0][1], span[-1][1]
-    slope = 0.0
-    if len(span) >= 2:
-        mean_t = sum(t for t, _ in span) / len(span)
-        mean_m = sum(m for _, m in span) / len(span)
-        var = sum((t - mean_t) ** 2 for t, _ in span)
-        slope = sum((t - mean_t) * (m - mean_m) for t, m in span) / var * 60 if var else 0.0
-    middle = span[0][0] + (span[-1][0] - span[0][0]) / 2
-    at_middle = next(m for t, m in span if t >= middle)
-    return {
-        "first_mib": round(first, 1),
-        "last_mib": round(last, 1),
-        "max_mib": round(max(m for _, m in span), 1),
-        "growth_mib": round(last - first, 1),
-        "growth_pct": round((last - first) / first * 100, 1) if first else 0.0,
-        "slope_mib_per_min": round(slope, 2),
-        # a step early on (buffers sized to a burst) levels off; a leak keeps growing here too
-        "second_half_growth_mib": round(last - at_middle, 1),
-        "flat": last - first <= first * flat_pct / 100 + 1.0,
+        "memory_flat": memory.pop("flat"),
+        **memory,
+        "rss_samples": raw["rss"],
     }
 
 
@@ -1179,18 +1201,11 @@ def render_markdown(result: dict[str, Any]) -> str:
             f"## Soak: {soak['seconds']:g} s at {soak['rate']:g}/s (lite mode)",
             "",
             f"Sent {soak['sent']}, ok {soak['ok']}, failed {soak['failed']}; account drained "
-            f"{soak['account_after']['drained']}. Memory flat (each process within the threshold): "
-            f"**{'yes' if soak['memory_flat'] else 'NO'}**. RSS plot: `{soak['rss_png'] or 'none'}`.",
+            f"{soak['account_after']['drained']}. Plot (RSS, Envoy's allocator, requests in flight): "
+            f"`{soak['rss_png'] or 'none'}`.",
             "",
-            "| process | RSS first MiB | last MiB | max MiB | growth MiB | growth % | slope MiB/min "
-            "| growth in the second half MiB | flat |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+            *render_memory(soak),
         ]
-        for name, p in soak["processes"].items():
-            cells = [name, *(p[k] for k in ("first_mib", "last_mib", "max_mib", "growth_mib", "growth_pct"))]
-            cells += [p["slope_mib_per_min"], p["second_half_growth_mib"], "yes" if p["flat"] else "NO"]
-            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        lines.append("")
     return "\n".join(lines)
 
 
@@ -1239,21 +1254,6 @@ def plot_timeline(entry: dict[str, Any], raw: dict[str, Any], path: Path) -> str
     return path.name
 
 
-def plot_rss(raw: dict[str, Any], path: Path) -> str:
-    plt = _pyplot()
-    if plt is None or not raw["rss"]:
-        return ""
-    fig, ax = plt.subplots(figsize=(9, 3.6))
-    names = sorted({name for s in raw["rss"] for name in s["rss_kib"]})
-    for name in names:
-        points = [(s["t"], s["rss_kib"][name] / 1024) for s in raw["rss"] if name in s["rss_kib"]]
-        ax.plot([t for t, _ in points], [m for _, m in points], label=name)
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("RSS (MiB)")
-    ax.set_title("soak: RSS of every process")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path.name
+def plot_rss(soak: dict[str, Any], path: Path) -> str:
+    """The soak's memory timeline (faults_soak.plot_memory); the file's name, or "" without matplotlib."""
+    return plot_memory(soak["rss_samples"], soak["inflight_peaks"], path, _pyplot())

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pilotfish.bench import faults as fb
+from pilotfish.bench import faults_soak as fs
 from pilotfish.bench.faults import FAULTS, INCOMPLETE, OK, Record, Window
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,13 +138,13 @@ def test_per_second_buckets_by_send_time() -> None:
     ],
 )
 def test_rss_growth_is_measured_after_the_warmup(points: list[tuple[float, int]], flat: bool) -> None:
-    growth = fb.rss_growth(points, warmup=10, flat_pct=5.0)
+    growth = fs.rss_growth(points, warmup=10, flat_pct=5.0)
     assert growth["flat"] is flat
     assert growth["first_mib"] == points[1][1] / 1024 if len(points) > 2 else growth["first_mib"] == 10.0
 
 
 def test_rss_growth_slope_is_per_minute() -> None:
-    growth = fb.rss_growth([(0, 1024), (30, 2048), (60, 3072)], warmup=0, flat_pct=5.0)
+    growth = fs.rss_growth([(0, 1024), (30, 2048), (60, 3072)], warmup=0, flat_pct=5.0)
     assert growth["slope_mib_per_min"] == 2.0
     assert growth["growth_mib"] == 2.0 and not growth["flat"]
     assert growth["second_half_growth_mib"] == 1.0
@@ -151,7 +152,7 @@ def test_rss_growth_slope_is_per_minute() -> None:
 
 def test_rss_growth_tells_a_step_that_levels_off_from_a_climb() -> None:
     step = [(t, 100 * 1024 + (20 * 1024 if t >= 100 else 0)) for t in range(0, 600, 10)]
-    growth = fb.rss_growth(step, warmup=10, flat_pct=5.0)
+    growth = fs.rss_growth(step, warmup=10, flat_pct=5.0)
     assert growth["growth_mib"] == 20.0 and not growth["flat"] and growth["second_half_growth_mib"] == 0.0
 
 
@@ -216,14 +217,16 @@ def test_the_report_has_a_row_per_fault_and_the_soak() -> None:
     kill["goals"] = [{"goal": "g", "met": True, "figure": "f"}]
     na = {"fault": "llumlet-export-kill", "mode": "full", "applies": False, "what": "w", "models": "m",
           "reason": fb.EXPORT_PROCESS_NOT_APPLICABLE}  # fmt: skip
-    soak = {"seconds": 60.0, "rate": 20.0, "sent": 1200, "ok": 1200, "failed": 0, "memory_flat": True,
-            "account_after": {"drained": True}, "rss_png": "soak-rss.png",
-            "processes": {"scheduler": fb.rss_growth([(0, 1024), (60, 1024)], 10, 5)}}  # fmt: skip
+    samples = [{"t": float(t), "rss_kib": {"scheduler": 1024}} for t in range(0, 61, 2)]
+    memory = fs.summarise_memory(samples, [(0.0, 0.5)], fb.FaultsBenchConfig())
+    soak = {"seconds": 60.0, "rate": 20.0, "sent": 1200, "ok": 1200, "failed": 0, "memory_flat": memory.pop("flat"),
+            "account_after": {"drained": True}, "rss_png": "soak-rss.png", **memory}  # fmt: skip
     settings = {"rate": 20.0, "max_tokens": 32, "stream_tokens": 128}
     md = fb.render_markdown({"wall_seconds": 300.0, "settings": settings, "faults": [kill, na], "soak": soak})
     assert "| engine-kill | lite | 10 | 9 | 1 | 1 | 0 / 0 | 0.3 | 0.5 | yes | 1 of 1 met |" in md
     assert "| llumlet-export-kill | full |" in md and "does not apply" in md
-    assert "| scheduler | 1.0 | 1.0 | 1.0 | 0.0 | 0.0 | 0.0 | 0.0 | yes |" in md and "## Soak: 60 s at 20/s" in md
+    assert "| scheduler | 1.0 | 1.0 | 1.0 | 0 | 0 (2.1) | no (too short) |" in md and "## Soak: 60 s at 20/s" in md
+    assert "Memory flat: **yes**, decided by whole-run growth" in md
     json.dumps({"faults": [kill, na], "soak": soak})  # result.json must serialise
 
 

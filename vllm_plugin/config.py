@@ -122,6 +122,23 @@ class LlumletConfig(SecurityConfig, kw_only=True, forbid_unknown_fields=True):
     migration_accept_timeout_ms: Annotated[
         int, _doc("how long a source waits for the destination to accept a migrating request", ge=100)
     ] = 10_000
+    vllm_metrics: Annotated[
+        bool,
+        _doc(
+            "vLLM: show the llumlet's figures (pilotfish_llumlet_*) on vLLM's own /metrics: the exporter writes a "
+            "small snapshot file that vLLM's API-server process reads; false: no file, no pilotfish_llumlet_* family"
+        ),
+    ] = True
+    metrics_dir: Annotated[
+        str,
+        _doc(
+            "directory of the llumlets' metrics snapshots, shared by vLLM's API server and engine processes; "
+            "empty: pilotfish-llumlet-<uid> under the system's temporary directory"
+        ),
+    ] = ""
+    metrics_interval_ms: Annotated[
+        int, _doc("how often the metrics snapshot is re-written (and read at most)", ge=100, le=60_000)
+    ] = 1000
 
     def __post_init__(self) -> None:
         if self.infer_type not in INFER_TYPES:

@@ -35,7 +35,6 @@ import logging
 import os
 import queue
 import socket
-import sys
 import time
 from collections import deque
 from concurrent.futures import Future
@@ -49,6 +48,7 @@ from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.request import Request, RequestStatus
 
 from pilotfish.protos import cms_pb2
+from pilotfish.vllm_plugin.adapters import vllm_identity
 from pilotfish.vllm_plugin.adapters.vllm_migration import VllmMigrationAdapter, find_engine_core
 from pilotfish.vllm_plugin.config import config_from_env
 from pilotfish.vllm_plugin.core.kv_endpoint import subscribable_endpoint
@@ -69,18 +69,6 @@ def external_id(request: Request, randomized: bool) -> str:
     if randomized and len(rid) > _RANDOM_SUFFIX_LEN and rid[-_RANDOM_SUFFIX_LEN] == "-":
         return rid[:-_RANDOM_SUFFIX_LEN]
     return rid
-
-
-def _argv_value(flag: str) -> str | None:
-    """`--flag V` or `--flag=V` from the command line vLLM was started with (the API server's,
-    which multiprocessing hands down to the engine-core process)."""
-    argv = sys.argv
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith(flag + "="):
-            return arg.split("=", 1)[1]
-    return None
 
 
 def _log_through_vllm() -> None:
@@ -123,13 +111,11 @@ class _LlumletHooks:
         pc = vc.parallel_config
         dp_rank = int(getattr(pc, "data_parallel_index", 0) or getattr(pc, "data_parallel_rank", 0) or 0)
         dp_size = int(getattr(pc, "data_parallel_size", 1) or 1)
-        http_port = config.http_port or int(_argv_value("--port") or 8000)
-        host = config.advertise_host or _argv_value("--host") or "127.0.0.1"
+        http_port = vllm_identity.http_port(config)
+        host = config.advertise_host or vllm_identity.argv_value("--host") or "127.0.0.1"
         if host in ("0.0.0.0", "::", ""):
             host = socket.gethostbyname(socket.gethostname())
-        instance_id = config.instance_id or f"{socket.gethostname()}-{http_port}"
-        if dp_size > 1:
-            instance_id += f"-dp{dp_rank}"
+        instance_id = vllm_identity.instance_id(config, dp_rank, dp_size)
         served = getattr(vc.model_config, "served_model_name", None)
         model = served[0] if isinstance(served, list | tuple) and served else served or vc.model_config.model
         meta = cms_pb2.InstanceMetadata(
@@ -170,6 +156,8 @@ class _LlumletHooks:
             own_process=True,
             step_hooks=True,
             watch_parent=True,  # the API server is our parent: its death is ours
+            # for the stat logger in vLLM's API server (adapters/vllm_metrics.py)
+            metrics_snapshot=config.vllm_metrics,
         )
         llumlet.engine_cpu_start_ns = thread_time_ns()  # this is the engine-core thread
         with llumlet.events() as s:

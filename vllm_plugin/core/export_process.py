@@ -46,6 +46,7 @@ from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig
 from pilotfish.vllm_plugin.core.handoff import HandoffReader, HandoffWriter, Record, create_region, map_region
 from pilotfish.vllm_plugin.core.llumlet_stats import Outage, export_summary
+from pilotfish.vllm_plugin.core.metrics_snapshot import SnapshotWriter
 from pilotfish.vllm_plugin.core.state import status_record
 
 log = logging.getLogger("pilotfish.llumlet")
@@ -96,11 +97,13 @@ class ExportProcess:
         metadata: cms_pb2.InstanceMetadata,
         watch_pid: int = 0,
         ready_timeout_s: float = READY_TIMEOUT_S,
+        metrics_snapshot: bool = False,
     ) -> None:
         """Start the child and wait until it is ready; RuntimeError (nothing left behind) if it is not.
 
         `watch_pid`: the engine's parent as the engine first saw it (vLLM's frontend), whose death
-        the child watches for; 0: none.
+        the child watches for; 0: none. `metrics_snapshot`: the child writes the snapshot for
+        vLLM's /metrics (core/metrics_snapshot.py).
         """
         self._closed = False
         self._pidfd = -1  # the detached export process's pidfd; -1: a plain child (self.process)
@@ -122,6 +125,7 @@ class ExportProcess:
             "engine_pid": os.getpid(),
             "watch_pid": watch_pid,
             "detach": detach,
+            "metrics_snapshot": metrics_snapshot,
         }).encode()  # fmt: skip
         try:
             self.process = subprocess.Popen(
@@ -243,9 +247,11 @@ class Exporter:
         watch_pid: int = 0,
         writer: CmsWriter | None = None,
         engine_pidfd: int = -1,
+        metrics_snapshot: bool = False,
     ) -> None:
         """`engine_pidfd`: a pidfd of the engine's process, for a detached export process (no
-        longer the engine's child, so its parent says nothing); -1: the engine is our parent."""
+        longer the engine's child, so its parent says nothing); -1: the engine is our parent.
+        `metrics_snapshot`: also write the snapshot for vLLM's /metrics every `metrics_interval_ms`."""
         self.config = config
         self.instance_id = instance_id
         self.metadata = metadata
@@ -269,6 +275,7 @@ class Exporter:
         self._outage = Outage(instance_id)
         self.staleness_us: deque[float] = deque(maxlen=100_000)
         self.terminated = False  # SIGTERM: stop as if told to, removing the keys
+        self.snapshot = SnapshotWriter(config, instance_id, "process") if metrics_snapshot else None
 
     @property
     def write_failures(self) -> int:
@@ -299,6 +306,8 @@ class Exporter:
                 self._take(record)
                 pending = True
                 last_change = now
+            if self.snapshot is not None and self.record is not None and self.snapshot.due(now):
+                self.snapshot.write(self.record.counters, self.exports, self.write_failures, self.staleness_us)
             if pending and min_gap_s and (gap := last_write + min_gap_s - now) > 0 and now < next_refresh:
                 if (stop := self._wait(gap)) is not None:
                     return self._finish(remove=stop, pending=pending)
@@ -376,6 +385,8 @@ class Exporter:
                 with contextlib.suppress(Exception):
                     self._write_status()
         log.info("llumlet %s stopping: %s", self.instance_id, self.summary())
+        if self.snapshot is not None:
+            self.snapshot.remove()
         if remove:
             try:
                 self.writer.remove()
@@ -501,6 +512,7 @@ def main() -> None:
         settings["engine_pid"],
         settings["watch_pid"],
         engine_pidfd=engine_pidfd,
+        metrics_snapshot=settings.get("metrics_snapshot", False),
     )
 
     def terminate(*_: Any) -> None:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from pilotfish.vllm_plugin.core.export_thread import InlineExporter, ThreadExporter, redacted
 from pilotfish.vllm_plugin.core.exporter import Exporter, ExporterBase, ExportKind
 from pilotfish.vllm_plugin.core.handoff import TICK_MAX_BLOCKS, TICK_MAX_US, TICK_SPAN
+from pilotfish.vllm_plugin.core.metrics_snapshot import snapshot_path
 from pilotfish.vllm_plugin.core.state import LoadState
 
 if TYPE_CHECKING:
@@ -146,7 +147,10 @@ class ProcessExporter(ExporterBase):
         with self.lock:
             process, self.process = self.process, None
         # the child logs its own figures; a dead one cannot delete the keys: done from here then
-        if process is not None and not process.stop(remove) and remove:
+        alive = process is not None and process.stop(remove)
+        if not alive and self.metrics_snapshot:
+            snapshot_path(self.config, self.instance_id).unlink(missing_ok=True)
+        if not alive and remove:
             try:
                 self.writer.remove()
             except Exception as exc:
@@ -178,7 +182,9 @@ class ProcessExporter(ExporterBase):
         """
         from pilotfish.vllm_plugin.core.export_process import ExportProcess
 
-        process = ExportProcess(self.config, self.instance_id, self.metadata, self._parent_pid)
+        process = ExportProcess(
+            self.config, self.instance_id, self.metadata, self._parent_pid, metrics_snapshot=self.metrics_snapshot
+        )
         self._started_s = time.monotonic()
         if not self.adopt(process, replacing):
             process.stop(remove=True)

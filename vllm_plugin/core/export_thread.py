@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.core.exporter import Exporter, ExporterBase
-from pilotfish.vllm_plugin.core.state import LoadState
+from pilotfish.vllm_plugin.core.metrics_snapshot import SnapshotWriter
+from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS, LoadState, counter_values
 
 if TYPE_CHECKING:
     from pilotfish.vllm_plugin.core.llumlet import Llumlet
@@ -58,6 +59,8 @@ class ThreadExporter(ExporterBase):
         self._napping = False  # the export thread sleeps until the refresh: the next write wakes it
         self._thread: threading.Thread | None = None
         self._meta_update_id = 0
+        # for vLLM's /metrics (core/metrics_snapshot.py), written by the export thread
+        self.snapshot = SnapshotWriter(self.config, self.instance_id, self.kind) if llumlet.metrics_snapshot else None
 
     # ---- engine side --------------------------------------------------------------------------
 
@@ -111,6 +114,8 @@ class ThreadExporter(ExporterBase):
         self._wake.set()
         self._thread.join(timeout=5)
         self._thread = None
+        if self.snapshot is not None:
+            self.snapshot.remove()
         log.info("llumlet %s stopping: %s", self.instance_id, self.summary())
         stop_services()
         # under the export lock: an engine-thread write already under way lands before the delete,
@@ -148,6 +153,13 @@ class ThreadExporter(ExporterBase):
             return now + _COLLECT_AFTER_S
         return float("inf")
 
+    def _write_snapshot(self) -> None:
+        """Export thread: the figures for vLLM's /metrics, under the lock only to copy them."""
+        assert self.snapshot is not None
+        with self.lock:
+            counters = dict(zip(COUNTER_FIELDS, counter_values(self.state), strict=True))
+        self.snapshot.write(counters, self.exports, self.write_failures, self.staleness_us)
+
     def _replies_due(self, now: float) -> bool:
         owes = self._owes_replies
         return owes is not None and owes() and now >= self._last_inline_s + _COLLECT_AFTER_S
@@ -165,15 +177,22 @@ class ThreadExporter(ExporterBase):
             if self._watch_parent and os.getppid() != parent:
                 log.warning("llumlet %s: the engine's parent process exited; removing CMS keys", self.instance_id)
                 self._try_write = None
+                if self.snapshot is not None:
+                    self.snapshot.remove()
                 with self._export_lock:
                     with contextlib.suppress(Exception):
                         self.writer.remove()
                     self.writer.close()
                 return
             now = time.monotonic()
+            snapshot_s = float("inf")
+            if self.snapshot is not None:
+                if self.snapshot.due(now):
+                    self._write_snapshot()
+                snapshot_s = self.snapshot.next_s
             collect_only = False
             if now < next_refresh:
-                woke = self._wake.wait(min(next_refresh, self._next_look(now)) - now)
+                woke = self._wake.wait(min(next_refresh, self._next_look(now), snapshot_s) - now)
                 self._napping = False
                 if self._stop.is_set():
                     break

@@ -100,6 +100,8 @@ class ExporterBase:
         self.writer = llumlet.writer
         # the CPU figures: the hooks account theirs on the llumlet, read here only when set
         self.profiling = llumlet.profiling
+        # write the snapshot vLLM's /metrics shows (core/metrics_snapshot.py)
+        self.metrics_snapshot = llumlet.metrics_snapshot
         # Held while a status is snapshotted and written, by whichever thread writes it, so
         # records reach Redis in update_id order. Acquired before `lock`, or tried under it.
         self._export_lock = threading.Lock()

@@ -62,6 +62,7 @@ class Llumlet:
         own_process: bool = False,
         step_hooks: bool = False,
         watch_parent: bool = False,
+        metrics_snapshot: bool = False,
     ) -> None:
         """What the engine adapter states about its engine picks the exporter, with the settings
         (core/exporter.py):
@@ -75,6 +76,8 @@ class Llumlet:
                       thread coalesces.
         watch_parent  the engine runs in a child of its frontend (vLLM's engine core): if that
                       parent dies and this process lingers, stop exporting so the keys expire.
+        metrics_snapshot  the exporter also writes the figures vLLM's /metrics shows
+                      (core/metrics_snapshot.py): for an engine whose frontend runs the stat logger.
         """
         self.config = config
         self.instance_id = instance_id
@@ -106,6 +109,7 @@ class Llumlet:
         self._migration_adapter: MigrationAdapter | None = None
         self.migration_adapter = migration_adapter
         self._watch_parent = watch_parent
+        self.metrics_snapshot = metrics_snapshot
         self.lock = threading.Lock()
         # With stats_log_s, adapters account the engine-thread CPU their hooks cost (thread_time:
         # CPU, not wall, so a loaded machine does not inflate it) against the thread's total.

@@ -1,14 +1,14 @@
 """The soak of `pilotfish bench faults`: what it samples besides RSS, and the rule that calls its
 memory flat.
 
-Sampled every `rss_interval_seconds`: each process's VmRSS and RssAnon (its heap and stacks, as
-opposed to file pages such as code touched for the first time); Envoy's own allocator figures
-from its admin endpoint (`server.memory_allocated`: bytes live in tcmalloc;
-`server.memory_heap_size`: what tcmalloc holds from the OS; `server.memory_physical_size`: the
-part of it resident) and its `downstream_rq_active`; and the load generator's requests
-outstanding. The Python processes' /metrics serve their own registries without the
-process/gc collectors, so nothing cheap tells their live memory from what pymalloc retains:
-RssAnon is what is shown for them.
+Sampled every `rss_interval_seconds`: each process's VmRSS, RssAnon (its heap and stacks), RssFile
+(file pages such as its code, touched for the first time or read back in) and AnonHugePages;
+Envoy's own allocator figures from its admin endpoint (/memory: `allocated`, the bytes live in
+tcmalloc; `heap_size`, what tcmalloc holds from the OS; `pageheap_free`, free pages it keeps
+mapped, so resident but not live; the thread caches) and its `downstream_rq_active`; and the load
+generator's requests outstanding. The Python processes' /metrics serve their own registries
+without the process/gc collectors, so nothing cheap tells their live memory from what pymalloc
+retains: RssAnon is what is shown for them.
 
 The rule (`memory_verdict`). RSS is a high-water mark: an allocator keeps what a burst of
 concurrent streams made it take (tcmalloc's page heap, pymalloc's arenas), so a one-time step is
@@ -30,6 +30,7 @@ coincides with a burst.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -54,16 +55,48 @@ Series = Sequence[tuple[float, float]]
 
 def envoy_memory(admin_port: int) -> dict[str, float]:
     """Envoy's allocator figures (bytes) and its downstream requests in flight (`rq_active`, the
-    admin listener's own left out); {} when the admin does not answer."""
+    admin listener's own left out); {} when the admin does not answer. The server.memory_* gauges
+    change only at a stats flush (every 5 s), so /memory, read now, overrides them."""
     from urllib.parse import quote
 
     from pilotfish.services import http_call
 
+    out: dict[str, float] = {}
     try:
         status, body = http_call(f"http://127.0.0.1:{admin_port}/stats?filter={quote(ENVOY_STATS_FILTER)}")
+        if status == 200:
+            out |= parse_envoy_stats(body.decode())
+        status, body = http_call(f"http://127.0.0.1:{admin_port}/memory")
+        if status == 200:
+            out |= parse_envoy_memory(body.decode())
     except OSError:
+        pass
+    return out
+
+
+# /memory's fields (admin.v3.Memory: uint64 as JSON strings), by the names the samples use
+ENVOY_MEMORY_JSON = {
+    "allocated": "allocated",
+    "heap_size": "heap_size",
+    "total_physical_bytes": "physical_size",
+    "pageheap_free": "pageheap_free",  # free pages tcmalloc keeps mapped: resident, not live
+    "pageheap_unmapped": "pageheap_unmapped",
+    "total_thread_cache": "thread_cache",
+}
+
+
+def parse_envoy_memory(text: str) -> dict[str, float]:
+    import json
+
+    try:
+        doc = json.loads(text)
+    except ValueError:
         return {}
-    return parse_envoy_stats(body.decode()) if status == 200 else {}
+    out: dict[str, float] = {}
+    for key, name in ENVOY_MEMORY_JSON.items():
+        with contextlib.suppress(KeyError, TypeError, ValueError):
+            out[name] = float(doc[key])
+    return out
 
 
 def parse_envoy_stats(text: str) -> dict[str, float]:
@@ -322,7 +355,7 @@ def summarise_memory(
     if len(live) >= 2:
         envoy_live = live_return(live, cfg.soak_warmup_seconds, cfg.soak_live_window_seconds, cfg.soak_live_return_pct)
         envoy_live["slope_mib_per_hour"] = round(ls_slope(second_half(live, cfg.soak_warmup_seconds)) * 3600, 2)
-        for key in ("heap_size", "physical_size"):
+        for key in ("heap_size", "physical_size", "pageheap_free", "thread_cache"):
             series = envoy_series(samples, key)
             if series:
                 envoy_live[f"{key}_first_mib"] = round(after_warmup(series, cfg.soak_warmup_seconds)[0][1], 1)
@@ -334,7 +367,8 @@ def summarise_memory(
             f"flat = no process's RSS slope over the second half after the warm-up (at least "
             f"{cfg.soak_leak_min_seconds:g} s of it), extrapolated to an hour, "
             f"above {cfg.soak_leak_pct_per_hour:g}% of its level + {cfg.soak_leak_mib_per_hour:g} MiB, and "
-            f"Envoy's live bytes (server.memory_allocated) at the end within {cfg.soak_live_return_pct:g}% + 1 MiB "
+            "Envoy's live bytes (tcmalloc's allocated bytes, admin /memory) at the end within "
+            f"{cfg.soak_live_return_pct:g}% + 1 MiB "
             f"of their level after the warm-up; the whole-run growth (at most {cfg.memory_flat_pct:g}% + 1 MiB) "
             "decides only a soak too short for the slope"
         ),
@@ -379,11 +413,14 @@ def render_memory(soak: dict[str, Any]) -> list[str]:
     live = soak.get("envoy_live")
     if live:
         lines.append(
-            f"Envoy's live bytes (server.memory_allocated): {live['baseline_mib']} MiB after the warm-up, "
+            f"Envoy's live bytes (tcmalloc's allocated bytes): {live['baseline_mib']} MiB after the warm-up, "
             f"{live['end_mib']} MiB at the end (max {live['max_mib']}; second-half slope "
             f"{live['slope_mib_per_hour']} MiB/h): {'back' if live['returned'] else 'NOT back'}. "
             f"tcmalloc heap {live.get('heap_size_first_mib', '-')} → {live.get('heap_size_last_mib', '-')} MiB, "
-            f"resident {live.get('physical_size_first_mib', '-')} → {live.get('physical_size_last_mib', '-')} MiB."
+            f"resident {live.get('physical_size_first_mib', '-')} → {live.get('physical_size_last_mib', '-')} MiB, "
+            f"free but mapped {live.get('pageheap_free_first_mib', '-')} → {live.get('pageheap_free_last_mib', '-')} "
+            f"MiB, thread caches {live.get('thread_cache_first_mib', '-')} → {live.get('thread_cache_last_mib', '-')} "
+            "MiB."
         )
     else:
         lines.append("Envoy's live bytes: not sampled (its admin endpoint did not answer).")
@@ -420,7 +457,7 @@ def plot_memory(samples: Sequence[dict[str, Any]], peaks: Sequence[int], path: A
         anon = memory_series(samples, "anon_kib", ENVOY)  # RSS less the binary's pages: tcmalloc's part
         ax_env.plot([t for t, _ in anon], [v for _, v in anon], label="Envoy RssAnon", color="grey")
     for key, label in (("heap_size", "tcmalloc heap"), ("physical_size", "tcmalloc resident"),
-                       ("allocated", "live (allocated)")):  # fmt: skip
+                       ("allocated", "live (allocated)"), ("pageheap_free", "tcmalloc free, mapped")):  # fmt: skip
         series = envoy_series(samples, key)
         if series:
             ax_env.plot([t for t, _ in series], [v for _, v in series], label=label)

@@ -137,3 +137,18 @@ def test_the_soak_report_names_the_rule_and_serialises() -> None:
     assert "By the whole-run rule alone: not flat" in md
     assert "| envoy | 67.0 | 86.0 | 86.0 | 28.4 (over) | 0 (" in md and "+19 at 148-150 s: +19 / +0" in md
     json.dumps(summary)
+
+
+def test_envoys_memory_page_is_read_with_its_uint64_strings() -> None:
+    fields = {"allocated": "7340032", "heap_size": "12582912", "pageheap_free": "1048576", "pageheap_unmapped": "0",
+              "total_thread_cache": "2097152", "total_physical_bytes": "15000000"}  # fmt: skip
+    text = json.dumps(fields)
+    assert fs.parse_envoy_memory(text) == {
+        "allocated": 7340032.0,
+        "heap_size": 12582912.0,
+        "pageheap_free": 1048576.0,
+        "pageheap_unmapped": 0.0,
+        "thread_cache": 2097152.0,
+        "physical_size": 15000000.0,
+    }
+    assert fs.parse_envoy_memory("not json") == {} and fs.parse_envoy_memory('{"allocated": null}') == {}

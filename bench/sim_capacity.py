@@ -28,23 +28,36 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import Profile
 
 GOAL_P99_GAP_MS = 5.0
 _FIRST, _DONE, _EOF = b"data: ", b"[DONE]", b"0\r\n\r\n"
 
 
+class SimCapacityConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Every knob of `bench sim-capacity`, with its default (the flags and bench/README.md's table come from it)."""
+
+    engines: Annotated[int, Meta(ge=1, description="simulated engines in the one server process")] = 16
+    streams: Annotated[int, Meta(ge=1, description="concurrent streams per engine")] = 32
+    clients: Annotated[int, Meta(ge=1, description="client processes the streams are spread over")] = 1
+    duration: Annotated[float, Meta(gt=0, description="seconds of load after warm-up")] = 20.0
+    warmup: Annotated[float, Meta(ge=0, description="seconds of load not measured")] = 3.0
+    prompt_words: Annotated[
+        int, Meta(ge=2, description="mean prompt length (one token per word), drawn from 0.5x to 1.5x")
+    ] = 256
+    output_tokens: Annotated[int, Meta(ge=1, description="mean max_tokens, drawn from 0.5x to 1.5x")] = 64
+    profile: Profile = "llama3-8b-a100"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engines", type=int, default=16, help="simulated engines in the one server process")
-    parser.add_argument("--streams", type=int, default=32, help="concurrent streams per engine")
-    parser.add_argument("--clients", type=int, default=1, help="client processes the streams are spread over")
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of load after warm-up")
-    parser.add_argument("--warmup", type=float, default=3.0, help="seconds of load not measured")
-    parser.add_argument(
-        "--prompt-words", type=int, default=256, help="mean prompt length (one token per word), drawn from 0.5x to 1.5x"
-    )
-    parser.add_argument("--output-tokens", type=int, default=64, help="mean max_tokens, drawn from 0.5x to 1.5x")
-    parser.add_argument("--profile", default="llama3-8b-a100", help="step-time profile of the engines")
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, SimCapacityConfig)
 
 
 class _Stream(asyncio.Protocol):
@@ -163,23 +176,23 @@ def _client_process(ports: list[int], streams: list[tuple[int, int]], p: dict[st
     out.close()
 
 
-def _run_clients(urls: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+def _run_clients(urls: list[str], cfg: SimCapacityConfig) -> list[dict[str, Any]]:
     ports = [int(u.rsplit(":", 1)[1]) for u in urls]
-    streams = [(e, s) for e in range(len(urls)) for s in range(args.streams)]
+    streams = [(e, s) for e in range(len(urls)) for s in range(cfg.streams)]
     now = time.monotonic()
     # fork: the children need no imports again, and this process has no loop or thread to copy
     ctx = multiprocessing.get_context("fork")
     procs, pipes = [], []
-    for i in range(args.clients):
+    for i in range(cfg.clients):
         params = {
             "seed": i,
-            "measure_from": now + args.warmup,
-            "deadline": now + args.warmup + args.duration,
-            "prompt_words": args.prompt_words,
-            "output_tokens": args.output_tokens,
+            "measure_from": now + cfg.warmup,
+            "deadline": now + cfg.warmup + cfg.duration,
+            "prompt_words": cfg.prompt_words,
+            "output_tokens": cfg.output_tokens,
         }
         recv, send = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=_client_process, args=(ports, streams[i :: args.clients], params, send))
+        proc = ctx.Process(target=_client_process, args=(ports, streams[i :: cfg.clients], params, send))
         proc.start()
         send.close()
         procs.append(proc)
@@ -202,7 +215,18 @@ def _dist(values: list[float], qs: tuple[int, ...] = (50, 90, 99, 100)) -> dict[
 
 def run(args: argparse.Namespace) -> int:
     from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
 
+    cfg = struct_from_args(SimCapacityConfig, args)
+    result = summarise(cfg, *measure(cfg))
+    write_report(args.out, "sim-capacity", result, _markdown(result))
+    print(_markdown(result))
+    return 0
+
+
+def measure(cfg: SimCapacityConfig) -> tuple[dict[str, Any], list[dict[str, Any]], list[float]]:
+    """Start the server (`sim_capacity_server`), drive it from the client processes, stop it: the
+    server's timings, each client's, and the 1-minute load average before and after."""
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         timings_path = Path(tmp) / "timings.json"
@@ -212,9 +236,9 @@ def run(args: argparse.Namespace) -> int:
                 "-m",
                 "pilotfish.bench.sim_capacity_server",
                 "--engines",
-                str(args.engines),
+                str(cfg.engines),
                 "--profile",
-                args.profile,
+                cfg.profile,
                 "--timings",
                 str(timings_path),
                 # diagnosis: PILOTFISH_SIM_CPROFILE=FILE profiles the server
@@ -232,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
             line = server.stdout.readline()
             if not line:
                 raise RuntimeError("the simulator server exited before listening")
-            clients = _run_clients(json.loads(line)["urls"], args)
+            clients = _run_clients(json.loads(line)["urls"], cfg)
             load_after = os.getloadavg()
         finally:
             server.send_signal(signal.SIGTERM)
@@ -240,7 +264,13 @@ def run(args: argparse.Namespace) -> int:
         engine = json.loads(timings_path.read_text())
         if os.environ.get("PILOTFISH_SIM_TIMINGS"):  # diagnosis: keep the server's raw timings
             Path(os.environ["PILOTFISH_SIM_TIMINGS"]).write_text(timings_path.read_text())
+    return engine, clients, [load_before[0], load_after[0]]
 
+
+def summarise(
+    cfg: SimCapacityConfig, engine: dict[str, Any], clients: list[dict[str, Any]], load_average: list[float]
+) -> dict[str, Any]:
+    """result.json: the gap and its parts per request matched on both sides, CPU, loop lag, GC pauses."""
     client: dict[str, list[float]] = {}
     for got in clients:
         client.update(got["results"])
@@ -256,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         egress.append(written - first_token)
         server_gaps.append((arrival - sent) + (written - first_token))
         delivery.append(first - written)
-    span = args.warmup + args.duration
+    span = cfg.warmup + cfg.duration
     client_cpu = sum(got["cpu_seconds"] for got in clients)
     client_lag = [lag for got in clients for lag, _ in got["lag"]]
     server_lag = [lag for lag, _ in engine["loop_lag"]]
@@ -265,16 +295,17 @@ def run(args: argparse.Namespace) -> int:
     gc_wall = {gen: [p[1] for p in engine["gc_pauses"] if p[0] == gen] for gen in (0, 1, 2)}
     gc_cpu = {gen: [p[2] for p in engine["gc_pauses"] if p[0] == gen] for gen in (0, 1, 2)}
     result: dict[str, Any] = {
-        "engines": args.engines,
-        "streams_per_engine": args.streams,
-        "clients": args.clients,
-        "duration_s": args.duration,
-        "prompt_words": args.prompt_words,
-        "output_tokens": args.output_tokens,
-        "profile": args.profile,
+        "engines": cfg.engines,
+        "streams_per_engine": cfg.streams,
+        "clients": cfg.clients,
+        "duration_s": cfg.duration,
+        "prompt_words": cfg.prompt_words,
+        "output_tokens": cfg.output_tokens,
+        "profile": cfg.profile,
+        "settings": msgspec.structs.asdict(cfg),
         "requests_measured": len(gaps),
-        "output_tokens_per_s": sum(r[3] for r in client.values()) / args.duration,
-        "load_average_1m": [load_before[0], load_after[0]],
+        "output_tokens_per_s": sum(r[3] for r in client.values()) / cfg.duration,
+        "load_average_1m": load_average,
         "gap_ms": _dist(gaps),
         "server_gap_ms": _dist(server_gaps),
         "server_ingress_ms": _dist(ingress),
@@ -299,9 +330,7 @@ def run(args: argparse.Namespace) -> int:
         "goal_p99_gap_ms": GOAL_P99_GAP_MS,
     }
     result["goal_met"] = result["gap_ms"]["p99"] <= GOAL_P99_GAP_MS
-    write_report(args.out, "sim-capacity", result, _markdown(result))
-    print(_markdown(result))
-    return 0
+    return result
 
 
 def _markdown(r: dict[str, Any]) -> str:

@@ -18,12 +18,26 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import Profile
 from pilotfish.simulator.engine.base import TokenOutput
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import SimRequest
 from pilotfish.simulator.server.driver import EngineDriver, TokenSink
+
+
+class ServerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    """The server's flags (bench sim-capacity passes --engines, --profile and --timings)."""
+
+    engines: Annotated[int, Meta(ge=1, description="simulated engines, one port each")] = 16
+    profile: Profile = "llama3-8b-a100"
+    max_num_seqs: Annotated[int, Meta(ge=1, description="each engine's max_num_seqs")] = 256
+    timings: Annotated[str, Meta(description="write the timings here (JSON) on SIGTERM")]
+    cprofile: Annotated[str | None, Meta(description="write a cProfile of the server here (diagnosis)")] = None
 
 
 class FirstTokenClock(EngineObserver):
@@ -109,18 +123,18 @@ async def lag_probe(samples: list[tuple[float, float]], period: float = 0.005) -
         samples.append((time.monotonic() - start - period, run_delay() - waited))
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(cfg: ServerConfig) -> None:
     from pilotfish.simulator.config import EngineConfig, ServeConfig
     from pilotfish.simulator.fleet import serve_engines, settle_for_load
 
     timings: dict[str, list[float]] = {}
     tokens = [0]
     lag: list[tuple[float, float]] = []
-    engine = EngineConfig(profile=args.profile, max_num_seqs=args.max_num_seqs)
+    engine = EngineConfig(profile=cfg.profile, max_num_seqs=cfg.max_num_seqs)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
-    async with serve_engines(ServeConfig(engines=args.engines, base_port=0), engine) as fleet:
+    async with serve_engines(ServeConfig(engines=cfg.engines, base_port=0), engine) as fleet:
         for e in fleet.engines:
             e.core.add_observer(FirstTokenClock(timings, tokens))
             time_first_writes(e.driver, timings)
@@ -133,7 +147,7 @@ async def serve(args: argparse.Namespace) -> None:
         await stop.wait()
         cpu1, waited1 = os.times(), run_delay()
         probe.cancel()
-    with open(args.timings, "w") as f:
+    with open(cfg.timings, "w") as f:
         json.dump(
             {
                 "requests": timings,
@@ -150,21 +164,22 @@ async def serve(args: argparse.Namespace) -> None:
 def main() -> int:
     import uvloop
 
+    from pilotfish.config import ConfigError, add_struct_arguments, struct_from_args
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", type=int, default=16)
-    parser.add_argument("--profile", default="llama3-8b-a100")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--timings", required=True)
-    parser.add_argument("--cprofile", default=None, help="write a cProfile of the server here (diagnosis)")
-    args = parser.parse_args()
-    if args.cprofile:
+    add_struct_arguments(parser, ServerConfig)
+    try:
+        cfg = struct_from_args(ServerConfig, parser.parse_args())
+    except ConfigError as exc:
+        parser.error(str(exc))  # exits 2, naming the flag (--timings is required)
+    if cfg.cprofile:
         import cProfile
 
         with cProfile.Profile() as prof:
-            uvloop.run(serve(args))
-        prof.dump_stats(args.cprofile)
+            uvloop.run(serve(cfg))
+        prof.dump_stats(cfg.cprofile)
         return 0
-    uvloop.run(serve(args))
+    uvloop.run(serve(cfg))
     return 0
 
 

@@ -82,3 +82,42 @@ def test_a_ratio_section_says_whether_its_ratios_met_the_goal() -> None:
     assert section[5:-2] == fidelity._ratio_table(rows, "ratio_x")
     assert section[-1] == "Latency goal at some speed: **met**."
     assert fidelity._ratio_section("T", "P", rows, "ratio_y", "so")[-1] == "Latency goal so: **missed**."
+
+
+def test_reusing_an_earlier_runs_real_side_simulates_compares_and_reports_each_rate(tmp_path: Path) -> None:
+    """--reuse-real end to end, without vLLM: the earlier run's "real" side is the simulator's own
+    replay of the same workload, so every step of the comparison and the report runs here."""
+    import argparse
+    import asyncio
+    import json
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path)
+    fidelity.add_arguments(parser)
+    workload_flags = ["--rates", "20,40", "--groups", "2", "--prompts-per-group", "3", "--real-repeats", "2"]
+    earlier = tmp_path / "earlier"
+    args = parser.parse_args(["--out", str(tmp_path / "out"), "--profile", "cpu-tiny", "--reuse-real", str(earlier),
+                              *workload_flags])  # fmt: skip
+    cfg = fidelity.FidelityConfig(rates=[20.0, 40.0], groups=2, prompts_per_group=3, profile="cpu-tiny")
+    traces = [fidelity.workload(rate, seed, cfg) for seed, rate in enumerate(cfg.rates)]
+    shape = {"model": "pilotfish-sim", "max_model_len": 2048, "block_size": 32, "num_gpu_blocks": 96}
+    real = fidelity.Real(shape=shape, real_runs=[], profile_path="cpu-tiny", profile=load_profile("cpu-tiny"))
+    runs = asyncio.run(fidelity._simulate(cfg, real, fidelity._sim_engine(cfg, real), traces))
+    earlier.mkdir()
+    (earlier / "result.json").write_text(json.dumps({"engine": shape, "rates": cfg.rates, "requests_per_rate": 6,
+                                                     "real_runs": [runs, runs]}))  # fmt: skip
+
+    assert fidelity.run(args) == 0
+
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["benchmark"] == "fidelity" and result["settings"]["reuse_real"] == str(earlier)
+    assert [row["rate"] for row in result["rows"]] == [20.0, 40.0]
+    for row in result["rows"]:
+        for key in fidelity.LATENCIES:
+            assert row[key]["real_runs"] == [row[key]["real"]] * 2 and row[key]["ratio"] > 0
+            assert len(row[key]["sim_steps_tracked_runs"]) == 2  # each real run simulated at its own step speed
+    assert result["speed"] is None and result["timeline_tracked"] is None  # --profile: no probes; no step log
+    assert len(result["steps_tracked"]["speeds"]) == 4  # two runs x two rates
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert report == fidelity.render_markdown(result) + "\n"  # the report is redrawn from result.json alone
+    assert "## At the speed vLLM's own steps ran" in report and "## Steps" in report

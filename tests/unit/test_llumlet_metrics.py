@@ -12,7 +12,7 @@ from pathlib import Path
 
 import msgspec
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pilotfish.protos import cms_pb2
 from pilotfish.vllm_plugin.config import LlumletConfig, config_from_env
@@ -182,7 +182,7 @@ class Clock:
 class Reading:
     """A SnapshotMetrics over one engine's snapshot, in a registry of its own."""
 
-    def __init__(self, tmp_path: Path) -> None:
+    def __init__(self, tmp_path: Path, refresh_on_scrape: bool = False) -> None:
         self.cfg = config(tmp_path)
         self.registry = CollectorRegistry()
         self.clock = Clock()
@@ -194,6 +194,7 @@ class Reading:
             registry=self.registry,
             wall_clock=lambda: self.clock.wall,
             clock=lambda: self.clock.mono,
+            refresh_on_scrape=refresh_on_scrape,  # off: reading a value here would refresh
         )
 
     def write(self, exporter: str = "process", status_writes: int = 0, **figures: int) -> None:
@@ -410,3 +411,17 @@ def test_the_export_process_writes_the_snapshot_and_removes_it_at_stop(tmp_path)
         for handle in (fd, read_end, pipe):
             os.close(handle)
     assert not thread.is_alive() and not path.exists()
+
+
+def test_a_scrape_refreshes_an_idle_engines_figures(tmp_path):
+    # vLLM calls neither record() nor log() while idle under --disable-log-stats
+    r = Reading(tmp_path, refresh_on_scrape=True)
+    r.write(num_waiting=1)
+    assert "pilotfish_llumlet_snapshot_up" in generate_latest(r.registry).decode()
+    assert r.value("pilotfish_llumlet_requests", state="waiting") == 1
+    r.write(num_waiting=4)
+    generate_latest(r.registry)  # within the interval: not read again
+    assert r.value("pilotfish_llumlet_requests", state="waiting") == 1
+    r.clock.mono += INTERVAL_MS / 1000
+    text = generate_latest(r.registry).decode()
+    assert 'pilotfish_llumlet_requests{engine="e0",model_name="m",state="waiting"} 4.0' in text

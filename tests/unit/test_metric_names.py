@@ -3,8 +3,8 @@ dashboard (deploy/grafana/pilotfish.json) names only series that are exposed.
 
 Collected from live objects, not from a list: a full-mode scheduler core with every collector a
 scheduler process registers (listener limits, KV events, the colocated rescheduler), the ext_proc's
-registry, the llumlet's collector and the simulated engine's /metrics (its `vllm:` families are
-vLLM's names, kept as vLLM spells them; the rest are ours).
+registry, the llumlet's families on vLLM's /metrics (set from a snapshot) and the simulated
+engine's /metrics (its `vllm:` families are vLLM's names, kept as vLLM spells them; the rest are ours).
 """
 
 from __future__ import annotations
@@ -120,6 +120,31 @@ def ext_proc_families() -> list[Metric]:
     return families(metrics.registry)
 
 
+def llumlet_families() -> list[Metric]:
+    """The llumlet's families on vLLM's /metrics, set from a snapshot (and a read error from a missing one)."""
+    import tempfile
+
+    from pilotfish.vllm_plugin.config import LlumletConfig
+    from pilotfish.vllm_plugin.core.metrics_snapshot import SnapshotWriter, snapshot_path
+    from pilotfish.vllm_plugin.core.snapshot_metrics import SnapshotMetrics
+    from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = LlumletConfig(cms_url="redis://unused", metrics_dir=tmp)
+        SnapshotWriter(config, "a", "process").write(dict.fromkeys(COUNTER_FIELDS, 1), 1, 1, [100.0])
+        registry = CollectorRegistry()
+        paths = {name: snapshot_path(config, name) for name in ("a", "b")}
+        SnapshotMetrics("m", paths, 1.0, registry=registry, refresh_on_scrape=False).refresh()
+    got = families(registry)
+    assert {f.name for f in got} >= {
+        "pilotfish_llumlet_requests",
+        "pilotfish_llumlet_steps",
+        "pilotfish_llumlet_snapshot_up",
+        "pilotfish_llumlet_snapshot_read_errors",
+    }
+    return got
+
+
 def simulator_families() -> list[Metric]:
     """The simulated engine's /metrics page, as Prometheus parses it: ours are every non-vllm: family."""
     from pilotfish.simulator.engine.base import EngineStats
@@ -132,6 +157,7 @@ def simulator_families() -> list[Metric]:
 COMPONENTS = {
     "scheduler": scheduler_families,
     "ext_proc": ext_proc_families,
+    "llumlet": llumlet_families,
     "simulator": simulator_families,
 }
 
@@ -186,7 +212,7 @@ def exposed() -> set[str]:
     load_balance.apply_metadata(
         cms_pb2.InstanceMetadata(instance_id="a", host="10.0.0.1", http_port=8000, model="m", infer_type=1)
     )
-    ours = scheduler_families() + ext_proc_families() + families(load_balance.registry)
+    ours = scheduler_families() + ext_proc_families() + llumlet_families() + families(load_balance.registry)
     suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_count", "_sum"), "gauge": ("",)}
     names = {f.name + suffix for f in ours for suffix in suffixes.get(f.type, ("",))}
     text = render_metrics(EngineStats(), "m", latency=LatencyHistograms())

@@ -2,9 +2,12 @@
 
 Engine-agnostic: vLLM's stat-logger plugin (adapters/vllm_metrics.py) builds one `SnapshotMetrics`
 in its API-server process, over the snapshot of each engine it serves, and calls `refresh` from
-vLLM's `record()` (at most every `metrics_interval_ms`) and `log()`. Plain prometheus_client
-gauges and counters, so they land wherever vLLM's own do (its registry, or its multiprocess
-directory with several API servers).
+vLLM's `record()` (at most every `metrics_interval_ms`) and `log()`. vLLM calls neither while
+the engine is idle under --disable-log-stats, so a scrape of the registry refreshes too (at most
+every interval): a collector of no family of its own, registered before the families, so
+prometheus_client collects it first. Plain prometheus_client gauges and counters, so they land
+wherever vLLM's own do (its registry, or its multiprocess directory with several API servers,
+where only record() and log() refresh them).
 
 Labels: `model_name` (vLLM's served name, as on vLLM's own families) and `engine` (the llumlet's
 instance id, as on every other pilotfish_* family; vLLM's `engine` label is its engine index).
@@ -19,14 +22,18 @@ counts in `pilotfish_llumlet_snapshot_read_errors_total{reason}` and sets
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.metrics_core import Metric
 
 from pilotfish.vllm_plugin.core.metrics_snapshot import READ_ERRORS, LlumletSnapshot, SnapshotError, read_snapshot
+
+log = logging.getLogger("pilotfish.llumlet")
 
 LABELS = ("model_name", "engine")
 # a snapshot older than this many intervals is stale: its writer stopped or cannot write
@@ -117,12 +124,15 @@ class SnapshotMetrics:
         registry: CollectorRegistry = REGISTRY,
         wall_clock: Callable[[], float] = time.time,
         clock: Callable[[], float] = time.monotonic,
+        refresh_on_scrape: bool = True,
     ) -> None:
         """`snapshots`: engine label (the instance id) -> its snapshot's path."""
         self.model_name = model_name
         self.engines = {engine: _Engine(path) for engine, path in snapshots.items()}
         self.interval_s = interval_s
         self.stale_after_s = STALE_AFTER_INTERVALS * interval_s
+        if refresh_on_scrape:
+            registry.register(_RefreshOnScrape(self))  # before the families: collected first
         self.families = families_for(registry)
         self._wall = wall_clock
         self._clock = clock
@@ -190,3 +200,20 @@ class SnapshotMetrics:
             if grown > 0:
                 child.inc(grown)
             state.totals[name] = value
+
+
+class _RefreshOnScrape:
+    """A collector that yields nothing: collecting it refreshes the families (at most every interval)."""
+
+    def __init__(self, metrics: SnapshotMetrics) -> None:
+        self.metrics = metrics
+        self.failed = False
+
+    def collect(self) -> list[Metric]:
+        if not self.failed:
+            try:
+                self.metrics.maybe_refresh()
+            except Exception:  # a scrape of vLLM's /metrics must not fail for us
+                log.exception("pilotfish llumlet: refreshing pilotfish_llumlet_* on a scrape failed; no longer tried")
+                self.failed = True
+        return []

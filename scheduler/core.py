@@ -53,7 +53,6 @@ log = logging.getLogger(__name__)
 # below this many candidates a scan is as fast as keeping an index up to date
 INDEX_MIN_INSTANCES = 16
 _ENGINE_FAILURES = (scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET)
-CACHE_METRICS = frozenset({"kv_cache_hit_len", "cache_aware_all_prefills_tokens_num", "predicted_ttft"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,9 +92,10 @@ class SchedulerCore:
         self.full_mode = config.enable_full_mode_scheduling
         self.ctx = context_from_config(config, wall_clock=wall_clock)
         self._policy = build_policy(config, rng, self.ctx)
-        used = {m.name for p in self._policy.pipelines.values() for m in p.metrics}
+        # a prefix index only for a policy whose metrics read one (each metric says)
+        reads_prefixes = any(m.uses_prefix_cache for p in self._policy.pipelines.values() for m in p.metrics)
         self.prefix_index: PrefixIndex | None = None
-        if used & CACHE_METRICS or config.enable_cache_aware_scheduling:
+        if reads_prefixes or config.enable_cache_aware_scheduling:
             self.prefix_index = self.ctx.prefix_index = PrefixIndex(config.prefix_index_capacity_blocks)
         self._dirty: set[str] = set()
         self._lrs = LocalRealtimeState(config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add)

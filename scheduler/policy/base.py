@@ -13,14 +13,23 @@ Two ways to run a pipeline, with the same result (tests/unit/test_scheduler_inde
   the request or the clock), a `LoadIndex` keeps the candidates sorted by those metrics,
   re-keyed only when an instance changes; a decision walks it from the best end and stops
   once enough candidates pass the filters. A decision then costs O(visited), not O(n).
+
+A stage carries what the rest of the scheduler needs to know about it, as class attributes and
+small methods, so neither the index nor the core nor the registry names a stage: a metric says
+whether it works in lite mode, reads the prefix cache, can be indexed (and, a cache metric, what it
+is on an instance without a hit); a filter whether it marks failover and how an index answers it;
+a selector which walk of the index serves it (`IndexWalk`, with the `RankedSelector` or
+`BandedSelector` contract). README.md beside this module lists them.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+import enum
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 from pilotfish.scheduler.errors import NoSchedulableInstanceError
 from pilotfish.scheduler.policy.context import PolicyContext, default_context
@@ -28,6 +37,21 @@ from pilotfish.scheduler.view.types import InferType, InstanceView, RequestInfo
 
 if TYPE_CHECKING:
     from pilotfish.scheduler.policy.index import LoadIndex
+
+T = TypeVar("T")
+# how a forward-predicted metric moves with the clock: (value at the status's time, floor it never
+# falls below, units per second, status time in s)
+Drain = tuple[float, float, float, float]
+
+
+@dataclass(frozen=True, slots=True)
+class MissValue:
+    """A cache-locality metric on an instance that holds none of the request's prefix: `base`'s value
+    (0 when None) plus `offset(req)`. The same for every such instance but through `base`, so a load
+    index keys them by `base` and visits only the instances with a hit apart."""
+
+    base: Metric | None
+    offset: Callable[[RequestInfo], float]
 
 
 class Metric(abc.ABC):
@@ -47,16 +71,36 @@ class Metric(abc.ABC):
     # ranks by where the request's prefix is cached (the prefix index), so a cache_aware selector
     # may put it first; the core keeps a prefix index for a policy that reads one
     cache_locality: ClassVar[bool] = False
+    # reads the prefix index (ctx.prefix_hits): the core keeps one for a policy with such a metric;
+    # every cache_locality metric does
+    uses_prefix_cache: ClassVar[bool] = False
+    # the value moves with the clock between two changes of an instance, as `drain` says: a
+    # PredictedLoadIndex orders it by drain time
+    forward_predicted: bool = False
     # (abs, rel): as the cache_aware selector's load metric, a value within
     # max(least + abs, least * rel) of the least loaded instance counts as balanced, so a prefix
     # hit may pick among such instances; (0, 1): only instances as loaded as the least
     balance_band: ClassVar[tuple[float, float]] = (0.0, 1.0)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.cache_locality and not cls.uses_prefix_cache:
+            raise TypeError(f"{cls.__name__}: a cache_locality metric reads the prefix index (uses_prefix_cache)")
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         self.ctx = ctx if ctx is not None else default_context()
 
     @abc.abstractmethod
     def value(self, inst: InstanceView, req: RequestInfo) -> float: ...
+
+    def miss_value(self) -> MissValue | None:
+        """A cache-locality metric a load index can serve: its value on an instance without a hit.
+        None (the default): an index does not rank by it (the pipeline scans)."""
+        return None
+
+    def drain(self, inst: InstanceView) -> Drain | None:
+        """forward_predicted: how `value` moves with the clock until `inst` changes; None while it does not move."""
+        return None
 
     def get_value(self, inst: InstanceView, req: RequestInfo) -> float:
         return self.value(inst, req)
@@ -118,17 +162,47 @@ class Filter(abc.ABC):
         return {}
 
 
+class InstanceHealth(Protocol):
+    """What a load index keeps of its members' statuses, kept current as they change."""
+
+    def without_status(self) -> AbstractSet[str]:
+        """Ids of the members with no status yet."""
+        ...
+
+    def unschedulable(self) -> AbstractSet[str]:
+        """Ids of the members whose status says not schedulable."""
+        ...
+
+    def stamped_before(self, cutoff_ms: float) -> Iterable[str]:
+        """Ids of the members whose status is stamped before `cutoff_ms`."""
+        ...
+
+
+class Blocker(Protocol):
+    def blocks(self, inst: InstanceView) -> bool: ...
+
+
 class InstanceFilter(Filter):
     """Judges each candidate alone.
 
     `marks_failover`: a candidate it blocks is unhealthy, and the failover filter blocks its
     whole failure domain.
+
+    `health_indexed`: a load index answers it for all its members at once with `blocked_in`, from
+    the health it keeps (a marks_failover filter must, for an indexed pipeline: the failover
+    filters need every marked instance, not only those a walk visits). Other filters run
+    `passes` on the instances the walk visits.
     """
 
     marks_failover: ClassVar[bool] = False
+    health_indexed: ClassVar[bool] = False
 
     @abc.abstractmethod
     def passes(self, cand: Candidate, req: RequestInfo) -> bool: ...
+
+    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
+        """health_indexed: the ids of the members `passes` would block, at this decision."""
+        raise NotImplementedError(f"filter {self.name!r} is not answered from an index's health")
 
 
 class GlobalFilter(Filter):
@@ -137,7 +211,17 @@ class GlobalFilter(Filter):
     `cands` are the survivors so far; `marked` are the candidates single-instance filters of
     this pass blocked as unhealthy (needs_failover), which the survivors may share a domain with;
     `population` is every candidate of the decision (domains span filtered-out instances too).
+
+    `indexable`: the filter keeps every candidate when nothing is marked, and otherwise exactly the
+    candidates `blocker(marked, population)` does not block, so a load index applies it to the
+    instances it visits.
     """
+
+    indexable: ClassVar[bool] = False
+
+    def blocker(self, marked: Iterable[InstanceView], population: Iterable[InstanceView]) -> Blocker:
+        """indexable: what the filter blocks, given the marked instances and every candidate."""
+        raise NotImplementedError(f"filter {self.name!r} is not answered by a blocker")
 
     @abc.abstractmethod
     def apply(
@@ -149,8 +233,45 @@ class GlobalFilter(Filter):
     ) -> list[Candidate]: ...
 
 
+class IndexWalk(enum.Enum):
+    """How a load index serves a selector (`Selector.index_walk`)."""
+
+    NONE = "none"  # it does not: the pipeline scans every candidate
+    RANKED = "ranked"  # the RankedSelector contract
+    BANDED = "banded"  # the BandedSelector contract
+
+
+class RankedSelector(Protocol):
+    """Answers `pick` over the best max(top_k, count) candidates ranked by `metrics` in order (ties by
+    the stable order): a load index walks its members by those metrics and picks the same way. The
+    first metric may be a cache-locality one with a `miss_value`."""
+
+    top_k: int
+
+    @property
+    def metrics(self) -> Sequence[Metric]: ...
+
+    def pick(self, ranked: list[T], count: int) -> list[T]: ...
+
+
+class BandedSelector(Protocol):
+    """`metrics` = [cache metric, load metrics...]: when the prefix index tells the candidates whose
+    first load metric is within `band_limit(least)` apart, those rank by all the metrics and `load_ranking`
+    picks among them; otherwise `load_ranking`'s answer over the load metrics. The cache metric has a
+    `miss_value` whose base, if any, is the first load metric."""
+
+    top_k: int
+    load_ranking: RankedSelector
+
+    @property
+    def metrics(self) -> Sequence[Metric]: ...
+
+    def band_limit(self, least: float) -> float: ...
+
+
 class Selector(abc.ABC):
     name: ClassVar[str]
+    index_walk: ClassVar[IndexWalk] = IndexWalk.NONE
 
     @property
     def metrics(self) -> Sequence[Metric]:

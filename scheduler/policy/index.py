@@ -8,25 +8,27 @@ index re-keys those (bisect remove + insort), and a decision walks the sorted li
 best end, checking filters on the instances it visits, until it holds enough candidates.
 
 The walk reproduces the scan exactly (same filters, passes, fallback, ties by instance id,
-top-K pick); `indexable_pipeline` admits only pipelines where that holds:
+top-K pick); `indexable_pipeline` admits only pipelines where that holds, asking the stages
+(base.py), never naming them:
 
-- the selector is metric_based and ranks by indexable metrics;
-- global filters are failover filters only, and every single-instance filter that marks
-  needsFailover (schedulability, staleness) comes before the others, so "marked" is simply
-  "fails a marking filter" and the index can answer it from sets it maintains: instances
-  without a status, unschedulable ones, and statuses sorted by timestamp (the stale prefix).
+- the selector has an `index_walk` (metric_based: RANKED) and ranks by indexable metrics;
+- every global filter is `indexable` (failover: a blocker from the marked instances), and every
+  single-instance filter that marks needsFailover is `health_indexed` and comes before the
+  others, so "marked" is simply "fails a marking filter" and the index answers it from sets it
+  maintains (`InstanceHealth`): instances without a status, unschedulable ones, and statuses
+  sorted by timestamp (the stale prefix).
 
-Cache-aware selectors rank by a cache metric first, which depends on the request; but only
-the few instances holding the request's prefix differ from the rest. The index then keys by
-the remaining metrics (for cache_aware_all_prefills_tokens_num: by all_prefills_tokens_num,
-to which every instance without a hit adds the same prompt length), the instances with a hit
-are keyed explicitly, and the walk merges the two sorted streams.
+A ranking may put a cache metric first, which depends on the request; but only the few instances
+holding the request's prefix differ from the rest: on the others the metric is its `miss_value`,
+a base metric plus an offset of the request (kv_cache_hit_len: 0; cache_aware_all_prefills_tokens_num:
+all_prefills_tokens_num plus the whole prompt). The index then keys by the base and the remaining
+metrics, the instances with a hit are keyed explicitly, and the walk merges the two sorted streams.
 
-The cache_aware selector (selectors/cache_aware.py) ranks by load unless a prefix hit picks among
-the instances within the load band: the index keys by its load metrics alone, finds the least
+A BANDED selector (cache_aware, selectors/cache_aware.py) ranks by load unless a prefix hit picks
+among the instances within the load band: the index keys by its load metrics alone, finds the least
 load from the first instance that passes, visits the instances with a hit explicitly, and merges
-them with the walk's in-band instances without one (kv_cache_hit_len 0, or all_prefills_tokens_num
-plus the whole prompt when the band's metric is all_prefills_tokens_num).
+them with the walk's in-band instances without one (their miss value, whose base is the band's
+metric).
 
 Predictor-enhanced all_prefills_tokens_num moves with the clock, so no static order ranks it;
 `PredictedLoadIndex` answers it exactly all the same. Between two changes of an instance its
@@ -59,78 +61,101 @@ import heapq
 import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, cast
 
 # imported at module level, not in the functions that use them: a decision calls those many times, and
 # an import statement costs a lookup each time (base.py imports this module only inside functions)
-from pilotfish.scheduler.policy.base import Candidate
-from pilotfish.scheduler.policy.filters.failover import DomainBlocker, FailoverFilter
-from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
-from pilotfish.scheduler.policy.selectors.cache_aware import CacheAwareSelector
-from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
+from pilotfish.scheduler.policy.base import (
+    BandedSelector,
+    Blocker,
+    Candidate,
+    Drain,
+    IndexWalk,
+    InstanceFilter,
+    MissValue,
+    RankedSelector,
+)
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
 if TYPE_CHECKING:
-    from pilotfish.scheduler.policy.base import Filter, Metric, Pipeline
+    from pilotfish.scheduler.policy.base import GlobalFilter, Metric, Pipeline
 
 _KEY_REQUEST = RequestInfo(request_id="", model="")
 
 
-HIT_LEN = "kv_cache_hit_len"
-CACHE_AWARE = "cache_aware_all_prefills_tokens_num"
-PREFILLS = "all_prefills_tokens_num"
 # sorts after every instance id: (value, _LAST) bounds all keys with that value
 _LAST = "\U0010ffff"
 
+Keyed = list[tuple[str, Callable[..., float], float]]
 
-def _key_metrics(pipeline: Pipeline) -> tuple[str | None, list[tuple[str, Callable[..., float], float]]] | None:
-    """(cache head name or None, what the index keys by as (name, value, sign)); None: not indexable."""
-    metrics = list(pipeline.selector.metrics)
-    if isinstance(pipeline.selector, CacheAwareSelector):
-        # keyed by load alone; a cache value without a hit must follow the walk's order
+
+def _key_metrics(pipeline: Pipeline) -> tuple[Metric | None, Keyed] | None:
+    """(cache head or None, what the index keys by as (name, value, sign)); None: not indexable."""
+    selector = pipeline.selector
+    metrics = list(selector.metrics)
+    if selector.index_walk is IndexWalk.BANDED:
+        # keyed by load alone; a cache value without a hit must follow the walk's order, so its base is
+        # the band's metric (the walk's first key)
         head, load = metrics[0], metrics[1:]
-        if not all(m.indexable for m in load) or head.name not in (HIT_LEN, CACHE_AWARE):
+        miss = head.miss_value()
+        if miss is None or not all(m.indexable for m in load):
             return None
-        if head.name == CACHE_AWARE and load[0].name != PREFILLS:
+        if miss.base is not None and miss.base.name != load[0].name:
             return None
-        return head.name, [(m.name, m.value, m.sign) for m in load]
+        return head, [(m.name, m.value, m.sign) for m in load]
+    if selector.index_walk is not IndexWalk.RANKED:
+        return None
     head = None
-    if metrics and metrics[0].name in (HIT_LEN, CACHE_AWARE):
-        head = metrics.pop(0)
+    miss: MissValue | None = None
+    if metrics:
+        miss = metrics[0].miss_value()
+        if miss is not None:
+            head = metrics.pop(0)
     if not all(m.indexable for m in metrics):
         return None
     keyed = [(m.name, m.value, m.sign) for m in metrics]
-    if head is not None and head.name == CACHE_AWARE:
-        prefills = head._prefills  # type: ignore[attr-defined]
-        if not prefills.indexable:
+    if head is not None and miss is not None and miss.base is not None:
+        if not miss.base.indexable:
             return None
-        keyed.insert(0, ("", prefills.value, 1.0))
-    return (head.name if head is not None else None), keyed
+        # the instances without a hit rank by their miss value, base plus the same offset: by base
+        keyed.insert(0, ("", miss.base.value, head.sign))
+    return head, keyed
 
 
 def _predicted_metric(pipeline: Pipeline) -> Metric | None:
-    """The selector's one metric when it is forward-predicted (it has `drain`); None otherwise."""
+    """The RANKED selector's one metric when it is forward-predicted (it has `drain`); None otherwise."""
     metrics = pipeline.selector.metrics
-    if len(metrics) == 1 and getattr(metrics[0], "forward_predicted", False):
+    if pipeline.selector.index_walk is IndexWalk.RANKED and len(metrics) == 1 and metrics[0].forward_predicted:
         return metrics[0]
     return None
 
 
 def indexable_pipeline(pipeline: Pipeline) -> bool:
-    if not isinstance(pipeline.selector, MetricBasedSelector | CacheAwareSelector):
+    if pipeline.selector.index_walk is IndexWalk.NONE:
         return False
     if _key_metrics(pipeline) is None and _predicted_metric(pipeline) is None:
         return False
-    if any(type(g) is not FailoverFilter for g in pipeline.global_filters):
+    if not all(g.indexable for g in pipeline.global_filters):
         return False
     seen_plain = False
     for flt in pipeline.instance_filters:
         if flt.marks_failover:
-            if seen_plain or type(flt) not in (SchedulabilityFilter, StalenessFilter):
+            if seen_plain or not flt.health_indexed:
                 return False
         else:
             seen_plain = True
     return True
+
+
+def _blockers(
+    global_filters: Iterable[GlobalFilter], bad: AbstractSet[str], members: dict[str, InstanceView]
+) -> list[Blocker]:
+    """What the global filters of one pass block, given the members that fail a marking filter."""
+    if not bad:
+        return []  # nothing marked: an indexable global filter keeps every candidate
+    marked = [members[i] for i in bad]
+    return [g.blocker(marked, members.values()) for g in global_filters]
 
 
 def load_index(pipeline: Pipeline, instances: Iterable[InstanceView]) -> LoadIndex:
@@ -154,6 +179,8 @@ class LoadIndex:
         plan = _key_metrics(self.pipeline)
         assert plan is not None, "LoadIndex needs an indexable pipeline"
         self._head, self._metrics = plan
+        # the head's value on the instances without a hit (a head always has one)
+        self._miss = self._head.miss_value() if self._head is not None else None
         self._key: dict[str, tuple] = {}
         self._sorted: list[tuple] = []
         for inst in instances:
@@ -206,32 +233,32 @@ class LoadIndex:
             else:
                 self._unschedulable.add(instance_id)
 
-    def _unhealthy(self, marking: list) -> set[str]:
-        if not marking:
-            return set()
-        bad = set(self._no_status)  # every marking filter blocks an instance without a status
+    # -- InstanceHealth: what the health_indexed filters answer from
+
+    def without_status(self) -> AbstractSet[str]:
+        return self._no_status
+
+    def unschedulable(self) -> AbstractSet[str]:
+        return self._unschedulable
+
+    def stamped_before(self, cutoff_ms: float) -> Iterable[str]:
+        end = bisect.bisect_left(self._by_ts, (cutoff_ms, ""))
+        return (instance_id for _, instance_id in self._by_ts[:end])
+
+    def _unhealthy(self, marking: list[InstanceFilter]) -> set[str]:
+        bad: set[str] = set()
         for flt in marking:
-            if isinstance(flt, SchedulabilityFilter):
-                bad |= self._unschedulable
-            else:
-                end = bisect.bisect_left(self._by_ts, (flt.cutoff_ms(), ""))
-                if end:
-                    bad.update(instance_id for _, instance_id in self._by_ts[:end])
+            bad.update(flt.blocked_in(self))
         return bad
 
-    def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[Filter], list[DomainBlocker]]:
-        """The single-instance filters of this pass and the failover filters' blockers."""
-        members = self.members
+    def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[InstanceFilter], list[Blocker]]:
+        """The single-instance filters of this pass and the global filters' blockers."""
         filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
-        blockers = []
-        for gflt in pipeline.global_filters:
-            if fallback and not gflt.not_skip_when_fallback:
-                continue
-            bad = self._unhealthy([f for f in filters if f.marks_failover])
-            if bad:
-                everyone = members.values() if gflt.domain == "node-unit" else ()  # type: ignore[attr-defined]
-                blockers.append(DomainBlocker(gflt.domain, [members[i] for i in bad], everyone))  # type: ignore[attr-defined]
-        return filters, blockers  # type: ignore[return-value]
+        global_filters = [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback]
+        if not global_filters:
+            return filters, []
+        bad = self._unhealthy([f for f in filters if f.marks_failover])
+        return filters, _blockers(global_filters, bad, self.members)
 
     def _ranked(self, pipeline: Pipeline, req: RequestInfo) -> Iterator[tuple]:
         """Every member's full selector key (signed values..., instance id), best first."""
@@ -239,29 +266,31 @@ class LoadIndex:
         if head is None:
             return iter(self._sorted)
         members = self.members
-        hits = {i: h for i, h in pipeline.metrics[0].ctx.prefix_hits(req).items() if i in members}
+        hits = {i: h for i, h in head.ctx.prefix_hits(req).items() if i in members}
         selector_metrics = pipeline.selector.metrics
         explicit = sorted((*(m.value(members[i], req) * m.sign for m in selector_metrics), i) for i in hits)
-        prompt = float(req.prompt_tokens)
+        miss = self._miss
+        offset = miss.offset(req) * head.sign
+        based = miss.base is not None
 
         def rest() -> Iterator[tuple]:
-            # an instance without a hit: kv_cache_hit_len 0, or its prefills plus the whole prompt
+            # an instance without a hit: its miss value, keyed by the base (the first key) when there is one
             for key in self._sorted:
                 if key[-1] in hits:
                     continue
-                if head == HIT_LEN:
-                    yield (0.0, *key)
+                if based:
+                    yield (key[0] + offset, *key[1:])
                 else:
-                    yield (key[0] + prompt, *key[1:])
+                    yield (offset, *key)
 
         return heapq.merge(explicit, rest())
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         """The scan's answer by walking the index; None when nothing passes (the scan explains why)."""
-        selector = pipeline.selector
-        if isinstance(selector, CacheAwareSelector):
-            return self._run_banded(pipeline, selector, req, count)
-        need = max(selector.top_k, count)  # type: ignore[attr-defined]
+        if pipeline.selector.index_walk is IndexWalk.BANDED:
+            return self._run_banded(pipeline, cast(BandedSelector, pipeline.selector), req, count)
+        selector = cast(RankedSelector, pipeline.selector)
+        need = max(selector.top_k, count)
         names = [m.name for m in selector.metrics]
         signs = [m.sign for m in selector.metrics]
         extra = [m for m in pipeline.metrics if m.name not in names]
@@ -283,13 +312,13 @@ class LoadIndex:
                 if len(picked) >= need:
                     break
             if picked:
-                return [c.inst for c in selector.pick(picked, count)]  # type: ignore[attr-defined]
+                return [c.inst for c in selector.pick(picked, count)]
         return None
 
     def _run_banded(
-        self, pipeline: Pipeline, selector: CacheAwareSelector, req: RequestInfo, count: int
+        self, pipeline: Pipeline, selector: BandedSelector, req: RequestInfo, count: int
     ) -> list[InstanceView] | None:
-        """CacheAwareSelector.select over the walk: load order, the band from its first passing
+        """The BANDED selector's `select` over the walk: load order, the band from its first passing
         instance, the instances with a hit visited explicitly."""
         cache, *load = selector.metrics
         names = [m.name for m in load]
@@ -338,7 +367,7 @@ class LoadIndex:
 
     def _affinity(
         self,
-        selector: CacheAwareSelector,
+        selector: BandedSelector,
         cache: Metric,
         hits: dict[str, int],
         passing: list[tuple[tuple, Candidate]],
@@ -369,8 +398,9 @@ class LoadIndex:
             return None
         sign = cache.sign
         explicit = sorted(((c.values[cache.name] * sign, *key), c) for key, c in banded)
-        prompt = float(req.prompt_tokens)
-        hit_len = cache.name == HIT_LEN
+        miss = self._miss
+        offset = miss.offset(req)
+        based = miss.base is not None  # then the band's metric: the walk's first key, lower is better
 
         def without_hit() -> Iterator[tuple[tuple, Candidate]]:
             k = 0
@@ -379,7 +409,7 @@ class LoadIndex:
                 if key[0] > limit:
                     return
                 if key[-1] not in hits:
-                    yield ((0.0 * sign if hit_len else key[0] + prompt, *key), c)
+                    yield (((key[0] + offset if based else offset) * sign, *key), c)
                 k += 1
 
         head = [c for _, c in itertools.islice(heapq.merge(explicit, without_hit(), key=lambda e: e[0]), need)]
@@ -410,8 +440,7 @@ def _rate_bucket(rate: float) -> int:
 # what an instance's value is made of between two of its changes: (value at the status's time, the
 # status's uncomputed tokens U, tokens per second, status time in s); a fixed value is (value, 1, 0, inf)
 Prediction = tuple[float, float, float, float]
-# how it moves: AllPrefillsTokensNum.drain's (value at the status's time, floor F, tokens per second, status time)
-Drain = tuple[float, float, float, float]
+# how it moves: Metric.drain's (value at the status's time, floor F, tokens per second, status time)
 # no member fails a marking filter (a pass without one)
 _NONE: frozenset[str] = frozenset()
 
@@ -475,7 +504,7 @@ class PredictedLoadIndex(LoadIndex):
 
     def _inputs_of(self, inst: InstanceView) -> Drain | float:
         """How the member's value moves (`drain`), or the value itself when it does not move."""
-        drain = self._metric.drain(inst)  # type: ignore[attr-defined]
+        drain = self._metric.drain(inst)
         return drain if drain is not None else self._metric.value(inst, _KEY_REQUEST)
 
     def _place(self, inst: InstanceView, inputs: Drain | float) -> None:
@@ -572,8 +601,8 @@ class PredictedLoadIndex(LoadIndex):
         self._track_health(inst)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
-        selector = pipeline.selector
-        need = max(selector.top_k, count)  # type: ignore[attr-defined]
+        selector = cast(RankedSelector, pipeline.selector)  # a forward-predicted metric: RANKED only
+        need = max(selector.top_k, count)
         metric = self._metric
         ctx = metric.ctx
         now = ctx.now or ctx.wall_clock()
@@ -585,7 +614,7 @@ class PredictedLoadIndex(LoadIndex):
             best = _Best(self.members, self._pred, now, stale, metric.name, plan, bad, blockers, req, need)
             self._walk(best, now)
             if best.keys:
-                return [c.inst for c in selector.pick(best.candidates(), count)]  # type: ignore[attr-defined]
+                return [c.inst for c in selector.pick(best.candidates(), count)]
         return None
 
     def _plan(self, pipeline: Pipeline, fallback: bool) -> _Plan:
@@ -597,19 +626,13 @@ class PredictedLoadIndex(LoadIndex):
                 self._plans[fallback] = plan
         return plan
 
-    def _health(self, plan: _Plan) -> tuple[set[str] | frozenset[str], list[DomainBlocker]]:
-        """The members that fail a marking filter (offers skip them without a Candidate), and the failover
+    def _health(self, plan: _Plan) -> tuple[set[str] | frozenset[str], list[Blocker]]:
+        """The members that fail a marking filter (offers skip them without a Candidate), and the global
         filters' blockers, as `_pass` makes them."""
         if not plan.marking:
             return _NONE, []
         bad = self._unhealthy(plan.marking)
-        blockers = []
-        if bad:
-            members = self.members
-            for gflt in plan.global_filters:
-                everyone = members.values() if gflt.domain == "node-unit" else ()  # type: ignore[attr-defined]
-                blockers.append(DomainBlocker(gflt.domain, [members[i] for i in bad], everyone))  # type: ignore[attr-defined]
-        return bad, blockers
+        return bad, _blockers(plan.global_filters, bad, self.members)
 
     def _walk(self, best: _Best, now: float) -> None:
         keys, need = best.keys, best.need
@@ -692,9 +715,9 @@ class _Plan:
     def __init__(self, pipeline: Pipeline, name: str, fallback: bool) -> None:
         filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
         # answered by the index's health sets
-        self.marking: list[Filter] = [f for f in filters if f.marks_failover]  # type: ignore[attr-defined]
+        self.marking: list[InstanceFilter] = [f for f in filters if f.marks_failover]
         # run on each candidate that could rank, with the metrics they read besides the ranked one
-        self.plain: list[Filter] = [f for f in filters if not f.marks_failover]  # type: ignore[attr-defined]
+        self.plain: list[InstanceFilter] = [f for f in filters if not f.marks_failover]
         self.extra: list[Metric] = [m for m in pipeline.metrics if m.name != name]
         self.check = bool(self.plain or self.extra)
         self.global_filters = [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback]
@@ -730,7 +753,7 @@ class _Best:
         name: str,
         plan: _Plan,
         bad: set[str] | frozenset[str],
-        blockers: list[DomainBlocker],
+        blockers: list[Blocker],
         req: RequestInfo,
         need: int,
     ) -> None:
@@ -784,7 +807,7 @@ class _Best:
                 values[m.name] = m.value(inst, req)
             cand = Candidate(inst, values)
             for flt in self._filters:
-                if not flt.passes(cand, req):  # type: ignore[attr-defined]
+                if not flt.passes(cand, req):
                     return False
         for blocker in self._blockers:
             if blocker.blocks(inst):

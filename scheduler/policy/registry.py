@@ -65,6 +65,10 @@ class Registry(Generic[T]):
         self._classes[name] = cls
         return cls
 
+    def unregister(self, name: str) -> None:
+        """Forget `name` (a test's own stage, registered for the test only)."""
+        del self._classes[name]
+
     def get(self, name: str) -> type[T]:
         try:
             return self._classes[name]
@@ -73,6 +77,10 @@ class Registry(Generic[T]):
 
     def names(self) -> list[str]:
         return sorted(self._classes)
+
+    def classes(self) -> list[type[T]]:
+        """Every registered class, by name: what validation asks for the stages' declared attributes."""
+        return [self._classes[name] for name in self.names()]
 
 
 METRICS: Registry[Metric] = Registry("metric")
@@ -101,18 +109,26 @@ SELECTORS.register(MetricBasedSelector)
 SELECTORS.register(RoundRobinSelector)
 SELECTORS.register(CacheAwareSelector)
 
-# verifyDispatchLoadMetric in Llumnix: lite mode has only the LRS counts to rank by
-LITE_DISPATCH_LOAD_METRICS = ("num_requests", "num_tokens")
-CACHE_AWARE_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
 INFER_TYPES = {"neutral": InferType.NEUTRAL, "prefill": InferType.PREFILL, "decode": InferType.DECODE}
+
+
+def lite_load_metrics() -> list[str]:
+    """What lite load-balance may rank by (verifyDispatchLoadMetric in Llumnix): a load of the instance
+    alone (indexable: not of the request, not of the clock) that lite mode computes, i.e. an LRS count."""
+    return [cls.name for cls in METRICS.classes() if cls.lite and cls.indexable]
+
+
+def cache_locality_metrics(*, lite: bool = False) -> list[str]:
+    """What --cache-aware-metric may name (those lite mode computes, with `lite`)."""
+    return [cls.name for cls in METRICS.classes() if cls.cache_locality and (cls.lite or not lite)]
 
 
 def verify_dispatch_load_metric(config: SchedulerConfig) -> Metric:
     name = config.dispatch_load_metric
-    if not config.enable_full_mode_scheduling and name not in LITE_DISPATCH_LOAD_METRICS:
+    allowed = lite_load_metrics()
+    if not config.enable_full_mode_scheduling and name not in allowed:
         raise ConfigError(
-            f"--dispatch-load-metric: {name!r} is not available in lite mode "
-            f"(choose {' or '.join(LITE_DISPATCH_LOAD_METRICS)})"
+            f"--dispatch-load-metric: {name!r} is not available in lite mode (choose {' or '.join(allowed)})"
         )
     return METRICS.get(name)()
 
@@ -239,15 +255,17 @@ def load_balance_spec(config: SchedulerConfig) -> dict[str, Any]:
     cache_aware selector), since a prefix everyone shares would otherwise send every request to
     the instance that cached it first."""
     cache_first = [config.cache_aware_metric] if config.enable_cache_aware_scheduling else []
-    if config.enable_cache_aware_scheduling and config.cache_aware_metric not in CACHE_AWARE_METRICS:
+    if cache_first and cache_first[0] not in cache_locality_metrics():
         raise ConfigError(
-            f"--cache-aware-metric: {config.cache_aware_metric!r} is not one of {', '.join(CACHE_AWARE_METRICS)}"
+            f"--cache-aware-metric: {cache_first[0]!r} is not one of {', '.join(cache_locality_metrics())}"
         )
     top_k = config.dispatch_top_k
     if not config.enable_full_mode_scheduling:
         metric = verify_dispatch_load_metric(config).name
-        if cache_first and cache_first[0] != "kv_cache_hit_len":
-            raise ConfigError("--cache-aware-metric: lite mode can rank by kv_cache_hit_len only")
+        if cache_first and cache_first[0] not in cache_locality_metrics(lite=True):
+            raise ConfigError(
+                f"--cache-aware-metric: lite mode can rank by {' or '.join(cache_locality_metrics(lite=True))} only"
+            )
         return {
             "neutral": {
                 "filters": _threshold(metric, config.dispatch_load_threshold),

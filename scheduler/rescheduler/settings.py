@@ -12,9 +12,6 @@ from pilotfish.vllm_plugin.core.selection import check_order, check_rule
 
 SCOPES = ("cluster", "unit")
 METHODS = ("auto", "recompute", "kv_transfer")
-# metrics whose value depends on the request's prompt: meaningless for judging an instance alone
-REQUEST_METRICS = ("kv_cache_hit_len", "cache_aware_all_prefills_tokens_num")
-BINPACKING = ("binpacking_mitigation", "binpacking_consolidation")
 
 
 def check_config(config: SchedulerConfig) -> None:
@@ -55,8 +52,8 @@ def check_config(config: SchedulerConfig) -> None:
             f"is not one of {', '.join(METHODS)}"
         )
     check_domain(config.failover_domain)
-    if any(name in BINPACKING for name in names):
-        _check_binpacking(config, next(n for n in names if n in BINPACKING))
+    for name in names:  # what each policy needs of the flags, it checks itself
+        RESCHEDULING_POLICIES.get(name).check_config(config)
     if config.enable_adaptive_pd:
         if config.scheduling_policy != "slo":
             raise ConfigError("--enable-adaptive-pd: needs --scheduling-policy slo")
@@ -72,24 +69,9 @@ def _check_load_metric(name: str, kind: str) -> None:
         metric = METRICS.get(name)
     except ConfigError as exc:
         raise ConfigError(f"{flag}: {exc}") from None
-    if not metric.lower_is_better or name in REQUEST_METRICS:
+    # a cache-locality metric ranks where a prompt is cached: a request-free probe has no prompt
+    if not metric.lower_is_better or metric.cache_locality:
         raise ConfigError(f"{flag}: {name!r} is not a load of the instance alone (lower = less loaded)")
-
-
-def _check_binpacking(config: SchedulerConfig, policy: str) -> None:
-    if not config.tpot_slo:
-        raise ConfigError(f"--tpot-slo: {policy} compares predicted TPOT with the SLO; give it in ms")
-    ceil, floor = config.tpot_migrate_out_ceil_threshold, config.tpot_migrate_out_floor_threshold
-    if floor >= ceil:
-        raise ConfigError(
-            f"--tpot-migrate-out-floor-threshold: {floor:g} is not below --tpot-migrate-out-ceil-threshold {ceil:g}"
-        )
-    if config.tpot_slo_dispatch_threshold > ceil:
-        # a mitigation destination could then be a mitigation source the cycle after
-        raise ConfigError(
-            f"--tpot-slo-dispatch-threshold: {config.tpot_slo_dispatch_threshold:g} is above "
-            f"--tpot-migrate-out-ceil-threshold {ceil:g} (0.85 is a usual choice)"
-        )
 
 
 def colocated(config: SchedulerConfig) -> bool:

@@ -67,6 +67,7 @@ class FailoverFilter(GlobalFilter):
     """Blocks every candidate in the failure domain of an instance marked needsFailover."""
 
     name = "failover"
+    indexable = True
 
     def __init__(
         self, domain: str = "instance", *, not_skip_when_fallback: bool = True, ctx: PolicyContext | None = None
@@ -85,8 +86,12 @@ class FailoverFilter(GlobalFilter):
     ) -> list[Candidate]:
         if not marked:
             return cands
-        blocker = DomainBlocker(self.domain, (c.inst for c in marked), (c.inst for c in population))
+        blocker = self.blocker((c.inst for c in marked), (c.inst for c in population))
         return [c for c in cands if not blocker.blocks(c.inst)]
+
+    def blocker(self, marked: Iterable[InstanceView], population: Iterable[InstanceView]) -> DomainBlocker:
+        # only node-unit reads the population (the units on a marked node), and only then is it iterated
+        return DomainBlocker(self.domain, marked, population)
 
 
 class FailoverMigrationSrcFilter(GlobalFilter):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
 from typing import Any
 
-from pilotfish.scheduler.policy.base import Candidate, InstanceFilter
+from pilotfish.scheduler.policy.base import Candidate, InstanceFilter, InstanceHealth
 from pilotfish.scheduler.policy.context import PolicyContext, default_context
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
@@ -15,6 +17,7 @@ class SchedulabilityFilter(InstanceFilter):
 
     name = "schedulability"
     marks_failover = True
+    health_indexed = True
 
     def __init__(self, *, not_skip_when_fallback: bool = True, ctx: PolicyContext | None = None) -> None:
         # a correctness guard: it keeps running in the fallback pass unless told otherwise
@@ -29,6 +32,9 @@ class SchedulabilityFilter(InstanceFilter):
         s = cand.inst.status
         return s is not None and s.schedulable
 
+    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
+        return itertools.chain(health.without_status(), health.unschedulable())
+
 
 class StalenessFilter(InstanceFilter):
     """Passes an instance whose status timestamp is at most `staleness_seconds` (default
@@ -36,6 +42,7 @@ class StalenessFilter(InstanceFilter):
 
     name = "staleness"
     marks_failover = True
+    health_indexed = True
 
     def __init__(
         self,
@@ -66,3 +73,6 @@ class StalenessFilter(InstanceFilter):
     def passes(self, cand: Candidate, req: RequestInfo) -> bool:
         s = cand.inst.status
         return s is not None and s.timestamp_ms >= self.cutoff_ms()
+
+    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
+        return itertools.chain(health.without_status(), health.stamped_before(self.cutoff_ms()))

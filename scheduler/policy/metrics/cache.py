@@ -6,7 +6,7 @@ matched once per decision. They depend on the request, so they are computed per 
 
 from __future__ import annotations
 
-from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.base import Metric, MissValue
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.load import AllPrefillsTokensNum
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
@@ -19,12 +19,17 @@ class KvCacheHitLen(Metric):
     lower_is_better = False
     indexable = False
     cache_locality = True
+    uses_prefix_cache = True
     # the prefix index is fed by dispatch decisions too, so lite mode has it
     lite = True
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
         return min(hit, req.prompt_tokens) if req.prompt_tokens else hit
+
+    def miss_value(self) -> MissValue:
+        """0 on every instance without a hit."""
+        return MissValue(None, _nothing)
 
 
 class CacheAwareAllPrefillsTokensNum(Metric):
@@ -34,6 +39,7 @@ class CacheAwareAllPrefillsTokensNum(Metric):
     name = "cache_aware_all_prefills_tokens_num"
     indexable = False
     cache_locality = True
+    uses_prefix_cache = True
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)
@@ -42,3 +48,15 @@ class CacheAwareAllPrefillsTokensNum(Metric):
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
         return self._prefills.value(inst, req) + max(0, req.prompt_tokens - hit)
+
+    def miss_value(self) -> MissValue:
+        """all_prefills_tokens_num plus the whole prompt on every instance without a hit."""
+        return MissValue(self._prefills, _whole_prompt)
+
+
+def _nothing(req: RequestInfo) -> float:
+    return 0.0
+
+
+def _whole_prompt(req: RequestInfo) -> float:
+    return float(req.prompt_tokens)

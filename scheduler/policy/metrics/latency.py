@@ -33,8 +33,7 @@ class _Load:
 
     def __call__(self, inst: InstanceView, req: RequestInfo) -> tuple[float, float, float]:
         if self.full:
-            return (self._prefills.value(inst, req), self._batch.value(inst, req),
-                    self._decode_tokens.value(inst, req))
+            return (self._prefills.value(inst, req), self._batch.value(inst, req), self._decode_tokens.value(inst, req))
         lrs = inst.lrs
         return lrs.prefill_tokens, lrs.num_decode_requests, lrs.num_tokens - lrs.prefill_tokens
 
@@ -47,6 +46,7 @@ class PredictedTtft(Metric):
     balance_band = (50.0, 1.1)
     indexable = False
     lite = True  # from the LRS in lite mode
+    uses_prefix_cache = True  # the prompt's cached prefix is not prefilled again
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)

@@ -8,7 +8,7 @@ status yet counts as empty plus its in-flight load (schedulability blocks it any
 
 from __future__ import annotations
 
-from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.base import Drain, Metric
 from pilotfish.scheduler.policy.context import DEFAULT_TOKEN_BUDGET, PolicyContext
 from pilotfish.scheduler.view.predictor import prefill_rate, prefill_tokens_done
 from pilotfish.scheduler.view.types import EngineStatus, InstanceView, RequestInfo
@@ -84,7 +84,7 @@ class AllPrefillsTokensNum(Metric):
             )
         return tokens
 
-    def drain(self, inst: InstanceView) -> tuple[float, float, float, float] | None:
+    def drain(self, inst: InstanceView) -> Drain | None:
         """Predictor-enhanced: how `value` moves with the clock, as (value at the status's time, floor,
         tokens per second, status time in s): it falls from the first at that rate, never below the
         floor (the in-flight tokens). None when it does not move: then `value` is constant until the

@@ -17,7 +17,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
-from pilotfish.scheduler.policy.base import Candidate, Metric, Selector
+from pilotfish.scheduler.policy.base import Candidate, IndexWalk, Metric, Selector
 from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
 from pilotfish.scheduler.view.types import RequestInfo
 
@@ -41,6 +41,7 @@ class CacheAwareSelector(Selector):
     """
 
     name = "cache_aware"
+    index_walk = IndexWalk.BANDED
 
     def __init__(
         self,

@@ -7,7 +7,7 @@ import random
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
-from pilotfish.scheduler.policy.base import Candidate, Metric, Selector
+from pilotfish.scheduler.policy.base import Candidate, IndexWalk, Metric, Selector
 from pilotfish.scheduler.view.types import RequestInfo
 
 T = TypeVar("T")
@@ -22,6 +22,7 @@ class MetricBasedSelector(Selector):
     """
 
     name = "metric_based"
+    index_walk = IndexWalk.RANKED
 
     def __init__(self, metrics: Sequence[Metric], top_k: int = 1, rng: random.Random | None = None) -> None:
         if not metrics:

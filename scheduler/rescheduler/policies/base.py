@@ -27,6 +27,12 @@ class ReschedulingPolicy(abc.ABC):
     name: ClassVar[str]
     infer_type: ClassVar[InferType]
 
+    @classmethod
+    def check_config(cls, config: SchedulerConfig) -> None:
+        """What this policy needs of the flags beyond what every policy does (settings.check_config);
+        raises ConfigError naming the flag. Runs for the named policies only, before any is built."""
+        return  # most need nothing more
+
     def __init__(self, config: SchedulerConfig, ctx: PolicyContext) -> None:
         self.config = config
         self.ctx = ctx

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pilotfish.config import ConfigError
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.latency import PredictedTpot
@@ -48,6 +49,22 @@ class _Decode:
 
 class BinpackingPolicy(ReschedulingPolicy):
     infer_type = InferType.DECODE
+
+    @classmethod
+    def check_config(cls, config: SchedulerConfig) -> None:
+        if not config.tpot_slo:
+            raise ConfigError(f"--tpot-slo: {cls.name} compares predicted TPOT with the SLO; give it in ms")
+        ceil, floor = config.tpot_migrate_out_ceil_threshold, config.tpot_migrate_out_floor_threshold
+        if floor >= ceil:
+            raise ConfigError(
+                f"--tpot-migrate-out-floor-threshold: {floor:g} is not below --tpot-migrate-out-ceil-threshold {ceil:g}"
+            )
+        if config.tpot_slo_dispatch_threshold > ceil:
+            # a mitigation destination could then be a mitigation source the cycle after
+            raise ConfigError(
+                f"--tpot-slo-dispatch-threshold: {config.tpot_slo_dispatch_threshold:g} is above "
+                f"--tpot-migrate-out-ceil-threshold {ceil:g} (0.85 is a usual choice)"
+            )
 
     def __init__(self, config: SchedulerConfig, ctx: PolicyContext) -> None:
         super().__init__(config, ctx)

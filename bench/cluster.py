@@ -17,8 +17,8 @@ account, forward prediction, cache-aware ranking, rescheduling) runs at --load o
 `--matrix-at sweep`, which keeps the default set within 15 minutes on 2 cores.
 
 Policy names: bench/cluster_policies.py; the peers' reimplementations and their sources:
-bench/peers.py; the oracle: bench/cluster_oracle.py; full mode on the virtual clock:
-bench/cluster_full.py; tables, conclusions and plots: bench/cluster_report.py.
+bench/peers.py; the oracle: bench/cluster_oracle.py; the scheduler core on the virtual clock (lite and
+full mode): simulator/cluster/scheduler_router.py; tables, conclusions and plots: bench/cluster_report.py.
 """
 
 from __future__ import annotations

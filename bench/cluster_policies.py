@@ -6,7 +6,7 @@
   policy with no flags, lite and full mode); `pilotfish:<policy>` for any policy the scheduler's
   registry offers (lite mode, the real core on the virtual clock), plus `pilotfish:cache-aware`
   (lite load-balance with the cache-aware metric first); `pilotfish-full:<policy>` the same in
-  full mode (bench/cluster_full.py);
+  full mode (simulator/cluster/scheduler_router.py);
   `+field=value` after the policy sets any SchedulerConfig field
   (`pilotfish-full:load-balance+dispatch_top_k=2`); a name the registry lacks, or a
   configuration the core refuses, is skipped with the reason;
@@ -41,7 +41,7 @@ SHIPPED = ("pilotfish", "pilotfish-full")
 
 # Full mode's features, each toggled by name: the SchedulerConfig field that switches it. The
 # dispatch-time (in-flight) account has no field, since full mode is not correct without it; the
-# bench turns it off inside the router (bench/cluster_full.py), hence None.
+# bench turns it off inside the router (simulator/cluster/scheduler_router.py), hence None.
 FEATURES: dict[str, str | None] = {
     "account": None,
     "predictor": "enable_predictor_enhanced_scheduling",
@@ -176,15 +176,12 @@ def _pilotfish(name: str, variant: str, full: bool, engine: EngineConfig | None)
 
 
 def _full_router(fields: dict[str, Any], engine: EngineConfig | None, account: bool) -> Callable[[int], Router]:
-    from pilotfish.bench.cluster_full import FullModeRouter
     from pilotfish.scheduler.config import SchedulerConfig
-    from pilotfish.simulator.config import EngineConfig
-
-    engine = engine or EngineConfig()
+    from pilotfish.simulator.cluster import SchedulerRouter
 
     def make(seed: int) -> Router:
-        return FullModeRouter(SchedulerConfig(enable_full_mode_scheduling=True, **fields), engine,
-                              inflight_account=account)
+        return SchedulerRouter(SchedulerConfig(enable_full_mode_scheduling=True, **fields), engine=engine,
+                               inflight_account=account)
 
     return make
 

@@ -1,6 +1,6 @@
 """`pilotfish bench reschedule`: the rescheduler off and on, side by side, on the virtual-time cluster.
 
-Full-mode Pilotfish dispatch (the real SchedulerCore, bench/cluster_full.py) on identical engines
+Full-mode Pilotfish dispatch (the real SchedulerCore, simulator/cluster/scheduler_router.py) on identical engines
 and identical arrivals (one trace slice, compressed by --load, one seed), in two scenarios:
 
 - **load balance**: the `decode_load`/`neutral_load` policies move requests off engines whose
@@ -39,7 +39,6 @@ from pilotfish.bench.options import ClusterRunOptions, Duration, Instances, Load
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from pilotfish.bench.cluster_full import FullModeRouter
     from pilotfish.simulator.cluster import ClusterConfig, ClusterResult, ClusterSim, MigrationOrder
     from pilotfish.simulator.traces import Trace
 
@@ -154,15 +153,13 @@ def run_arm(
     cluster: ClusterConfig, scheduler: Any, trace: Trace, *, rescheduling: bool, mark: tuple[int, float] | None
 ) -> tuple[ClusterResult, Watch, Any]:
     """One run: full-mode dispatch, the rescheduler on or off, an engine marked unschedulable at a time."""
-    from pilotfish.bench.cluster_full import FullModeRouter
     from pilotfish.scheduler.rescheduler import ReschedulingPlanner
-    from pilotfish.simulator.cluster import ClusterSim, PlannerRescheduler
+    from pilotfish.simulator.cluster import ClusterSim, PlannerRescheduler, SchedulerRouter
 
-    router: FullModeRouter = FullModeRouter(scheduler, cluster.engine)
+    router = SchedulerRouter(scheduler, engine=cluster.engine)
     planner = PlannerRescheduler(ReschedulingPlanner(scheduler), router) if rescheduling else None
     watch = Watch(planner, watch_engine=mark[0] if mark else None, marked_at=mark[1] if mark else None)
     sim = ClusterSim(cluster, router, observers=[router.observe_engine], rescheduler=watch)
-    router.attach_engines(sim.engines)
     if mark is not None:
         k, at = mark
         sim.at(at, lambda: sim.set_schedulable(k, False))

@@ -4,6 +4,10 @@
     result = sim.run(trace)
     result.summary()  # TTFT / TPOT / e2e / queueing percentiles, throughput, cache hits
 
+`SchedulerRouter` is the scheduler core in lite or full mode (its config's); in full mode it
+reads the engines' CMS statuses, which the cluster builds with the llumlet's own LoadState
+(status.py), and their KV events (`observers=[router.observe_engine]`).
+
 With a rescheduler (`ClusterSim(..., rescheduler=PlannerRescheduler(planner, router))`) requests
 migrate between engines, by recompute or KV transfer (migration.py); `sim.migrate` does it by hand.
 """
@@ -24,10 +28,10 @@ from pilotfish.simulator.cluster.routers import (
     RoundRobinRouter,
     Router,
     RouteRequest,
-    SchedulerRouter,
     router_by_name,
 )
-from pilotfish.simulator.cluster.status import instance_status
+from pilotfish.simulator.cluster.scheduler_router import SchedulerRouter
+from pilotfish.simulator.cluster.status import EngineStatus
 
 __all__ = [
     "KV_TRANSFER",
@@ -35,6 +39,7 @@ __all__ = [
     "ClusterConfig",
     "ClusterResult",
     "ClusterSim",
+    "EngineStatus",
     "FixedRouter",
     "LeastRequestsRouter",
     "MigrationEvent",
@@ -46,7 +51,6 @@ __all__ = [
     "RouteRequest",
     "Router",
     "SchedulerRouter",
-    "instance_status",
     "router_by_name",
     "summarize",
 ]

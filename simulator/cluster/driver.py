@@ -6,6 +6,13 @@ instant share their first step, as the real-time driver's loop does. The router 
 events `observation_delay` seconds after they happen; it always decides before the engine sees
 the request, so an instant router (delay 0) is what an in-process gateway would be.
 
+A router that `wants_status` (full mode) gets each engine's CMS status as the llumlet writes it
+(status.py: the llumlet's own LoadState, fed by the engine's hooks): after every step, late by
+the observation delay, and, for an engine idle for `heartbeat` seconds since the last status the
+router heard, a refresh at once, before the next decision or rescheduling round, as the llumlet
+re-writes its record. The cluster numbers the statuses in the order the router hears them, so its
+core's "newer update_id wins" holds across both.
+
 Timers (`at`) carry what is not an arrival or a step: the rescheduling tick (every
 `rescheduling_interval` while requests are in flight, when a `rescheduler` is given), the end
 of a KV transfer, and whatever a benchmark schedules (an engine marked unschedulable). Moving
@@ -22,6 +29,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pilotfish.protos.cms_pb2 import InstanceStatus
 from pilotfish.simulator.cluster.metrics import RequestRecord, summarize
 from pilotfish.simulator.cluster.migration import (
     KV_TRANSFER,
@@ -36,7 +44,7 @@ from pilotfish.simulator.cluster.migration import (
     successor,
 )
 from pilotfish.simulator.cluster.routers import Router, RouteRequest
-from pilotfish.simulator.cluster.status import LastStep, instance_status
+from pilotfish.simulator.cluster.status import EngineStatus
 from pilotfish.simulator.config import EngineConfig
 from pilotfish.simulator.engine.base import EngineStats
 from pilotfish.simulator.engine.block_hash import block_hashes
@@ -47,6 +55,7 @@ from pilotfish.simulator.engine.step_time import StepTimeProfile
 from pilotfish.simulator.traces.model import TraceRequest
 from pilotfish.simulator.traces.prompts import prompt_token_ids
 from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
+from pilotfish.vllm_plugin.config import LlumletConfig
 
 PromptBuilder = Callable[[TraceRequest], list[int]]
 
@@ -60,6 +69,7 @@ class ClusterConfig:
     report_every: int = 16  # token progress goes to the router at the first token, then every N
     engine_id_prefix: str = "sim"
     rescheduling_interval: float = 0.5  # seconds between rescheduler calls, when the sim has one
+    heartbeat: float = 1.0  # seconds an idle engine goes without a status before it writes one (full mode)
 
 
 @dataclass(slots=True)
@@ -132,6 +142,12 @@ class ClusterSim:
                 attach(i, core)
         self.engines = [VirtualEngine(core) for core in self.cores]
         self.now = 0.0
+        # the llumlet's status of each engine, kept only for a router that reads statuses: the
+        # hooks then cost a LoadState update per event
+        llumlet = LlumletConfig()
+        self.statuses = [EngineStatus(core, eid, self._clock, llumlet)
+                         for core, eid in zip(self.cores, self.engine_ids, strict=True)] if router.wants_status else []
+        self._heard = [-config.heartbeat] * config.engines  # timestamp of the last status the router heard
         # (deliver at, sequence, callable): FIFO, since events happen in time order and the delay is fixed
         self._pending: deque[tuple[float, Callable[[], None]]] = deque()
         self._update_ids = [0] * config.engines
@@ -145,6 +161,9 @@ class ClusterSim:
         self._transfers: dict[str, _Transfer] = {}
         self.integrity_errors: list[str] = []
 
+    def _clock(self) -> float:
+        return self.now
+
     # ---- observations -------------------------------------------------------------------------
 
     def _observe(self, at: float, call: Callable[[], None]) -> None:
@@ -154,9 +173,13 @@ class ClusterSim:
             self._pending.append((at + self.config.observation_delay, call))
 
     def _deliver_until(self, t: float) -> None:
+        """What the router has heard by `t`: the observations due, then the statuses idle engines
+        write at `t` (called before each decision and each rescheduling round)."""
         pending = self._pending
         while pending and pending[0][0] <= t:
             pending.popleft()[1]()
+        if self.statuses and t != math.inf:
+            self._heartbeats(t)
 
     # ---- the run ------------------------------------------------------------------------------
 
@@ -164,6 +187,7 @@ class ClusterSim:
         started = time.perf_counter()
         router = self.router
         router.bind(list(self.engine_ids))
+        self._deliver_until(self.now)  # idle engines' first statuses
         # the serving overhead delays every request equally: it is routed and reaches its engine
         # that much later, and its latencies still count from its arrival
         overhead = (self.cores[0].profile.api_overhead_ms / 1000.0) if self.cores else 0.0
@@ -219,7 +243,7 @@ class ClusterSim:
                 continue
             k = self._dispatch(request)
             woken.add(k)
-        self._deliver_until(float("inf"))
+        self._deliver_until(math.inf)
         self._check_outputs()
         return ClusterResult(
             records=list(self.records.values()),
@@ -270,8 +294,9 @@ class ClusterSim:
         """
         self.schedulable[k] = schedulable
         self.router.set_schedulable(k, schedulable)
-        if self.router.wants_status:
-            self._write_status(k, self.now, None)
+        if self.statuses:
+            self.statuses[k].state.set_schedulable(schedulable)
+            self._write_status(k, self.now)
 
     def migrate(self, source: int, destination: int, request_ids: Iterable[str], method: str = RECOMPUTE,
                 now: float | None = None, *, reason: str = "") -> list[MigrationEvent]:
@@ -305,6 +330,7 @@ class ClusterSim:
                 arrives = now + self.config.engine.kv_transfer_seconds(computed)
                 event = MigrationEvent(now, rid, source, destination, KV_TRANSFER, method, computed, arrives, reason)
                 self._transfers[rid] = _Transfer(event, left, arriving)
+                self._migrating(source, destination, +1)
                 self.at(arrives, lambda rid=rid: self._transfer_done(rid))
             else:
                 if computed:  # no room for its KV on the destination: move it by recompute
@@ -322,10 +348,17 @@ class ClusterSim:
         transfer = self._transfers.pop(request_id)
         event = transfer.event
         now = self.now
+        self._migrating(event.source, event.destination, -1)
         release_blocks(self.cores[event.source], transfer.left, now)
         for out in admit_running(self.engines[event.destination], transfer.arriving, event.tokens, now):
             self._output(event.destination, out)
         self._woken.add(event.destination)
+
+    def _migrating(self, source: int, destination: int, delta: int) -> None:
+        """A KV transfer started (+1) or ended (-1): the source's llumlet counts it out, the destination's in."""
+        if self.statuses:
+            self.statuses[source].state.migrating(out_delta=delta)
+            self.statuses[destination].state.migrating(in_delta=delta)
 
     def _arriving_count(self, k: int) -> int:
         return sum(1 for t in self._transfers.values() if t.event.destination == k)
@@ -353,19 +386,28 @@ class ClusterSim:
         for out in engine.advance_to(end):
             self._output(k, out)
         self._steps += 1
-        if self.router.wants_status and plan is not None:
-            last = LastStep(plan.duration, plan.num_prefill_tokens, plan.num_decode_requests,
-                            plan.num_context_tokens)
-            self._write_status(k, end, last)
+        if self.statuses and plan is not None:
+            self._write_status(k, end)
 
-    def _write_status(self, k: int, now: float, last: LastStep | None) -> None:
+    # ---- statuses (full mode) -----------------------------------------------------------------
+
+    def _write_status(self, k: int, now: float) -> None:
+        status = self.statuses[k].snapshot(now)
+        heard_at = now + self.config.observation_delay
+        self._observe(now, lambda: self._hear_status(k, status, heard_at))
+
+    def _hear_status(self, k: int, status: InstanceStatus, now: float) -> None:
         self._update_ids[k] += 1
-        out = sum(1 for t in self._transfers.values() if t.event.source == k)
-        status = instance_status(self.cores[k], self.engine_ids[k], update_id=self._update_ids[k], now=now,
-                                 step_id=self._update_ids[k], last_step=last, schedulable=self.schedulable[k],
-                                 migrating_in=self._arriving_count(k), migrating_out=out)
-        router = self.router
-        self._observe(now, lambda: router.on_status(k, status, now + self.config.observation_delay))
+        status.update_id = self._update_ids[k]
+        self._heard[k] = status.timestamp_ms / 1000.0
+        self.router.on_status(k, status, now)
+
+    def _heartbeats(self, now: float) -> None:
+        """Idle engines whose last status the router heard `heartbeat` seconds ago write one now."""
+        heartbeat, heard, engines = self.config.heartbeat, self._heard, self.engines
+        for k, status in enumerate(self.statuses):
+            if now - heard[k] >= heartbeat and engines[k].step_end is None:
+                self._hear_status(k, status.snapshot(now), now)
 
     def _output(self, k: int, timed: TimedOutput) -> None:
         out = timed.output

@@ -5,7 +5,7 @@
 
 It builds no view of its own: the planner plans over the full-mode router's `SchedulerCore`
 instances, exactly what the scheduler decides on (statuses `observation_delay` late, in-flight
-account, heartbeats of idle engines). Each pair's instance ids map back to engine indices, and
+account, refreshes of idle engines). Each pair's instance ids map back to engine indices, and
 the requests that move are chosen on the source engine itself with `select_requests` over its
 waiting and running requests, as the llumlet chooses them on a `Migrate` call.
 """
@@ -19,6 +19,7 @@ from pilotfish.simulator.cluster.migration import KV_TRANSFER, MigrationOrder, c
 from pilotfish.vllm_plugin.core.selection import select_requests
 
 if TYPE_CHECKING:
+    from pilotfish.scheduler.core import SchedulerCore
     from pilotfish.simulator.cluster.driver import ClusterSim
 
 
@@ -30,9 +31,10 @@ class Planner(Protocol):
 
 
 class ViewRouter(Protocol):
-    """A router that keeps a `SchedulerCore` (bench/cluster_full.py's FullModeRouter)."""
+    """A router that keeps a `SchedulerCore` (scheduler_router.py's SchedulerRouter, full mode)."""
 
-    core: Any
+    @property
+    def core(self) -> SchedulerCore: ...
 
     def refresh(self, now: float) -> None: ...
 

@@ -2,8 +2,8 @@
 
 A router picks an engine for each arriving request and hears, `observation_delay` seconds late,
 what the engines did: token progress, finishes and (if it asks) each engine's CMS status after
-every step. `SchedulerRouter` runs the real scheduler core in-process; the baselines are the
-smallest policies worth comparing against (the full comparison lives in the bench issue).
+every step. `SchedulerRouter` (scheduler_router.py) runs the real scheduler core in-process; the
+baselines here are the smallest policies worth comparing against (bench cluster has the rest).
 """
 
 from __future__ import annotations
@@ -13,11 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import msgspec
-
 if TYPE_CHECKING:
     from pilotfish.protos.cms_pb2 import InstanceStatus
-    from pilotfish.scheduler.config import SchedulerConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +50,7 @@ class Router:
         """An engine's status as the llumlet would have written it, `observation_delay` late."""
 
     def set_schedulable(self, engine: int, schedulable: bool) -> None:
-        """The engine's llumlet reports it (un)schedulable from now on: statuses a router writes for
-        it itself (heartbeats) must say so too. The cluster's own statuses already do."""
+        """The engine's llumlet reports it (un)schedulable from now on (its statuses say so too)."""
 
 
 class RoundRobinRouter(Router):
@@ -98,73 +94,6 @@ class FixedRouter(Router):
         return self.decisions[request.request_id]
 
 
-class SchedulerRouter(Router):
-    """The real `SchedulerCore`, in-process, on the cluster's virtual clock.
-
-    Engines are registered as static instances `<engine id>=10.0.<i>:8000`-style addresses; the
-    core's decision is mapped back to the engine index. Lite mode is driven by Schedule, Report
-    and Release exactly as ext_proc drives it. Full mode needs the core to accept engine
-    statuses: pass `apply_status(core, instance_id, status)` once the core has that entry point;
-    the cluster already builds an `InstanceStatus` per engine per step for it.
-    """
-
-    def __init__(
-        self,
-        config: SchedulerConfig | None = None,
-        *,
-        model: str = "pilotfish-sim",
-        apply_status: Callable[[object, str, InstanceStatus], None] | None = None,
-    ) -> None:
-        from pilotfish.scheduler.config import SchedulerConfig
-
-        self.config = config or SchedulerConfig()
-        self.model = model
-        self._apply_status = apply_status
-        self.wants_status = apply_status is not None
-        self._now = 0.0
-        self.core: object | None = None
-        self._index: dict[str, int] = {}
-        self._ids: list[str] = []
-
-    def bind(self, engine_ids: list[str]) -> None:
-        from pilotfish.scheduler.core import SchedulerCore
-
-        instances = [f"{eid}=10.{i // 65536}.{i // 256 % 256}.{i % 256}:8000" for i, eid in enumerate(engine_ids)]
-        config = msgspec.structs.replace(self.config, instances=instances, model=[])
-        self.core = SchedulerCore(config, clock=lambda: self._now)
-        self._index = {eid: i for i, eid in enumerate(engine_ids)}
-        self._ids = list(engine_ids)
-
-    def route(self, request: RouteRequest, now: float) -> int:
-        from pilotfish.scheduler.view.types import RequestInfo
-
-        self._now = now
-        info = RequestInfo(
-            request_id=request.request_id,
-            model=self.model,
-            prompt_tokens=request.prompt_tokens,
-            prefix_block_hashes=tuple(request.block_hashes),
-            prefix_block_size=request.block_size,
-            max_tokens=request.max_tokens,
-            stream=True,
-        )
-        decision = self.core.schedule(info)  # type: ignore[attr-defined]
-        return self._index[decision.target.instance_id]
-
-    def on_progress(self, request_id: str, engine: int, generated_tokens: int, now: float) -> None:
-        self._now = now
-        self.core.report(request_id, generated_tokens, True)  # type: ignore[attr-defined]
-
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
-        self._now = now
-        self.core.release(request_id)  # type: ignore[attr-defined]
-
-    def on_status(self, engine: int, status: InstanceStatus, now: float) -> None:
-        self._now = now
-        if self._apply_status is not None:
-            self._apply_status(self.core, self._ids[engine], status)
-
-
 BASELINES: dict[str, Callable[[], Router]] = {
     "round-robin": RoundRobinRouter,
     "least-requests": LeastRequestsRouter,
@@ -177,6 +106,7 @@ def router_by_name(name: str) -> Router:
         return BASELINES[name]()
     if name.startswith("scheduler"):
         from pilotfish.scheduler.config import SchedulerConfig
+        from pilotfish.simulator.cluster.scheduler_router import SchedulerRouter
 
         _, _, policy = name.partition(":")
         return SchedulerRouter(SchedulerConfig(scheduling_policy=policy) if policy else SchedulerConfig())

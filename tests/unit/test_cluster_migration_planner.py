@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from pilotfish.bench.cluster_full import FullModeRouter
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.rescheduler import ReschedulingPlanner
 from pilotfish.simulator.cluster import (
@@ -19,6 +18,7 @@ from pilotfish.simulator.cluster import (
     MigrationOrder,
     PlannerRescheduler,
     RouteRequest,
+    SchedulerRouter,
 )
 from pilotfish.simulator.config import EngineConfig
 from pilotfish.simulator.engine.step_time import StepTimeProfile
@@ -46,7 +46,7 @@ def trace(per_group: int = 10, rate: float = 100.0) -> list[TraceRequest]:
     )
 
 
-class Pinned(FullModeRouter):
+class Pinned(SchedulerRouter):
     """Full mode's view of the engines, but every request to engine 0: the hotspot to relieve."""
 
     def route(self, request: RouteRequest, now: float) -> int:
@@ -54,7 +54,7 @@ class Pinned(FullModeRouter):
         return 0
 
 
-class Routed(FullModeRouter):
+class Routed(SchedulerRouter):
     """The real full-mode decisions, logged as (time, engine)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -92,7 +92,7 @@ class Watched:
 
 
 def run(
-    router: FullModeRouter,
+    router: SchedulerRouter,
     config: SchedulerConfig,
     requests: list[TraceRequest],
     engines: int,
@@ -112,7 +112,6 @@ def run(
         observers=[router.observe_engine],
         rescheduler=watched,
     )
-    router.attach_engines(sim.engines)
     if before is not None:
         before(sim)
     return sim.run(requests), sim, watched
@@ -135,8 +134,8 @@ def test_an_overloaded_engine_is_relieved_within_a_few_intervals() -> None:
         rescheduling_req_select_value=2,
     )
     requests = trace()
-    off, _, watched_off = run(Pinned(config, ENGINE), config, requests, 3, rescheduling=False)
-    on, sim, watched_on = run(Pinned(config, ENGINE), config, requests, 3, rescheduling=True)
+    off, _, watched_off = run(Pinned(config, engine=ENGINE), config, requests, 3, rescheduling=False)
+    on, sim, watched_on = run(Pinned(config, engine=ENGINE), config, requests, 3, rescheduling=True)
     assert not off.migrations and on.migrations
     assert on.integrity_errors == [] and off.integrity_errors == []
     # without rescheduling engine 0 stays over the threshold for many intervals on end
@@ -160,7 +159,7 @@ def test_a_failover_marked_engine_is_drained_and_nothing_lands_in_its_domain(pol
         rescheduling_neutral_load_threshold=0.9,
     )
     nodes = ["n0", "n0", "n1", "n1", "n2"]
-    router = Routed(config, ENGINE, node_ids=nodes)
+    router = Routed(config, engine=ENGINE, node_ids=nodes)
     mark_at = 0.1
     domain = {0, 1}
     ticks: list[tuple[float, list[int]]] = []  # requests held on engines 0 and 1, per tick after the mark

@@ -11,10 +11,10 @@ import pytest
 from pilotfish.simulator.cluster import (
     ClusterConfig,
     ClusterSim,
+    EngineStatus,
     RoundRobinRouter,
     Router,
     RouteRequest,
-    instance_status,
     router_by_name,
 )
 from pilotfish.simulator.config import EngineConfig, ServeConfig
@@ -90,18 +90,24 @@ def test_the_router_hears_engine_events_late_by_the_delay() -> None:
     assert update_ids == sorted(update_ids) and len(set(update_ids)) == len(update_ids)
 
 
-def test_instance_status_reflects_the_engine() -> None:
+def test_engine_status_is_the_llumlets_record_on_the_virtual_clock() -> None:
     core = V1Engine(ENGINE, PROFILE)
+    clock = [0.0]
+    status = EngineStatus(core, "e0", lambda: clock[0])
     core.add_request(SimRequest("a", list(range(40)), 3), 0.0)
     core.add_request(SimRequest("b", list(range(100, 110)), 3), 0.0)
     core.step(0.0)  # 32-token budget: a gets 32 of its 40 prompt tokens, b waits
-    status = instance_status(core, "e0", update_id=7, now=1.5)
-    assert (status.instance_id, status.update_id, status.timestamp_ms) == ("e0", 7, 1500)
-    assert (status.num_running, status.num_waiting) == (1, 1)
-    assert (status.num_running_prefill, status.num_running_decode, status.num_waiting_prefill) == (1, 0, 1)
-    assert status.uncomputed_prefill_tokens == 8 + 10
-    assert status.used_kv_tokens == 32 and status.total_kv_tokens == 256 * 4
-    assert set(status.admitted_request_ids) == {"a", "b"}
+    clock[0] = 1.5
+    record = status.snapshot(1.5, update_id=7)
+    assert (record.instance_id, record.update_id, record.timestamp_ms) == ("e0", 7, 1500)
+    assert (record.num_running, record.num_waiting) == (1, 1)
+    assert (record.num_running_prefill, record.num_running_decode, record.num_waiting_prefill) == (1, 0, 1)
+    assert record.uncomputed_prefill_tokens == 8 + 10
+    assert record.used_kv_tokens == 32 and record.total_kv_tokens == 256 * 4
+    assert record.step_id == 1 and record.last_step_prefill_tokens == 32
+    assert list(record.admitted_request_ids) == ["a", "b"]  # admitted 1.5 s ago: inside the 2 s window
+    clock[0] = 2.5
+    assert list(status.snapshot(2.5).admitted_request_ids) == []  # aged out of the window, as the llumlet's
 
 
 class ScheduleLog(EngineObserver):

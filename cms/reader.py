@@ -2,8 +2,10 @@
 
 Two paths:
 
-- **notices**: the writers publish "<kind>:<instance>" on `keys.events_channel(cluster)` after
-  each write; the reader GETs that one key and hands the decoded record over at once;
+- **notices**: the writers publish a notice on `keys.events_channel(cluster)` after each write
+  (cms/notices.py); a status notice carries the record itself, any other makes the reader GET that
+  one key; the decoded record is handed over at once. Of the statuses one read of the subscription
+  brings, only each instance's newest is decoded;
 - **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
   lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
   A value identical to the one last seen (by its digest) is not decoded again.
@@ -30,6 +32,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
+from pilotfish.cms.notices import MAX_PLAIN_NOTICE, PushParser, split_notice
 from pilotfish.cms.records import (
     MALFORMED,
     MAX_RECORD_BYTES,
@@ -58,8 +61,8 @@ CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
 # summaries of refused records kept (one per key); beyond this the oldest is forgotten
 MAX_REJECTED = 4 * MGET_BATCH
-# channel messages longer than this cannot be "<kind>:<instance>"
-MAX_NOTICE = keys.MAX_ID_LENGTH + 16
+# bytes asked of the subscribed connection per read: every notice that arrived, in one pass
+READ_CHUNK = 256 * 1024
 
 
 class CmsSink(Protocol):
@@ -226,33 +229,48 @@ class CmsReader:
         return seen
 
     async def _listen(self, recovered: Any) -> None:
-        pubsub = self._client.pubsub(ignore_subscribe_messages=True)
+        pubsub = self._client.pubsub()
         try:
+            # redis-py connects (auth, TLS, protocol) and subscribes; the replies are read here
             await pubsub.subscribe(keys.events_channel(self.cluster))
+            stream = pubsub.connection._reader
+            parser = PushParser()
             recovered()
             # notices sent while unsubscribed are lost: the next poll catches them up
             while True:
                 _raise_if_cancelling()
-                message = await pubsub.get_message(timeout=1.0)
-                if message is not None:
-                    await self._on_notice(message.get("data"))
+                data = await stream.read(READ_CHUNK)
+                if not data:
+                    raise ConnectionError("Redis closed the notice subscription")
+                await self._on_messages(parser.feed(data))
         finally:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT)
 
-    async def _on_notice(self, data: object) -> None:
-        if not isinstance(data, bytes) or len(data) > MAX_NOTICE:
-            return
-        kind, sep, instance_id = data.decode(errors="replace").partition(":")
-        if not sep or kind not in (keys.META, keys.STATUS):
-            log.debug("ignored CMS notice %r", data)
-            return
-        try:
-            keys.check_id(instance_id, "instance id")
-        except keys.BadId:
-            log.debug("ignored CMS notice %r", data)
-            return
-        self.num_notices += 1
+    async def _on_messages(self, messages: list[list[bytes | int | None]]) -> None:
+        """Apply what one read brought: of an instance's inline statuses only the newest (the view
+        would drop the older ones anyway), then a GET per plainly announced key."""
+        inline: dict[str, bytes] = {}
+        plain: dict[tuple[str, str], None] = {}
+        for message in messages:
+            if len(message) != 3 or message[0] != b"message" or not isinstance(message[2], bytes):
+                continue  # the subscription's confirmation, or nothing of ours
+            notice = split_notice(message[2])
+            if notice is None:
+                log.debug("ignored CMS notice %r", message[2][:MAX_PLAIN_NOTICE])
+                continue
+            self.num_notices += 1
+            kind, instance_id, record = notice
+            if record is None:
+                plain[(kind, instance_id)] = None
+            else:
+                inline[instance_id] = record
+        for instance_id, record in inline.items():
+            await self._apply(keys.status_key(self.cluster, instance_id), keys.STATUS, record)
+        for kind, instance_id in plain:
+            await self._read_key(kind, instance_id)
+
+    async def _read_key(self, kind: str, instance_id: str) -> None:
         make_key = keys.meta_key if kind == keys.META else keys.status_key
         key = make_key(self.cluster, instance_id)
         try:

@@ -12,6 +12,7 @@ Two ways to write a status, on the one held connection:
                      collect_replies to raise on the thread that counts, logs and retries.
   collect_replies    blocking: the replies owed to writes made without waiting, so an error
                      reply or a dead connection after the last of them is not left unseen.
+Each status notice carries the record when it is small (cms/notices.py), so a reader need not GET it.
 Status writes must not overlap: the caller serializes them (the llumlet's export lock), which also
 keeps records reaching Redis in update_id order.
 
@@ -32,6 +33,7 @@ from typing import Any
 import redis
 
 from pilotfish.cms import keys
+from pilotfish.cms.notices import status_notice
 from pilotfish.protos import cms_pb2
 
 # A llumlet that cannot reach Redis must not stall its export thread for long: it retries with
@@ -61,11 +63,10 @@ class CmsWriter:
         self.status_key = keys.status_key(cluster, instance_id)
         self.meta_key = keys.meta_key(cluster, instance_id)
         self.channel = keys.events_channel(cluster)
-        self._status_notice = f"{keys.STATUS}:{instance_id}"
         self._meta_notice = f"{keys.META}:{instance_id}"
         self._status_key_b = self.status_key.encode()
         self._ttl_b = str(ttl_ms).encode()
-        self._status_publish = _pack(b"PUBLISH", self.channel.encode(), self._status_notice.encode())
+        self._channel_b = self.channel.encode()
         self.client = redis.Redis.from_url(
             url,
             socket_timeout=SOCKET_TIMEOUT_S,
@@ -162,7 +163,9 @@ class CmsWriter:
     # ---- the status connection ----------------------------------------------------------------
 
     def _packed(self, raw: bytes) -> bytes:
-        return _pack(b"SET", self._status_key_b, raw, b"PX", self._ttl_b) + self._status_publish
+        # the notice carries the record (cms/notices.py): readers need no GET per write
+        notice = status_notice(self.instance_id, raw)
+        return _pack(b"SET", self._status_key_b, raw, b"PX", self._ttl_b) + _pack(b"PUBLISH", self._channel_b, notice)
 
     def _socket(self) -> Any:
         if self._conn is None:

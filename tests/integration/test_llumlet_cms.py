@@ -52,7 +52,7 @@ def test_writer_output_is_what_the_reader_accepts(redis_service):
     assert decode_status(raw, "e0") == status
     assert 0 < client.pttl(keys.status_key("t", "e0")) <= 5000
     message = wait_for(lambda: pubsub.get_message(timeout=0.1), what="status notice")
-    assert message["data"] == b"status:e0"
+    assert message["data"] == b"status:e0:" + raw  # the record travels with its notice
     writer.write_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="h", http_port=1))
     assert decode_metadata(client.get(keys.meta_key("t", "e0")), "e0").host == "h"
     writer.remove()

@@ -1,0 +1,144 @@
+"""CMS notices on the events channel, and the parser the reader reads them with.
+
+A writer publishes one notice per write on `keys.events_channel(cluster)`:
+
+    "<kind>:<instance>"             look: GET the key (metadata, removals, a large status)
+    "status:<instance>:<record>"    the status record itself, the same bytes the writer SET
+
+Carrying the record spares the reader a Redis round trip per engine step (the full-mode scheduler's
+largest CPU cost). Only records up to `MAX_INLINE_RECORD` travel inline, so a channel message stays
+small; the key is written first either way, so a reader may always GET instead. Instance ids hold
+no ':' (keys.check_id), so the first two colons split a notice unambiguously.
+
+`PushParser` reads the subscribed connection's raw bytes (RESP2 or RESP3 pushes): redis-py's own
+pub/sub reader costs several awaits and a timeout per message, where this parses every message a
+read brought in one pass.
+"""
+
+from __future__ import annotations
+
+from pilotfish.cms import keys
+
+# the largest status record sent inline; larger ones are announced plainly and read with a GET
+MAX_INLINE_RECORD = 16 * 1024
+# a notice without a record: "<kind>:<instance>"
+MAX_PLAIN_NOTICE = keys.MAX_ID_LENGTH + 16
+MAX_NOTICE = MAX_PLAIN_NOTICE + MAX_INLINE_RECORD
+# a bulk string on the subscribed connection longer than this cannot be a notice of ours
+MAX_BULK = MAX_NOTICE + 1024
+# aggregate headers we take on the subscribed connection: a message is 3 elements (pmessage 4)
+MAX_ELEMENTS = 8
+
+_STATUS_PREFIX = keys.STATUS.encode() + b":"
+
+
+class ProtocolError(Exception):
+    """The subscribed connection carried something no Redis pub/sub reply looks like."""
+
+
+def status_notice(instance_id: str, record: bytes) -> bytes:
+    """The notice a status write publishes: the record inline when it is small enough."""
+    plain = f"{keys.STATUS}:{instance_id}".encode()
+    return plain + b":" + record if len(record) <= MAX_INLINE_RECORD else plain
+
+
+def split_notice(data: bytes) -> tuple[str, str, bytes | None] | None:
+    """(kind, instance id, inline record or None) of a notice, or None when it is not one of ours."""
+    if len(data) > MAX_NOTICE:
+        return None
+    kind, sep, rest = data.partition(b":")
+    if not sep:
+        return None
+    record: bytes | None = None
+    if kind == b"status" and data.startswith(_STATUS_PREFIX):
+        name, sep, tail = rest.partition(b":")
+        if sep:
+            rest, record = name, tail
+    if len(rest) > MAX_PLAIN_NOTICE:
+        return None
+    try:
+        instance_id = keys.check_id(rest.decode(), "instance id")
+        kind_text = kind.decode()
+    except (UnicodeDecodeError, keys.BadId):
+        return None
+    if kind_text not in (keys.META, keys.STATUS):
+        return None
+    return kind_text, instance_id, record
+
+
+class PushParser:
+    """Incremental RESP2/RESP3 parser of a subscribed connection: `feed` bytes, get whole messages.
+
+    A message is the list of its elements (bytes, int or None). Bounded: a bulk over `MAX_BULK` or
+    an aggregate over `MAX_ELEMENTS` raises ProtocolError (the caller drops the connection), so a
+    stray giant message cannot make the reader buffer it.
+    """
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[list[bytes | int | None]]:
+        buf = self._buf + data if self._buf else data
+        out: list[list[bytes | int | None]] = []
+        pos = 0
+        end = len(buf)
+        while pos < end:
+            parsed = _parse(buf, pos, 0)
+            if parsed is None:
+                break
+            value, pos = parsed
+            if isinstance(value, list):
+                out.append(value)
+        self._buf = buf[pos:]
+        if len(self._buf) > MAX_BULK + 64:  # a frame that can never complete within the bounds
+            raise ProtocolError(f"an incomplete reply of over {MAX_BULK} bytes")
+        return out
+
+
+def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
+    """One value at `pos`: (value, position after it), or None if `buf` ends before it does."""
+    eol = buf.find(b"\r\n", pos)
+    if eol < 0:
+        if len(buf) - pos > 64:
+            raise ProtocolError("a header line over 64 bytes")
+        return None
+    kind = buf[pos : pos + 1]
+    head = buf[pos + 1 : eol]
+    after = eol + 2
+    if kind == b"$":
+        size = _int(head)
+        if size < 0:
+            return None, after  # a null bulk
+        if size > MAX_BULK:
+            raise ProtocolError(f"a {size}-byte string on the subscribed connection")
+        if len(buf) < after + size + 2:
+            return None
+        return buf[after : after + size], after + size + 2
+    if kind in (b"*", b">"):
+        count = _int(head)
+        if count > MAX_ELEMENTS or depth > 1:
+            raise ProtocolError(f"an aggregate of {count} at depth {depth}")
+        items: list[object] = []
+        for _ in range(max(count, 0)):
+            parsed = _parse(buf, after, depth + 1)
+            if parsed is None:
+                return None
+            item, after = parsed
+            items.append(item)
+        return items, after
+    if kind == b":":
+        return _int(head), after
+    if kind == b"+":
+        return head, after
+    if kind == b"_":
+        return None, after
+    if kind == b"-":
+        raise ProtocolError(f"error reply: {head[:200].decode(errors='replace')}")
+    raise ProtocolError(f"unexpected reply type {kind!r}")
+
+
+def _int(text: bytes) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ProtocolError(f"not a number: {text[:32]!r}") from None

@@ -25,7 +25,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
 
 NAME = "llumlet_cachesim"
 KINDS = ("steady", "arrival", "finish")
@@ -33,8 +36,14 @@ LL_BYTES = 1 << 20
 _EVENTS = ("Ir", "Dr", "Dw", "I1mr", "D1mr", "D1mw", "ILmr", "DLmr", "DLmw")
 
 
+class LlumletCachesimConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    steps: Annotated[int, Meta(ge=1, description="measured steps of each kind")] = 40
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=40, help="measured steps of each kind (default 40)")
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, LlumletCachesimConfig)
 
 
 def child(kind: str, llumlet_on: bool, steps: int) -> None:
@@ -97,16 +106,23 @@ def read_totals(text: str) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
 
+    cfg = struct_from_args(LlumletCachesimConfig, args)
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         print("llumlet-cachesim: valgrind is not installed (Debian: apt-get install valgrind)")
         return 2
+    _report(cfg, _measure(cfg, valgrind), Path(args.out))
+    return 0
+
+
+def _measure(cfg: LlumletCachesimConfig, valgrind: str) -> dict[str, Any]:
+    """Per kind of step: the events a step with the llumlet, with its hooks only, and the difference."""
     kinds: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pf-cachesim-") as tmp:
         for kind in KINDS:
-            on, off = (_collect(kind, flag, args.steps, Path(tmp), valgrind) for flag in (True, False))
+            on, off = (_collect(kind, flag, cfg.steps, Path(tmp), valgrind) for flag in (True, False))
             added = {name: on[name] - off[name] for name in _EVENTS}
             added["LL_misses"] = added["ILmr"] + added["DLmr"] + added["DLmw"]
             kinds[kind] = {"llumlet": on, "hooks_only": off, "added": added}
@@ -114,25 +130,30 @@ def run(args: argparse.Namespace) -> int:
                 f"  {kind:8s} +{added['Ir']:,.0f} instructions, +{added['LL_misses']:,.0f} last-level misses a step",
                 flush=True,
             )
-    result = {"steps_each": args.steps, "ll_bytes": LL_BYTES, "kinds": kinds}
+    return kinds
+
+
+def _report(cfg: LlumletCachesimConfig, kinds: dict[str, Any], out: Path) -> None:
+    from pilotfish.bench.report import write_report
+
+    result = {"steps_each": cfg.steps, "ll_bytes": LL_BYTES, "kinds": kinds}
     rows = [
         f"| {kind} | {a['Ir']:,.0f} | {a['ILmr']:,.0f} | {a['DLmr'] + a['DLmw']:,.0f} | {a['LL_misses']:,.0f} |"
         for kind, a in ((kind, k["added"]) for kind, k in kinds.items())
     ]
-    plots = _plot(args.out, kinds)
+    plots = _plot(out, kinds)
     markdown = "\n".join([
         "# The llumlet's hooks under a cache simulation", "",
         f"callgrind, caches cold before each measured step (32 KiB L1, {LL_BYTES >> 20} MiB last level), "
-        f"{args.steps} steps of each kind, vLLM's stand-in scheduler with 16 requests; the llumlet's hooks less "
+        f"{cfg.steps} steps of each kind, vLLM's stand-in scheduler with 16 requests; the llumlet's hooks less "
         "the same hooks with the llumlet off (they only call vLLM's).", "",
         "| step | instructions added | last-level misses, code | last-level misses, data | last-level misses |",
         "|---|---|---|---|---|",
         *rows, "",
         *(f"![{p}]({p})" for p in plots),
     ])  # fmt: skip
-    write_report(args.out, NAME, result, markdown)
+    write_report(out, NAME, result, markdown)
     print(markdown)
-    return 0
 
 
 def _plot(out: Path, kinds: dict[str, Any]) -> list[str]:

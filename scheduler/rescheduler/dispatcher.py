@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 import grpc
 
 from pilotfish.protos import llumlet_pb2, llumlet_pb2_grpc
+from pilotfish.protos.migration_selection import method_number, order_number, rule_number
 from pilotfish.scheduler.rescheduler.telemetry import ReschedulerTelemetry
 from pilotfish.scheduler.rescheduler.types import MigrationPair, MigrationResult
 from pilotfish.scheduler.view.types import InstanceView
@@ -29,11 +30,6 @@ from pilotfish.security import Security
 
 log = logging.getLogger(__name__)
 
-METHODS = {
-    "auto": llumlet_pb2.MIGRATION_METHOD_UNSPECIFIED,
-    "recompute": llumlet_pb2.MIGRATION_METHOD_RECOMPUTE,
-    "kv_transfer": llumlet_pb2.MIGRATION_METHOD_KV_TRANSFER,
-}
 CLOSE_GRACE = 1.0
 
 
@@ -42,10 +38,10 @@ def migrate_request(pair: MigrationPair) -> llumlet_pb2.MigrateRequest:
         source_instance_id=pair.source.instance_id,
         destination_instance_id=pair.destination.instance_id,
         destination_llumlet_address=pair.destination.llumlet_address,
-        select_rule=llumlet_pb2.SelectRule.Value(f"SELECT_RULE_{pair.rule}"),
-        select_order=llumlet_pb2.SelectOrder.Value(f"SELECT_ORDER_{pair.order}"),
+        select_rule=rule_number(pair.rule),
+        select_order=order_number(pair.order),
         select_value=pair.value,
-        method=METHODS[pair.method],
+        method=method_number(pair.method),
         reason=pair.policy,
     )
 

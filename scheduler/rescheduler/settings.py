@@ -6,12 +6,11 @@ The flags themselves live in SchedulerConfig (scheduler/config.py), grouped unde
 from __future__ import annotations
 
 from pilotfish.config import ConfigError
+from pilotfish.protos.migration_selection import check_method, check_order, check_rule
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.policy.filters.failover import check_domain
-from pilotfish.vllm_plugin.core.selection import check_order, check_rule
 
 SCOPES = ("cluster", "unit")
-METHODS = ("auto", "recompute", "kv_transfer")
 
 
 def check_config(config: SchedulerConfig) -> None:
@@ -36,6 +35,7 @@ def check_config(config: SchedulerConfig) -> None:
     for flag, check, value in (
         ("--rescheduling-req-select-rule", check_rule, config.rescheduling_req_select_rule),
         ("--rescheduling-req-select-order", check_order, config.rescheduling_req_select_order),
+        ("--rescheduling-migration-method", check_method, config.rescheduling_migration_method),
     ):
         try:
             check(value)
@@ -45,11 +45,6 @@ def check_config(config: SchedulerConfig) -> None:
         raise ConfigError(
             f"--rescheduling-req-select-value: {config.rescheduling_req_select_value:g} is a KV-cache fraction "
             "with rule RATIO and must be at most 1"
-        )
-    if config.rescheduling_migration_method not in METHODS:
-        raise ConfigError(
-            f"--rescheduling-migration-method: {config.rescheduling_migration_method!r} "
-            f"is not one of {', '.join(METHODS)}"
         )
     check_domain(config.failover_domain)
     for name in names:  # what each policy needs of the flags, it checks itself

@@ -14,8 +14,8 @@ PROBE = RequestInfo(request_id="", model="")
 class MigrationPair:
     """Move some requests from `source` to `destination`, chosen on the source by rule, order and value.
 
-    `rule` is NUM_REQ, TOKEN or RATIO and `order` LCR, FCR, LR, SR, FCW or FCWSR
-    (vllm_plugin/core/selection.py); `method` is auto, recompute or kv_transfer.
+    `rule` is NUM_REQ, TOKEN or RATIO, `order` LCR, FCR, LR, SR, FCW or FCWSR
+    and `method` auto, recompute or kv_transfer: llumlet.proto's names (protos/migration_selection.py).
     """
 
     source: InstanceView

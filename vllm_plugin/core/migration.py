@@ -43,6 +43,7 @@ import grpc
 
 from pilotfish.cms.refusals import RefusalLog
 from pilotfish.protos import llumlet_pb2, llumlet_pb2_grpc
+from pilotfish.protos.migration_selection import order_name, rule_name
 from pilotfish.vllm_plugin.core.destinations import CmsDestinations, DestinationCheck, DestinationRefused
 from pilotfish.vllm_plugin.core.migration_api import MigratingRequest, MigrationAdapter
 from pilotfish.vllm_plugin.core.selection import select_requests
@@ -56,20 +57,6 @@ log = logging.getLogger("pilotfish.llumlet.migration")
 
 MAX_MIGRATE_IDS = 4096
 MAX_ERROR_CHARS = 1000
-# the proto's enums, by the names selection.py and the rescheduler's flags use
-RULES = {
-    llumlet_pb2.SELECT_RULE_NUM_REQ: "NUM_REQ",
-    llumlet_pb2.SELECT_RULE_TOKEN: "TOKEN",
-    llumlet_pb2.SELECT_RULE_RATIO: "RATIO",
-}
-ORDERS = {
-    llumlet_pb2.SELECT_ORDER_LCR: "LCR",
-    llumlet_pb2.SELECT_ORDER_FCR: "FCR",
-    llumlet_pb2.SELECT_ORDER_LR: "LR",
-    llumlet_pb2.SELECT_ORDER_SR: "SR",
-    llumlet_pb2.SELECT_ORDER_FCW: "FCW",
-    llumlet_pb2.SELECT_ORDER_FCWSR: "FCWSR",
-}
 METHODS = {
     llumlet_pb2.MIGRATION_METHOD_UNSPECIFIED: "recompute",
     llumlet_pb2.MIGRATION_METHOD_RECOMPUTE: "recompute",
@@ -220,9 +207,9 @@ class MigrationCoordinator:
             if request.num_requests == 0:
                 raise bad("name request_ids, or a select_rule, select_order and select_value")
             return
-        if request.select_rule not in RULES:
+        if rule_name(request.select_rule) is None:
             raise bad(f"unknown select_rule {request.select_rule}")
-        if request.select_order not in ORDERS:
+        if order_name(request.select_order) is None:
             raise bad(f"select_order is required with select_rule (got {request.select_order})")
         value = request.select_value
         if not math.isfinite(value) or value <= 0:
@@ -245,7 +232,9 @@ class MigrationCoordinator:
         if request.select_rule == llumlet_pb2.SELECT_RULE_UNSPECIFIED:
             rule, order, value = "NUM_REQ", LEGACY_ORDER, float(request.num_requests)
         else:
-            rule, order, value = RULES[request.select_rule], ORDERS[request.select_order], request.select_value
+            # both known: _check ran first
+            rule, order = rule_name(request.select_rule) or "", order_name(request.select_order) or ""
+            value = request.select_value
         with self.llumlet.lock:
             total_kv_tokens = self.llumlet.state.total_kv_tokens
         candidates = self._adapter_call("candidates", self.adapter.candidates)

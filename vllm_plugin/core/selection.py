@@ -27,8 +27,10 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-SELECT_RULES = ("NUM_REQ", "TOKEN", "RATIO")
-SELECT_ORDERS = ("LCR", "FCR", "LR", "SR", "FCW", "FCWSR")
+# the names, and their checks, come from llumlet.proto's enums (protos/migration_selection.py)
+from pilotfish.protos.migration_selection import SELECT_ORDERS, check_order, check_rule
+
+__all__ = ["MigrationCandidate", "check_order", "check_rule", "ordered", "select_requests"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,18 +39,6 @@ class MigrationCandidate:
     arrival: float  # any increasing clock or sequence number: only the order matters
     running: bool  # in the running batch (waiting otherwise)
     num_tokens: int  # prompt + generated
-
-
-def check_rule(rule: str) -> str:
-    if rule not in SELECT_RULES:
-        raise ValueError(f"unknown request select rule {rule!r} (choose {', '.join(SELECT_RULES)})")
-    return rule
-
-
-def check_order(order: str) -> str:
-    if order not in SELECT_ORDERS:
-        raise ValueError(f"unknown request select order {order!r} (choose {', '.join(SELECT_ORDERS)})")
-    return order
 
 
 def ordered(candidates: Iterable[MigrationCandidate], order: str) -> list[MigrationCandidate]:

@@ -1,4 +1,5 @@
-"""`pilotfish bench flow`: flow control off and on, in virtual time, past the knee.
+"""`pilotfish bench flow`: flow control off and on, in virtual time, past the knee, on every
+workload family, over several seeds.
 
 The scheduler's own FlowController (scheduler/flow) runs on the virtual-time cluster's clock over
 the full-mode core (bench/cluster_full.py's router): a request arrives, is dispatched or waits in
@@ -7,20 +8,27 @@ as the service drains on a CMS status; deadlines are timers. A shed request neve
 engine (the gateway's 429). Every run asserts that nothing is lost: each request finished or was
 shed, the queue is empty and the core's account drained to zero.
 
-Three parts, one command:
+For every workload (`--workloads`, the families of simulator/traces/families.py) and seed:
 
-1. the knee: full mode without flow control over a sweep of loads; the knee is the highest load
-   whose SLO attainment is at least `--knee-slo` (90%);
+1. the knee: full mode without flow control, the load (time compression of the family's own
+   rate) doubled from `--knee-start` until SLO attainment falls below `--knee-slo`, then bisected
+   `--knee-steps` times; the knee is the highest load that met it;
 2. past the knee (`--loads`, multiples of the knee; one below it shows the cost there): arms
    `pilotfish-full:load-balance` (off), `pilotfish-full:load-balance+flow-control` (on) and the
    peer reproductions (`--peers`), on a priority mix (`--priority-mix`): goodput, SLO attainment,
-   P99 TTFT per band, sheds;
+   P99 TTFT per band, sheds, and the ceiling: no arm's goodput can pass the offered rate (a hard
+   bound), nor, as far as this bench can tell, the fleet's capacity (the most goodput any arm
+   reached at any load of the workload and seed), so `min(offered, capacity) / best peer` says
+   whether a goodput 1.3 x the best peer's is reachable at all;
 3. fairness: tenant A alone at `--tenant-load` x knee, then with tenant B flooding on top (the
    total at `--flood-load` x knee), both standard: A's P99 TTFT with the flood over without it,
-   flow control off and on.
+   flow control off, and on at every over-share bound of `--fair-bounds` (1: fairness by queue
+   order only), with B's SLO attainment, the price of the isolation.
+
+The report gives each figure as the mean over seeds and its min-max spread.
 
     pilotfish bench flow --out DIR
-    pilotfish bench flow --instances 4 --requests 1200 --loads 0.8,1.2,1.5 --out DIR
+    pilotfish bench flow --workloads family:system-prompt --seeds 0 --out DIR
 """
 
 from __future__ import annotations
@@ -29,10 +37,18 @@ import argparse
 import math
 import platform
 import random
+import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import Instances, Progress, SloOptions
 
 if TYPE_CHECKING:
     from pilotfish.simulator.cluster import ClusterConfig, Router
@@ -40,30 +56,60 @@ if TYPE_CHECKING:
 
 BANDS = ("critical", "standard", "sheddable")
 OFF, ON = "pilotfish-full:load-balance", "pilotfish-full:load-balance+flow-control"
+FAMILIES = ("family:system-prompt", "family:multi-turn", "family:tenants", "family:rag", "family:heavy-tail",
+            "family:bursty")  # fmt: skip
+
+
+class FlowBenchConfig(SloOptions, frozen=True):
+    """Every knob of `bench flow`, with its default (the flags come from it)."""
+
+    instances: Instances = 4
+    workloads: Annotated[
+        list[str],
+        Meta(description="family:<name>[:knob=value;...] (simulator/traces/families.py; knobs separated by ';')"),
+    ] = msgspec.field(default_factory=lambda: list(FAMILIES))
+    requests: Annotated[int, Meta(ge=50, description="requests per run (the first of the family's trace)")] = 1200
+    seeds: Annotated[list[int], Meta(description="seeds: traces, priority draws and routers")] = msgspec.field(
+        default_factory=lambda: [0, 1, 2]
+    )
+    knee_slo: Annotated[float, Meta(gt=0, le=1, description="the knee: highest load meeting this SLO share")] = 0.9
+    knee_start: Annotated[
+        float, Meta(gt=0, description="the knee search's first load (the family's own rate: 1)")
+    ] = 1.0
+    knee_steps: Annotated[int, Meta(ge=0, description="bisections after the doubling brackets the knee")] = 2
+    loads: Annotated[list[float], Meta(description="multiples of the knee to compare the arms at")] = msgspec.field(
+        default_factory=lambda: [0.8, 1.2, 1.5]
+    )
+    peers: Annotated[list[str], Meta(description="peer reproductions run beside (empty: none)")] = msgspec.field(
+        default_factory=lambda: ["sglang", "llm-d", "dynamo"]
+    )
+    priority_mix: Annotated[
+        list[str], Meta(description="band=share of the requests (a seeded draw per request)")
+    ] = msgspec.field(default_factory=lambda: ["critical=0.2", "standard=0.6", "sheddable=0.2"])
+    tenant_load: Annotated[float, Meta(gt=0, description="fairness: tenant A alone, x knee")] = 0.6
+    flood_load: Annotated[float, Meta(gt=0, description="fairness: A plus B's flood, x knee")] = 1.5
+    fair_bounds: Annotated[
+        list[float],
+        Meta(
+            description="fairness: B's flood with flow control on at each --flow-over-share-bound "
+            "(1: fairness by queue order only)"
+        ),
+    ] = msgspec.field(default_factory=lambda: [1.0, 0.75, 0.5, 0.25])
+    hold_ms: Annotated[int, Meta(ge=0, description="the gateway's --schedule-queue-timeout-ms")] = 3000
+    flow: Annotated[
+        list[str],
+        Meta(description="SchedulerConfig flow fields of the on arm: key=value (flow_max_kv_usage=0.9)"),
+    ] = msgspec.field(default_factory=lambda: ["flow_max_queued_prefill_tokens=2048"])
+    jobs: Annotated[
+        int, Meta(ge=1, description="worker processes, one (workload, seed) each (the machine is shared)")
+    ] = 1
+    progress: Progress = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument("--instances", type=int, default=4, help="simulated engines")
-    parser.add_argument("--requests", type=int, default=1200, help="requests per run (system-prompt family)")
-    parser.add_argument("--rate", type=float, default=10.0, help="the trace's own arrival rate (load 1), req/s")
-    parser.add_argument("--sweep", default="4,6,8,10,12,14,16",
-                        help="loads (time compression) the knee is searched over")
-    parser.add_argument("--knee-slo", type=float, default=0.9, help="the knee: highest load meeting this SLO share")
-    parser.add_argument("--loads", default="0.8,1.2,1.5", help="multiples of the knee to compare off and on at")
-    parser.add_argument("--peers", default="sglang,llm-d,dynamo", help="peer reproductions run beside (empty: none)")
-    parser.add_argument("--priority-mix", default="critical=0.2,standard=0.6,sheddable=0.2",
-                        help="band shares of the requests (seeded draw per request)")
-    parser.add_argument("--tenant-load", type=float, default=0.6, help="fairness: tenant A alone, x knee")
-    parser.add_argument("--flood-load", type=float, default=1.5, help="fairness: A plus B's flood, x knee")
-    parser.add_argument("--slo-ttft", type=float, default=2.0, help="goodput SLO: TTFT at most this many seconds")
-    parser.add_argument("--slo-tpot", type=float, default=0.1, help="goodput SLO: TPOT at most this many seconds")
-    parser.add_argument("--hold-ms", type=int, default=3000, help="the gateway's --schedule-queue-timeout-ms")
-    parser.add_argument("--flow", default="flow_max_queued_prefill_tokens=2048",
-                        help="SchedulerConfig flow fields of the on arm: k=v,... (flow_max_kv_usage=0.9)")
-    parser.add_argument("--profile", default="llama3-8b-a100", help="engine step-time profile")
-    parser.add_argument("--num-gpu-blocks", type=int, default=30000, help="KV blocks per engine")
-    parser.add_argument("--seed", type=int, default=0)
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, FlowBenchConfig)
 
 
 # ---- the flow-controlled cluster ----------------------------------------------------------------
@@ -190,13 +236,30 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
     return FlowSim()
 
 
-# ---- runs ---------------------------------------------------------------------------------------
+# ---- traces and runs ----------------------------------------------------------------------------
 
 
-def _trace(args: argparse.Namespace, rate: float, n: int, seed: int, namespace: str) -> Trace:
-    from pilotfish.simulator.traces.families import system_prompt_trace
+def workload_trace(spec: str, n: int, seed: int, namespace: str) -> Trace:
+    """The first `n` requests (by arrival) of a family's trace; `namespace` keeps two tenants'
+    prompts apart. Raises ValueError naming a spec that is not a family."""
+    import inspect
 
-    return system_prompt_trace(requests=n, rate=rate, seed=seed, namespace=namespace)
+    from pilotfish.simulator.traces.families import FAMILIES as MADE
+    from pilotfish.simulator.traces.families import family_trace
+
+    kind, _, rest = spec.partition(":")
+    name, _, knobs = rest.partition(":")
+    if kind != "family" or name not in MADE:
+        raise ValueError(f"--workloads: {spec!r} is not family:<name> (known: {', '.join(MADE)})")
+    items = [k for k in knobs.replace(";", ",").split(",") if k]
+    params = inspect.signature(MADE[name]).parameters
+    if "requests" in params:
+        items.append(f"requests={n}")
+    elif "conversations" in params:  # every conversation has a turn at least: n of them give n requests or more
+        items.append(f"conversations={n}")
+    items.append(f"namespace={namespace}")
+    trace = family_trace(f"{name}:{','.join(items)}", seed)
+    return sorted(trace, key=lambda r: (r.arrival, r.request_id))[:n]
 
 
 def _router(name: str, engine: Any, seed: int) -> Router:
@@ -205,15 +268,17 @@ def _router(name: str, engine: Any, seed: int) -> Router:
     return policy_spec(OFF if name == ON else name, engine).make(seed)
 
 
-def run_arm(args: argparse.Namespace, name: str, trace: Trace, labels: Labels) -> dict[str, Any]:
-    """One arm over one trace; the figures and the loss check."""
+def run_arm(cfg: FlowBenchConfig, name: str, trace: Trace, labels: Labels, seed: int,
+            flow_fields: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One arm over one trace (`flow_fields`: the on arm's SchedulerConfig fields); the figures and
+    the loss check."""
     from pilotfish.simulator.cluster import ClusterConfig
-    from pilotfish.simulator.config import EngineConfig
 
-    engine = EngineConfig(profile=args.profile, num_gpu_blocks=args.num_gpu_blocks)
-    router = _router(name, engine, args.seed)
-    sim = _cluster_sim(ClusterConfig(engines=args.instances, engine=engine), router, labels,
-                       _flow_fields(args.flow) if name == ON else None, args.hold_ms / 1000)
+    engine = cfg.engine_config()
+    router = _router(name, engine, seed)
+    fields = None if name != ON else (flow_fields if flow_fields is not None else flow_settings(cfg))
+    sim = _cluster_sim(ClusterConfig(engines=cfg.instances, engine=engine), router, labels, fields,
+                       cfg.hold_ms / 1000)
     started = time.perf_counter()
     result = sim.run(trace)
     wall = time.perf_counter() - started
@@ -229,7 +294,7 @@ def run_arm(args: argparse.Namespace, name: str, trace: Trace, labels: Labels) -
     if core is not None and name.startswith("pilotfish") and core.account_size:
         problems.append(f"the account holds {core.account_size} requests at the end")
     return {"wall_seconds": wall, "problems": problems,
-            **figures(trace, records, sim.shed if hasattr(sim, "shed") else {}, labels, args.slo_ttft, args.slo_tpot)}
+            **figures(trace, records, sim.shed, labels, cfg.slo_ttft, cfg.slo_tpot)}
 
 
 def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels: Labels, slo_ttft: float,
@@ -247,6 +312,11 @@ def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels:
     met = sum(1 for r in records.values() if good(r))
     out["slo_attainment"] = met / len(trace) if trace else math.nan
     out["goodput_rps"] = met / span if span > 0 else math.nan
+    out["offered_rps"] = len(trace) / span if span > 0 else math.nan
+    # what the fleet completed per second of the run's makespan: near its capacity when saturated
+    finished = [r.finished for r in records.values() if r.finished is not None]
+    makespan = max(finished) - min(arrivals) if finished else math.nan
+    out["served_rps"] = len(finished) / makespan if finished and makespan > 0 else math.nan
     ttfts = [r.ttft for r in records.values() if r.ttft is not None]
     out["p99_ttft"] = percentile(ttfts, 99)
     out["bands"] = {}
@@ -268,35 +338,169 @@ def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels:
         out["tenants"][tenant] = {
             "requests": len(ids), "shed": sum(1 for i in ids if i in shed),
             "slo_attainment": sum(1 for r in served if good(r)) / len(ids) if ids else math.nan,
+            "goodput_rps": sum(1 for r in served if good(r)) / span if span > 0 else math.nan,
             "p99_ttft": percentile([r.ttft for r in served if r.ttft is not None], 99),
         }
     return out
 
 
-def _flow_fields(text: str) -> dict[str, Any]:
+def flow_settings(cfg: FlowBenchConfig) -> dict[str, Any]:
+    """The on arm's SchedulerConfig fields from --flow (key=value, YAML scalars)."""
     import yaml
 
     out: dict[str, Any] = {}
-    for item in filter(None, (x.strip() for x in text.split(","))):
-        key, _, raw = item.partition("=")
-        out[key] = yaml.safe_load(raw)
+    for item in cfg.flow:
+        key, eq, raw = item.partition("=")
+        if not eq:
+            raise ValueError(f"--flow: {item!r} is not key=value")
+        out[key.strip()] = yaml.safe_load(raw)
     return out
 
 
-def _mix(text: str) -> list[tuple[str, float]]:
+def over_share_bound(cfg: FlowBenchConfig) -> float:
+    """The on arm's --flow-over-share-bound (its --flow setting, else the scheduler's default)."""
+    from pilotfish.scheduler.config import SchedulerConfig
+
+    return float(flow_settings(cfg).get("flow_over_share_bound", SchedulerConfig().flow_over_share_bound))
+
+
+def mix(cfg: FlowBenchConfig) -> list[tuple[str, float]]:
     pairs = []
-    for item in filter(None, (x.strip() for x in text.split(","))):
+    for item in cfg.priority_mix:
         band, _, share = item.partition("=")
         if band not in BANDS:
-            raise SystemExit(f"--priority-mix: {band!r} is not one of {', '.join(BANDS)}")
+            raise ValueError(f"--priority-mix: {band!r} is not one of {', '.join(BANDS)}")
         pairs.append((band, float(share)))
     return pairs
 
 
-def priority_labels(trace: Trace, mix: list[tuple[str, float]], seed: int) -> Labels:
+def priority_labels(trace: Trace, pairs: list[tuple[str, float]], seed: int) -> Labels:
     rng = random.Random(f"priority:{seed}")
-    bands, weights = [b for b, _ in mix], [w for _, w in mix]
+    bands, weights = [b for b, _ in pairs], [w for _, w in pairs]
     return Labels(band={r.request_id: rng.choices(bands, weights)[0] for r in trace})
+
+
+def ceiling(arms: dict[str, Any], capacity: float, peers: list[str]) -> dict[str, float]:
+    """The most goodput any arm could reach in a cell (the offered rate, at most the fleet's measured
+    capacity) and that over the best peer's goodput: below 1.3 the goal cannot be met there."""
+    offered = next(iter(arms.values()))["offered_rps"]
+    best_peer = max((arms[p]["goodput_rps"] for p in peers if p in arms), default=math.nan)
+    top = min(offered, capacity) if not math.isnan(capacity) else offered
+    return {"offered_rps": offered, "capacity_rps": capacity, "ceiling_rps": top, "best_peer_rps": best_peer,
+            "ceiling_x_best_peer": top / best_peer if best_peer > 0 else math.nan,
+            "offered_x_best_peer": offered / best_peer if best_peer > 0 else math.nan,
+            "on_x_best_peer": arms[ON]["goodput_rps"] / best_peer if ON in arms and best_peer > 0 else math.nan}
+
+
+# ---- one workload and seed ------------------------------------------------------------------------
+
+
+def find_knee(cfg: FlowBenchConfig, base: Trace, seed: int, note: Any) -> tuple[float | None, bool, dict[str, Any]]:
+    """The highest load (time compression) at which flow control off meets --knee-slo, whether a
+    load above it missed (False: the trace is too short to load the fleet past the SLO at all, and
+    the loads are multiples of the highest tried), and the probes."""
+    from pilotfish.simulator.traces import compress
+
+    probes: dict[str, Any] = {}
+
+    def ok(load: float) -> bool:
+        m = run_arm(cfg, OFF, compress(base, load), Labels(), seed)
+        probes[f"{load:.4g}"] = m
+        note(f"knee: load {load:.3g}: SLO {m['slo_attainment']:.1%}")
+        return m["slo_attainment"] >= cfg.knee_slo
+
+    lo: float | None = None
+    hi: float | None = None
+    load = cfg.knee_start
+    for _ in range(12):  # double (or halve) until the knee is bracketed
+        if ok(load):
+            lo = load
+            if hi is not None:
+                break
+            load *= 2
+        else:
+            hi = load
+            if lo is not None:
+                break
+            load /= 2
+    if lo is None or hi is None:
+        return lo, hi is not None, probes
+    for _ in range(cfg.knee_steps):
+        mid = math.sqrt(lo * hi)
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, True, probes
+
+
+def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
+    """Knee, past the knee and fairness for one workload and seed."""
+    from pilotfish.simulator.traces import compress
+
+    def note(line: str) -> None:
+        if cfg.progress:
+            print(f"{workload} seed {seed}: {line}", file=sys.stderr, flush=True)
+
+    started = time.monotonic()
+    base = workload_trace(workload, cfg.requests, seed, "flow")
+    knee, bounded, probes = find_knee(cfg, base, seed, note)
+    out: dict[str, Any] = {"workload": workload, "seed": seed, "knee": knee, "knee_bounded": bounded,
+                           "probes": probes}
+    if knee is None:
+        out["problems"] = [f"{workload} seed {seed}: no load met --knee-slo from --knee-start {cfg.knee_start:g}"]
+        return out
+    pairs = mix(cfg)
+    past: dict[str, dict[str, Any]] = {}
+    for mult in cfg.loads:
+        trace = compress(base, knee * mult)
+        labels = priority_labels(trace, pairs, seed)
+        arms = past[f"{mult:g}"] = {}
+        for name in (*cfg.peers, OFF, ON):
+            arms[name] = run_arm(cfg, name, trace, labels, seed)
+        note(f"{mult:g} x knee: " + ", ".join(f"{n} {m['goodput_rps']:.1f}" for n, m in arms.items()))
+    # the fleet's capacity in goodput's own units: the most goodput any arm reached at any load here
+    # (an arm that admitted exactly that much and served all of it within the SLO would reach it at
+    # every load past it); a short trace's makespan is mostly its last requests' decode, so a
+    # completions-per-second figure would understate it
+    capacity = max(m["goodput_rps"] for m in [*probes.values(), *(m for a in past.values() for m in a.values())]
+                   if not math.isnan(m["goodput_rps"]))
+    ceilings = {mult: ceiling(arms, capacity, cfg.peers) for mult, arms in past.items()}
+
+    n_a = max(100, int(cfg.requests * cfg.tenant_load / cfg.flood_load))
+    trace_a = compress(workload_trace(workload, n_a, seed + 1, "tenant-a"), knee * cfg.tenant_load)
+    span = trace_a[-1].arrival
+    flood_b = compress(workload_trace(workload, 4 * cfg.requests, seed + 2, "tenant-b"),
+                       knee * (cfg.flood_load - cfg.tenant_load))
+    trace_b = [r for r in flood_b if r.arrival <= span]
+    flooded = sorted(trace_a + trace_b, key=lambda r: (r.arrival, r.request_id))
+    tenants = Labels(flow={**{r.request_id: "A" for r in trace_a}, **{r.request_id: "B" for r in trace_b}})
+    fields = flow_settings(cfg)
+    fairness: dict[str, Any] = {"requests": {"A": len(trace_a), "B": len(trace_b)}}
+    for name in (OFF, ON):
+        fairness[name] = {"alone": run_arm(cfg, name, trace_a, tenants, seed)}
+    fairness[OFF]["flood"] = run_arm(cfg, OFF, flooded, tenants, seed)
+    fairness[ON]["floods"] = {
+        f"{b:g}": run_arm(cfg, ON, flooded, tenants, seed, {**fields, "flow_over_share_bound": b})
+        for b in sorted({*cfg.fair_bounds, over_share_bound(cfg)}, reverse=True)
+    }
+    for name, f in fairness.items():
+        if name in (OFF, ON):
+            a0 = f["alone"]["tenants"]["A"]["p99_ttft"]
+            runs = {"": f["flood"]} if name == OFF else f["floods"]
+            f["a_p99_ratio"] = {k: m["tenants"]["A"]["p99_ttft"] / a0 for k, m in runs.items()}
+    note(f"fairness: A's P99 TTFT x{fairness[OFF]['a_p99_ratio']['']:.2f} off, on by bound "
+         + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items()))
+    runs = [*probes.values(), *(m for a in past.values() for m in a.values()), fairness[OFF]["alone"],
+            fairness[OFF]["flood"], fairness[ON]["alone"], *fairness[ON]["floods"].values()]
+    out.update(past_knee=past, capacity_rps=capacity, ceilings=ceilings, fairness=fairness,
+               problems=[f"{workload} seed {seed}: {p}" for m in runs for p in m["problems"]],
+               wall_seconds=time.monotonic() - started)
+    return out
+
+
+def _measure(job: tuple[FlowBenchConfig, str, int]) -> dict[str, Any]:
+    return measure(*job)
 
 
 # ---- the command --------------------------------------------------------------------------------
@@ -304,144 +508,250 @@ def priority_labels(trace: Trace, mix: list[tuple[str, float]], seed: int) -> La
 
 def run(args: argparse.Namespace) -> int:
     from pilotfish.bench.report import write_report
-    from pilotfish.simulator.traces import compress
+    from pilotfish.config import struct_from_args
 
-    started = time.monotonic()
-    base = _trace(args, args.rate, args.requests, args.seed, "flow")
-    mix = _mix(args.priority_mix)
-
-    # 1. the knee, off
-    sweep: dict[str, dict[str, Any]] = {}
-    knee = None
-    for load in (float(x) for x in args.sweep.split(",") if x.strip()):
-        trace = compress(base, load)
-        m = run_arm(args, OFF, trace, Labels())
-        sweep[f"{load:g}"] = m
-        _progress(f"knee sweep: load {load:g}: SLO {m['slo_attainment']:.1%}")
-        if m["slo_attainment"] >= args.knee_slo:
-            knee = load
-        else:
-            break
-    if knee is None:
-        print("no load of --sweep meets --knee-slo: lower the sweep", file=sys.stderr)
+    cfg = struct_from_args(FlowBenchConfig, args)
+    out_dir = Path(args.out)
+    try:  # bad specs fail before any run
+        for w in cfg.workloads:
+            workload_trace(w, 1, 0, "check")
+        flow_settings(cfg)
+        mix(cfg)
+    except ValueError as exc:
+        print(exc, file=sys.stderr)
         return 2
-
-    # 2. past the knee, priority mix
-    peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    past: dict[str, dict[str, Any]] = {}
-    for mult in (float(x) for x in args.loads.split(",") if x.strip()):
-        trace = compress(base, knee * mult)
-        labels = priority_labels(trace, mix, args.seed)
-        past[f"{mult:g}"] = {}
-        for name in (*peers, OFF, ON):
-            past[f"{mult:g}"][name] = run_arm(args, name, trace, labels)
-            _progress(f"{mult:g} x knee: {name}: SLO {past[f'{mult:g}'][name]['slo_attainment']:.1%}")
-
-    # 3. fairness: tenant A alone, then with B flooding
-    a_rate = args.rate * knee * args.tenant_load
-    b_rate = args.rate * knee * (args.flood_load - args.tenant_load)
-    n_a = max(100, int(args.requests * args.tenant_load / args.flood_load))
-    trace_a = _trace(args, a_rate, n_a, args.seed + 1, "tenant-a")
-    span = trace_a[-1].arrival
-    n_b = int(b_rate * span)
-    trace_b = [r for r in _trace(args, b_rate, n_b + 50, args.seed + 2, "tenant-b") if r.arrival <= span]
-    flooded = sorted(trace_a + trace_b, key=lambda r: r.arrival)
-    tenants = Labels(flow={**{r.request_id: "A" for r in trace_a}, **{r.request_id: "B" for r in trace_b}})
-    fairness: dict[str, Any] = {}
-    for name in (OFF, ON):
-        alone = run_arm(args, name, trace_a, tenants)
-        flood = run_arm(args, name, flooded, tenants)
-        fairness[name] = {"alone": alone, "flood": flood,
-                          "a_p99_ratio": flood["tenants"]["A"]["p99_ttft"] / alone["tenants"]["A"]["p99_ttft"]}
-        _progress(f"fairness {name}: A's P99 TTFT x{fairness[name]['a_p99_ratio']:.2f} under B's flood")
-
-    problems = [f"{where}: {p}" for where, m in _all_runs(sweep, past, fairness) for p in m["problems"]]
+    started = time.monotonic()
+    jobs = [(cfg, w, s) for w in cfg.workloads for s in cfg.seeds]
+    if cfg.jobs > 1:
+        with ProcessPoolExecutor(max_workers=cfg.jobs) as pool:
+            cells = list(pool.map(_measure, jobs))
+    else:
+        cells = [measure(*job) for job in jobs]
     result = {
-        "instances": args.instances, "requests": args.requests, "rate": args.rate, "profile": args.profile,
-        "num_gpu_blocks": args.num_gpu_blocks, "seed": args.seed, "slo": {"ttft_s": args.slo_ttft,
-        "tpot_s": args.slo_tpot}, "priority_mix": args.priority_mix, "hold_ms": args.hold_ms,
-        "flow_fields": _flow_fields(args.flow), "knee_slo": args.knee_slo, "knee": knee, "sweep": sweep,
-        "past_knee": past, "fairness": fairness, "tenant_load": args.tenant_load, "flood_load": args.flood_load,
-        "tenant_requests": {"A": len(trace_a), "B": len(trace_b)},
-        "problems": problems, "wall_seconds": time.monotonic() - started,
+        "config": msgspec.to_builtins(cfg), "cells": cells, "summary": summarise(cfg, cells),
+        "problems": [p for c in cells for p in c["problems"]], "wall_seconds": time.monotonic() - started,
         "host": platform.node(), "python": platform.python_version(),
-    }  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    md = render_markdown(result)
-    write_report(args.out, "flow", result, md)
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plots, why = plot(cfg, result["summary"], out_dir)
+    md = render_markdown(cfg, result, plots, why)
+    write_report(out_dir, "flow", result, md)
     print(md)
-    if problems:
-        print("LOST OR LEAKED: " + "; ".join(problems), file=sys.stderr)
+    if result["problems"]:
+        print("LOST, LEAKED OR NO KNEE: " + "; ".join(result["problems"]), file=sys.stderr)
         return 1
     return 0
 
 
-def _all_runs(sweep: dict[str, Any], past: dict[str, Any], fairness: dict[str, Any]) -> list[tuple[str, Any]]:
-    runs = [(f"sweep {k}", m) for k, m in sweep.items()]
-    runs += [(f"{k} x knee {n}", m) for k, arms in past.items() for n, m in arms.items()]
-    runs += [(f"fairness {n} {part}", f[part]) for n, f in fairness.items() for part in ("alone", "flood")]
-    return runs
+# ---- over seeds -----------------------------------------------------------------------------------
 
 
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+def spread(values: list[float]) -> dict[str, float]:
+    """Mean and min-max of what is not NaN (NaN when nothing is)."""
+    xs = [v for v in values if v is not None and not math.isnan(v)]
+    if not xs:
+        return {"mean": math.nan, "min": math.nan, "max": math.nan, "n": 0}
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
-def _s(x: float) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+def summarise(cfg: FlowBenchConfig, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per workload: every figure the report shows, as mean and min-max over seeds."""
+    out: dict[str, Any] = {}
+    bound = f"{over_share_bound(cfg):g}"
+    for w in cfg.workloads:
+        mine = [c for c in cells if c["workload"] == w and c.get("past_knee")]
+        s: dict[str, Any] = {"seeds": [c["seed"] for c in mine], "knee": spread([c["knee"] for c in mine]),
+                             "knee_bounded": all(c["knee_bounded"] for c in mine)}
+        s["past"] = {}
+        for mult in (f"{x:g}" for x in cfg.loads):
+            arms = [c["past_knee"][mult] for c in mine]
+            ceils = [c["ceilings"][mult] for c in mine]
+            names = list(arms[0]) if arms else []
+            s["past"][mult] = {
+                "arms": {n: {
+                    "goodput_rps": spread([a[n]["goodput_rps"] for a in arms]),
+                    "slo_attainment": spread([a[n]["slo_attainment"] for a in arms]),
+                    "p99_ttft": spread([a[n]["p99_ttft"] for a in arms]),
+                    "shed": spread([a[n]["shed"] for a in arms]),
+                    "critical_slo": spread([a[n]["bands"].get("critical", {}).get("slo_attainment", math.nan)
+                                            for a in arms]),
+                    "critical_p99_ttft": spread([a[n]["bands"].get("critical", {}).get("p99_ttft", math.nan)
+                                                 for a in arms]),
+                } for n in names},
+                **{k: spread([c[k] for c in ceils]) for k in ("offered_rps", "capacity_rps", "ceiling_rps",
+                                                              "best_peer_rps", "ceiling_x_best_peer",
+                                                              "offered_x_best_peer",
+                                                              "on_x_best_peer")},
+                "on_x_off_goodput": spread([a[ON]["goodput_rps"] / a[OFF]["goodput_rps"] for a in arms]),
+                "on_x_off_p99_ttft": spread([a[ON]["p99_ttft"] / a[OFF]["p99_ttft"] for a in arms]),
+            }
+        fair = [c["fairness"] for c in mine]
+        s["fairness"] = {
+            "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
+                    "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
+                    "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
+            "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
+                       "a_slo": spread([f[ON]["floods"][b]["tenants"]["A"]["slo_attainment"] for f in fair]),
+                       "b_slo": spread([f[ON]["floods"][b]["tenants"]["B"]["slo_attainment"] for f in fair]),
+                       "b_shed": spread([f[ON]["floods"][b]["tenants"]["B"]["shed"] for f in fair]),
+                       "goodput_rps": spread([f[ON]["floods"][b]["goodput_rps"] for f in fair])}
+                   for b in (fair[0][ON]["floods"] if fair else {})},
+            "bound": bound,
+        }
+        out[w] = s
+    return out
 
 
-def render_markdown(r: dict[str, Any]) -> str:
-    slo = r["slo"]
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def _r(x: dict[str, float], fmt: str = "{:.2f}", scale: float = 1.0) -> str:
+    """`mean [min-max]` (the mean alone for one seed)."""
+    if not x["n"]:
+        return "-"
+    mean = fmt.format(x["mean"] * scale)
+    if x["n"] == 1:
+        return mean
+    return f"{mean} [{fmt.format(x['min'] * scale)}-{fmt.format(x['max'] * scale)}]"
+
+
+def _pct(x: dict[str, float]) -> str:
+    return _r(x, "{:.0f}%", 100.0)
+
+
+def reachable(x: dict[str, float], goal: float = 1.3) -> str:
+    if not x["n"]:
+        return "-"
+    return "yes" if x["min"] >= goal else "no" if x["max"] < goal else "some seeds"
+
+
+def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[str], why: str | None) -> str:
+    from pilotfish.bench.report import plots_section
+
+    summary = result["summary"]
     md = [
-        "# Flow control off and on (virtual time)",
+        "# Flow control off and on (virtual time), every workload family",
         "",
-        f"{r['instances']} engines (`{r['profile']}`, {r['num_gpu_blocks']} KV blocks), the system-prompt family "
-        f"({r['requests']} requests at {r['rate']:g} req/s x load), seed {r['seed']}; SLO TTFT <= {slo['ttft_s']:g} s "
-        f"and TPOT <= {slo['tpot_s'] * 1000:g} ms; the gateway holds up to {r['hold_ms']} ms; flow settings "
-        f"{r['flow_fields'] or 'the defaults'}. Knee (highest load with SLO >= {r['knee_slo']:.0%}, flow control "
-        f"off): **{r['knee']:g}**. Wall {r['wall_seconds']:.0f} s on {r['host']}.",
+        f"{cfg.instances} engines (`{cfg.profile}`, {cfg.num_gpu_blocks} KV blocks); {cfg.requests} requests per "
+        f"run; seeds {', '.join(map(str, cfg.seeds))}; SLO TTFT <= {cfg.slo_ttft:g} s and TPOT <= "
+        f"{cfg.slo_tpot * 1000:g} ms; the gateway holds up to {cfg.hold_ms} ms; on arm {flow_settings(cfg)} with "
+        f"--flow-over-share-bound {over_share_bound(cfg):g}. Knee: the highest load (time compression of the "
+        f"family's own rate) with SLO >= {cfg.knee_slo:.0%}, flow control off. Figures: mean [min-max] over seeds. "
+        f"Wall {result['wall_seconds']:.0f} s on {result['host']}.",
         "",
-        "## Knee sweep (off)",
+        "## Goodput past the knee against the best peer, and the ceiling",
         "",
-        "| load | SLO met | goodput (req/s) | P99 TTFT (s) |",
-        "|---|---|---|---|",
-        *[f"| {k} | {m['slo_attainment']:.1%} | {_s(m['goodput_rps'])} | {_s(m['p99_ttft'])} |"
-          for k, m in r["sweep"].items()],
+        "Ceiling: min(offered rate, capacity). No arm's goodput passes the offered rate (a hard bound); capacity "
+        "is the most goodput any arm reached at any load of the workload and seed (knee probes included), an "
+        "estimate of what an arm that admits exactly the fleet's capacity and serves it within the SLO gets. "
+        "`ceiling / best peer` below 1.3 means a goodput 1.3 x the best peer's is out of reach in that cell; "
+        "`offered / best peer` below 1.3 means so by arithmetic alone.",
         "",
-        f"## Past the knee, priority mix {r['priority_mix']}",
-        "",
-        "| x knee | arm | SLO met | goodput (req/s) | shed | critical SLO / P99 TTFT | standard SLO / P99 | "
-        "sheddable SLO / P99 / shed |",
-        "|---|---|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    for mult, arms in r["past_knee"].items():
-        for name, m in arms.items():
-            b = m["bands"]
-
-            def band(n: str, with_shed: bool = False, b: dict[str, Any] = b) -> str:
-                x = b.get(n)
-                if x is None:
-                    return "-"
-                cell = f"{x['slo_attainment']:.0%} / {_s(x['p99_ttft'])} s"
-                return cell + (f" / {x['shed']}" if with_shed else "")
-
-            md.append(f"| {mult} | `{name}` | {m['slo_attainment']:.1%} | {_s(m['goodput_rps'])} | {m['shed']} | "
-                      f"{band('critical')} | {band('standard')} | {band('sheddable', True)} |")
-    f = r["fairness"]
+        "| workload | knee | x knee | offered (req/s) | capacity | best peer goodput | on goodput | on / best peer "
+        "| offered / best peer | ceiling / best peer | 1.3 x reachable |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w, s in summary.items():
+        for mult, p in s["past"].items():
+            on = p["arms"].get(ON, {}).get("goodput_rps")
+            knee = _r(s["knee"], "{:.3g}") + ("" if s["knee_bounded"] else " (never missed)")
+            md.append(f"| {w} | {knee} | {mult} | {_r(p['offered_rps'], '{:.1f}')} | "
+                      f"{_r(p['capacity_rps'], '{:.1f}')} | {_r(p['best_peer_rps'], '{:.1f}')} | "
+                      f"{_r(on, '{:.1f}') if on else '-'} | {_r(p['on_x_best_peer'])} | "
+                      f"{_r(p['offered_x_best_peer'])} | {_r(p['ceiling_x_best_peer'])} | "
+                      f"{reachable(p['ceiling_x_best_peer'])} |")
     md += [
         "",
-        f"## Fairness: tenant A at {r['tenant_load']:g} x knee alone, then with tenant B flooding to "
-        f"{r['flood_load']:g} x knee ({r['tenant_requests']['A']} and {r['tenant_requests']['B']} requests)",
+        "## Below the knee: what flow control costs",
         "",
-        "| arm | A alone: P99 TTFT | A under flood: P99 TTFT | ratio | A's SLO (alone, flood) | B's SLO | B shed |",
+        "| workload | x knee | on / off goodput | on / off P99 TTFT | off P99 TTFT (s) over seeds |",
+        "|---|---|---|---|---|",
+    ]
+    for w, s in summary.items():
+        for mult, p in s["past"].items():
+            if float(mult) < 1:
+                md.append(f"| {w} | {mult} | {_r(p['on_x_off_goodput'], '{:.3f}')} | "
+                          f"{_r(p['on_x_off_p99_ttft'], '{:.3f}')} | {_r(p['arms'][OFF]['p99_ttft'])} |")
+    md += [
+        "",
+        f"## Every arm, priority mix {', '.join(cfg.priority_mix)}",
+        "",
+        "| workload | x knee | arm | SLO met | goodput (req/s) | P99 TTFT (s) | critical SLO | critical P99 TTFT (s) "
+        "| shed |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w, s in summary.items():
+        for mult, p in s["past"].items():
+            for name, a in p["arms"].items():
+                md.append(f"| {w} | {mult} | `{name}` | {_pct(a['slo_attainment'])} | {_r(a['goodput_rps'], '{:.1f}')} "
+                          f"| {_r(a['p99_ttft'])} | {_pct(a['critical_slo'])} | {_r(a['critical_p99_ttft'])} | "
+                          f"{_r(a['shed'], '{:.0f}')} |")
+    md += [
+        "",
+        f"## Fairness: tenant A at {cfg.tenant_load:g} x knee alone, then with tenant B flooding to "
+        f"{cfg.flood_load:g} x knee",
+        "",
+        "A's P99 TTFT under the flood over alone (goal: at most 1.2), flow control off, then on at each "
+        "over-share bound (1: fairness by queue order only); B's SLO attainment and the total goodput are what "
+        "the isolation costs.",
+        "",
+        "| workload | arm | A's P99 ratio | A's SLO | B's SLO | B shed | goodput (req/s) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, x in f.items():
-        a0, a1, b1 = x["alone"]["tenants"]["A"], x["flood"]["tenants"]["A"], x["flood"]["tenants"]["B"]
-        md.append(f"| `{name}` | {_s(a0['p99_ttft'])} s | {_s(a1['p99_ttft'])} s | {x['a_p99_ratio']:.2f} | "
-                  f"{a0['slo_attainment']:.0%}, {a1['slo_attainment']:.0%} | {b1['slo_attainment']:.0%} | "
-                  f"{b1['shed']} |")
-    md += ["", "Lost or leaked requests: " + ("; ".join(r["problems"]) if r["problems"] else
-                                                "none (every request finished or was shed; queue and account empty).")]
+    for w, s in summary.items():
+        f = s["fairness"]
+        md.append(f"| {w} | off | {_r(f['off']['a_p99_ratio'])} | - | {_pct(f['off']['b_slo'])} | 0 | "
+                  f"{_r(f['off']['goodput_rps'], '{:.1f}')} |")
+        for b, x in f["on"].items():
+            mark = " (the on arm)" if b == f["bound"] else ""
+            md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
+                      f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} |")
+    md += ["", "## Plots", "", *plots_section(plots, why), ""]
+    problems = result["problems"]
+    md.append("Lost or leaked requests: " + ("; ".join(problems) if problems else
+                                             "none (every request finished or was shed; queue and account empty)."))
     return "\n".join(md)
+
+
+def plot(cfg: FlowBenchConfig, summary: dict[str, Any], out_dir: Path) -> tuple[list[str], str | None]:
+    """flow_goodput.png (goodput against x knee, one panel per workload, the ceiling dashed) and
+    flow_fairness.png (A's P99 ratio against B's SLO attainment, over the over-share bounds)."""
+    from pilotfish.bench.report import NO_MATPLOTLIB, family_styles, plot_against_load, pyplot, save_figure
+
+    plt = pyplot()
+    if plt is None:
+        return [], NO_MATPLOTLIB
+    names = [*cfg.peers, OFF, ON]
+    style = family_styles(plt, {n: "pilotfish" if n.startswith("pilotfish") else "peer" for n in names})
+    n = len(summary)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.6 * rows), squeeze=False)
+    for ax, (w, s) in zip(axes.flat, summary.items(), strict=False):
+        points = {name: [(float(m), *(p["arms"][name]["goodput_rps"][k] for k in ("mean", "min", "max")))
+                         for m, p in s["past"].items() if name in p["arms"]] for name in names}
+        plot_against_load(ax, points, style, "goodput (req/s)")
+        ax.plot([float(m) for m in s["past"]], [p["ceiling_rps"]["mean"] for p in s["past"].values()], "k--",
+                linewidth=1, label="ceiling")
+        ax.set_xlabel("x knee")
+        ax.set_title(w, fontsize=9)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].legend(fontsize=7)
+    plots = [save_figure(plt, fig, out_dir / "flow_goodput.png")]
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for w, s in summary.items():
+        on = s["fairness"]["on"]
+        xs = [x["b_slo"]["mean"] * 100 for x in on.values()]
+        ys = [x["a_p99_ratio"]["mean"] for x in on.values()]
+        line = ax.plot(xs, ys, marker="o", label=w)[0]
+        for b, x, y in zip(on, xs, ys, strict=True):
+            ax.annotate(b, (x, y), fontsize=7, color=line.get_color())
+    ax.axhline(1.2, color="black", linestyle=":", linewidth=1)
+    ax.set_xlabel("B's SLO attainment (%)")
+    ax.set_ylabel("A's P99 TTFT, flood / alone")
+    ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    plots.append(save_figure(plt, fig, out_dir / "flow_fairness.png"))
+    return plots, None

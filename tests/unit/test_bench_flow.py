@@ -1,0 +1,89 @@
+"""`pilotfish bench flow`: its config, traces, ceiling arithmetic and a small run that loses nothing (bench/flow.py)."""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import pytest
+
+from pilotfish.bench import flow
+from pilotfish.config import struct_from_args
+
+
+def parse(*argv: str) -> flow.FlowBenchConfig:
+    parser = argparse.ArgumentParser()
+    flow.add_arguments(parser)
+    return struct_from_args(flow.FlowBenchConfig, parser.parse_args(list(argv)))
+
+
+def test_flags_come_from_the_config_struct() -> None:
+    cfg = parse()
+    assert cfg.workloads == list(flow.FAMILIES) and cfg.seeds == [0, 1, 2] and cfg.instances == 4
+    cfg = parse("--workloads", "family:rag,family:system-prompt:turn=32-64;output=16", "--seeds", "3",
+                "--fair-bounds", "1,0.5", "--flow", "flow_max_kv_usage=0.9,flow_over_share_bound=0.25")
+    assert cfg.workloads == ["family:rag", "family:system-prompt:turn=32-64;output=16"]
+    assert cfg.seeds == [3] and cfg.fair_bounds == [1.0, 0.5]
+    assert flow.flow_settings(cfg) == {"flow_max_kv_usage": 0.9, "flow_over_share_bound": 0.25}
+    assert flow.over_share_bound(cfg) == 0.25
+    assert flow.over_share_bound(parse()) == 0.5  # the scheduler's default
+
+
+@pytest.mark.parametrize("spec", [*flow.FAMILIES, "family:system-prompt:turn=32-64;output=16"])
+def test_workload_trace_takes_the_first_n_in_its_namespace(spec: str) -> None:
+    trace = flow.workload_trace(spec, 40, seed=1, namespace="tenant-x")
+    assert len(trace) == 40
+    assert all(r.request_id.startswith("tenant-x-") for r in trace)
+    assert [r.arrival for r in trace] == sorted(r.arrival for r in trace)
+    assert flow.workload_trace(spec, 40, seed=1, namespace="tenant-x") == trace  # seeded
+
+
+@pytest.mark.parametrize("spec", ["family:nope", "trace:mooncake_synthetic.jsonl", "family:rag:nope=1"])
+def test_a_workload_that_is_not_a_family_is_refused_by_name(spec: str) -> None:
+    with pytest.raises(ValueError, match=r"nope|family"):
+        flow.workload_trace(spec, 10, 0, "x")
+
+
+def _arm(goodput: float, offered: float = 100.0) -> dict[str, float]:
+    return {"goodput_rps": goodput, "offered_rps": offered}
+
+
+def test_the_ceiling_is_the_offered_rate_or_the_capacity_whichever_is_lower() -> None:
+    arms = {"sglang": _arm(70), "dynamo": _arm(90), flow.OFF: _arm(88), flow.ON: _arm(95)}
+    c = flow.ceiling(arms, capacity=110.0, peers=["sglang", "dynamo"])
+    assert c["best_peer_rps"] == 90 and c["ceiling_rps"] == 100
+    assert c["offered_x_best_peer"] == pytest.approx(100 / 90)  # 1.3 x out of reach by arithmetic
+    assert c["on_x_best_peer"] == pytest.approx(95 / 90)
+    c = flow.ceiling(arms, capacity=80.0, peers=["sglang", "dynamo"])
+    assert c["ceiling_rps"] == 80 and c["ceiling_x_best_peer"] == pytest.approx(80 / 90)
+
+
+def test_spread_and_reachable() -> None:
+    s = flow.spread([1.0, math.nan, 3.0])
+    assert s == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
+    assert flow.spread([math.nan])["n"] == 0
+    assert flow.reachable(flow.spread([1.4, 1.5])) == "yes"
+    assert flow.reachable(flow.spread([1.2, 1.5])) == "some seeds"
+    assert flow.reachable(flow.spread([1.0, 1.1])) == "no"
+    assert flow._r(flow.spread([1.0, 3.0])) == "2.00 [1.00-3.00]"
+    assert flow._r(flow.spread([1.0])) == "1.00"
+
+
+def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
+    workload = "family:system-prompt:turn=1024-2048"  # long turns: 150 requests load one engine past the SLO
+    cfg = parse("--workloads", workload, "--seeds", "0", "--requests", "150", "--instances", "1",
+                "--loads", "1.2", "--peers", "dynamo", "--fair-bounds", "1,0.5", "--knee-steps", "0",
+                "--no-progress")
+    cell = flow.measure(cfg, workload, 0)
+    assert cell["problems"] == []
+    assert cell["knee"] is not None and cell["knee_bounded"]
+    arms = cell["past_knee"]["1.2"]
+    assert set(arms) == {"dynamo", flow.OFF, flow.ON}
+    for m in arms.values():
+        assert m["goodput_rps"] <= m["offered_rps"] + 1e-9
+    fair = cell["fairness"]
+    assert set(fair[flow.ON]["floods"]) == {"1", "0.5"}
+    assert fair["requests"]["A"] >= 100 and fair["requests"]["B"] > 0
+    summary = flow.summarise(cfg, [cell])
+    md = flow.render_markdown(cfg, {"summary": summary, "problems": [], "wall_seconds": 1.0, "host": "h"}, [], "none")
+    assert f"| {workload} | 1.2 |" in md and "on, bound 0.5 (the on arm)" in md

@@ -11,12 +11,22 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import msgspec
+
+from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.profile import LatencyProfile, LatencyTables
 from pilotfish.scheduler.view.types import RequestInfo
 
 DEFAULT_TOKEN_BUDGET = 8192
+
+
+def _config_default(name: str) -> Any:
+    """SchedulerConfig's default for `name`: a context built without a config (tests, ad-hoc use) agrees
+    with one built from the default config (registry.context_from_config), and neither holds its own."""
+    return next(f.default for f in msgspec.structs.fields(SchedulerConfig) if f.name == name)
 
 
 @dataclass(eq=False)
@@ -28,9 +38,9 @@ class PolicyContext:
     tables: LatencyTables = field(default_factory=lambda: LatencyTables(LatencyProfile()))
     # forward-predict prefill progress since the status (predictor-enhanced scheduling)
     predictor_enhanced: bool = False
-    instance_staleness_seconds: float = 10.0
-    # block size the prefix hashes cover when the request does not say
-    default_block_size: int = 16
+    instance_staleness_seconds: float = field(default_factory=lambda: _config_default("instance_staleness_seconds"))
+    # block size the prefix hashes cover when the request does not say: the gateway's
+    default_block_size: int = field(default_factory=lambda: _config_default("kv_events_prefix_block_size"))
     now: float = 0.0
     _req: RequestInfo | None = None
     _hits: dict[str, int] | None = None

@@ -421,6 +421,7 @@ def context_from_config(config: SchedulerConfig, **overrides: Any) -> PolicyCont
         "tables": LatencyTables(profile_from_config(config.latency_profile or None)),
         "predictor_enhanced": config.enable_predictor_enhanced_scheduling,
         "instance_staleness_seconds": config.instance_staleness_seconds,
+        "default_block_size": config.kv_events_prefix_block_size,
     }
     values.update(overrides)
     return PolicyContext(**values)

@@ -22,125 +22,183 @@ a 512-token Mooncake block becomes 128 tokens, eight whole KV blocks, at the def
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import sys
+import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import DEFAULT_TRACE, Profile, Progress, TraceDir, TraceSpec
+from pilotfish.bench.realtime_targets import DEFAULT_TARGETS, TARGETS
 
 if TYPE_CHECKING:
-    from pilotfish.bench.realtime_targets import FleetSpec
+    from pilotfish.bench.realtime_client import ReplayResult
+    from pilotfish.bench.realtime_targets import FleetSpec, Running
     from pilotfish.simulator.traces import Trace
 
-DEFAULT_TRACE = "mooncake_synthetic.jsonl"
 A100_KV_BLOCKS = 30000  # KV blocks of Llama-3-8B on an 80 GB A100 (as `bench cluster`), before --token-scale
+Peers = dict[str, tuple[str, str]]  # peer router -> (its executable, or "" and why it is missing)
+
+
+class RealtimeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    trace: TraceSpec = DEFAULT_TRACE
+    trace_dir: TraceDir = None
+    skip: Annotated[int, Meta(ge=0, description="trace requests to skip before the window")] = 0
+    requests: Annotated[int, Meta(ge=1, description="requests in the window (every run replays them)")] = 100
+    load: Annotated[
+        float,
+        Meta(gt=0, description="time compression of the window: 2 = twice the trace's rate (its CDFs are plotted)"),
+    ] = 2.0
+    loads: Annotated[list[float], Meta(description="loads to run (includes --load; empty: --load only)")] = (
+        msgspec.field(default_factory=list)
+    )
+    reps: Annotated[int, Meta(ge=1, description="repetitions of every target at every load")] = 3
+    engines: Annotated[int, Meta(ge=1, description="simulated engines in the fleet")] = 4
+    targets: Annotated[list[str], Meta(description=f"targets to run, of: {', '.join(TARGETS)}")] = msgspec.field(
+        default_factory=lambda: list(DEFAULT_TARGETS)
+    )
+    token_scale: Annotated[
+        float, Meta(gt=0, description="every prompt segment's length times this (1: the trace's own lengths)")
+    ] = 0.25
+    profile: Profile = "llama3-8b-a100"
+    num_gpu_blocks: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description=f"KV blocks per engine (0: {A100_KV_BLOCKS} x --token-scale, the A100's cache in the "
+            "scaled token units)",
+        ),
+    ] = 0
+    vllm_router: Annotated[
+        str,
+        Meta(
+            description="vllm-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped "
+            "without one"
+        ),
+    ] = ""
+    sglang_router: Annotated[
+        str,
+        Meta(
+            description="sglang-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped "
+            "without one"
+        ),
+    ] = ""
+    request_timeout: Annotated[float, Meta(gt=0, description="seconds one request may take")] = 300.0
+    seed: Annotated[int, Meta(description="seed of synthetic traces")] = 0
+    agreement: Annotated[
+        bool,
+        Meta(
+            description="also replay each real router's requests through its reproduction in bench/peers.py and "
+            "report how often they choose the same engine; without --targets, runs only the routers that have "
+            "one (e.g. --agreement --reps 1 --requests 100 --engines 4)"
+        ),
+    ] = False
+    progress: Progress = True
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pilotfish.bench.realtime_targets import DEFAULT_TARGETS, TARGETS
+    from pilotfish.config import add_struct_arguments
 
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    parser.add_argument(
-        "--trace",
-        default=DEFAULT_TRACE,
-        help="Mooncake .jsonl, Azure .csv (name in ../shared/traces or a path), or synthetic[:...] "
-        "as in `bench cluster`",
-    )
-    parser.add_argument("--trace-dir", default=None, help="folder of the shared traces (unset: ../shared/traces)")
-    parser.add_argument("--skip", type=int, default=0, help="trace requests to skip before the window")
-    parser.add_argument("--requests", type=int, default=100, help="requests in the window (every run replays them)")
-    parser.add_argument(
-        "--load",
-        type=float,
-        default=2.0,
-        help="time compression of the window: 2 = twice the trace's rate (its CDFs are plotted)",
-    )
-    parser.add_argument("--loads", default="", help="comma list of loads to run (includes --load; empty: --load only)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of every target at every load")
-    parser.add_argument("--engines", type=int, default=4, help="simulated engines in the fleet")
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS), help=f"comma list of: {', '.join(TARGETS)}")
-    parser.add_argument(
-        "--token-scale",
-        type=float,
-        default=0.25,
-        help="every prompt segment's length times this (1: the trace's own lengths)",
-    )
-    parser.add_argument("--profile", default="llama3-8b-a100", help="engine step-time profile (simulator/profiles)")
-    parser.add_argument(
-        "--num-gpu-blocks",
-        type=int,
-        default=0,
-        help=f"KV blocks per engine (0: {A100_KV_BLOCKS} x --token-scale, the A100's cache in the scaled token units)",
-    )
-    parser.add_argument(
-        "--vllm-router",
-        default="",
-        metavar="PATH",
-        help="vllm-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped without one",
-    )
-    parser.add_argument(
-        "--sglang-router",
-        default="",
-        metavar="PATH",
-        help="sglang-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped without one",
-    )
-    parser.add_argument("--request-timeout", type=float, default=300.0, help="seconds one request may take")
-    parser.add_argument("--seed", type=int, default=0, help="seed of synthetic traces")
-    parser.add_argument(
-        "--agreement",
-        action="store_true",
-        help="also replay each real router's requests through its reproduction in bench/peers.py and report "
-        "how often they choose the same engine; without --targets, runs only the routers that have one "
-        "(e.g. --agreement --reps 1 --requests 100 --engines 4)",
-    )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    add_struct_arguments(parser, RealtimeBenchConfig)
 
 
-# ---- the workload --------------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    from pilotfish.config import struct_from_args
+
+    started = time.monotonic()
+    cfg = struct_from_args(RealtimeBenchConfig, args)
+    plan = make_plan(cfg)
+    measured = measure(cfg, plan, Path(args.out))
+    report(cfg, plan, measured, Path(args.out), time.monotonic() - started)
+    return 0
 
 
-def workload(args: argparse.Namespace) -> tuple[Trace, str]:
+# ---- set-up: the workload, the fleet, the targets ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every run of one invocation shares, settled before the first starts."""
+
+    targets: list[str]  # in run order of the first repetition
+    skipped: list[str]  # "name: reason" for each target this machine cannot run
+    peers: Peers
+    base: Trace  # the window at load 1
+    label: str  # the trace's name for the report
+    fleet: FleetSpec
+    loads: list[float]
+
+
+def make_plan(cfg: RealtimeBenchConfig) -> Plan:
+    """Targets (SystemExit on an unknown one, ConfigError when none can run), the window and the fleet."""
+    from pilotfish.bench.realtime_targets import find_executable
+    from pilotfish.config import ConfigError
+
+    peers = {
+        "vllm-router": find_executable(cfg.vllm_router, "vllm-router"),
+        "sglang-router": find_executable(cfg.sglang_router, "sglang-router"),
+    }
+    names = cfg.targets
+    if cfg.agreement and names == list(DEFAULT_TARGETS):
+        from pilotfish.bench.realtime_agreement import AGREEMENT_TARGETS
+
+        names = list(AGREEMENT_TARGETS)
+    targets, skipped = resolve_targets(names, peers)
+    for line in skipped:
+        print(f"skipped {line}", file=sys.stderr)
+    if not targets:
+        raise ConfigError("--targets: nothing left to run")
+    base, label = workload(cfg)
+    return Plan(targets, skipped, peers, base, label, fleet_spec(cfg, base), parse_loads(cfg.load, cfg.loads))
+
+
+def workload(cfg: RealtimeBenchConfig) -> tuple[Trace, str]:
     """The window every run replays, at load 1: rebased to 0, prompts scaled; and the trace's label."""
     import dataclasses
 
-    from pilotfish.bench.cluster import load_trace
+    from pilotfish.bench.traces import load_trace
 
-    base, label = load_trace(args.trace, args.trace_dir, args.seed)
-    window = base[args.skip : args.skip + args.requests]
+    base, label = load_trace(cfg.trace, cfg.trace_dir, cfg.seed)
+    window = base[cfg.skip : cfg.skip + cfg.requests]
     if not window:
-        raise SystemExit(f"--skip {args.skip} --requests {args.requests}: the trace has {len(base)} requests")
+        raise SystemExit(f"--skip {cfg.skip} --requests {cfg.requests}: the trace has {len(base)} requests")
     t0 = window[0].arrival
     out: Trace = []
     for r in window:
-        segments = tuple((key, max(1, round(n * args.token_scale))) for key, n in r.segments)
+        segments = tuple((key, max(1, round(n * cfg.token_scale))) for key, n in r.segments)
         out.append(
             dataclasses.replace(r, arrival=r.arrival - t0, segments=segments, input_length=sum(n for _, n in segments))
         )
     return out, label
 
 
-def fleet_spec(args: argparse.Namespace, trace: Trace) -> FleetSpec:
+def fleet_spec(cfg: RealtimeBenchConfig, trace: Trace) -> FleetSpec:
     from pilotfish.bench.realtime_targets import FleetSpec
 
-    blocks = args.num_gpu_blocks or max(1, round(A100_KV_BLOCKS * args.token_scale))
+    blocks = cfg.num_gpu_blocks or max(1, round(A100_KV_BLOCKS * cfg.token_scale))
     longest = max(r.input_length + r.output_length for r in trace)
     max_len = max(8192, -(-longest // 1024) * 1024)  # every request of the window fits
     return FleetSpec(
-        args.engines, ("--profile", args.profile, "--num-gpu-blocks", str(blocks), "--max-model-len", str(max_len))
+        cfg.engines, ("--profile", cfg.profile, "--num-gpu-blocks", str(blocks), "--max-model-len", str(max_len))
     )
 
 
-def parse_loads(load: float, loads: str) -> list[float]:
-    values = {load}
-    values.update(float(x) for x in loads.split(",") if x.strip())
-    return sorted(values)
+def parse_loads(load: float, loads: list[float]) -> list[float]:
+    """--load and --loads, sorted, each once."""
+    return sorted({load, *loads})
 
 
-def resolve_targets(spec: str, peers: dict[str, tuple[str, str]]) -> tuple[list[str], list[str]]:
+def resolve_targets(names: list[str], peers: Peers) -> tuple[list[str], list[str]]:
     """(targets to run, "name: reason" for each skipped); SystemExit on an unknown name."""
-    from pilotfish.bench.realtime_targets import TARGETS, unavailable
+    from pilotfish.bench.realtime_targets import unavailable
 
-    names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in TARGETS]
     if unknown:
         raise SystemExit(f"--targets: unknown {', '.join(unknown)} (known: {', '.join(TARGETS)})")
@@ -154,189 +212,227 @@ def resolve_targets(spec: str, peers: dict[str, tuple[str, str]]) -> tuple[list[
     return run, skipped
 
 
-# ---- one run ------------------------------------------------------------------------------------------------
+# ---- measure: every load, repetition and target ----------------------------------------------------------------
+
+
+@dataclass
+class Measured:
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = field(default_factory=dict)  # load -> target -> run summaries
+    samples: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # at --load: target -> metric -> seconds
+
+
+def measure(cfg: RealtimeBenchConfig, plan: Plan, out: Path) -> Measured:
+    """Every run, one after another; each request's record to out/records.jsonl as it ends."""
+    from pilotfish.bench.cluster import Progress as ProgressBar
+    from pilotfish.bench.traces import compressed
+
+    progress = ProgressBar(len(plan.base) * len(plan.loads) * cfg.reps * len(plan.targets), enabled=cfg.progress)
+    measured = Measured()
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "records.jsonl", "w") as records_file:
+        for load in plan.loads:
+            trace = compressed(plan.base, load)
+            runs = measured.runs[str(load)] = {name: [] for name in plan.targets}
+            for rep, position, name in rotations(plan.targets, cfg.reps):
+                progress.label = f"load {load:g} rep {rep + 1}/{cfg.reps} {name}"
+                summary, records = run_one(name, trace, plan.fleet, plan.peers, cfg, progress.tick)
+                summary.update({"rep": rep, "position": position})
+                runs[name].append(summary)
+                if "error" in summary:
+                    print(f"\n{name} (load {load:g}, rep {rep + 1}): {summary['error']}", file=sys.stderr)
+                _write_records(records_file, load, rep, name, records)
+                if load == cfg.load:
+                    _add_samples(measured.samples.setdefault(name, {"ttft": [], "tpot": [], "e2e": []}), records)
+    progress.finish()
+    return measured
+
+
+def rotations(targets: list[str], reps: int) -> list[tuple[int, int, str]]:
+    """(repetition, position, target) in run order: the order rotated each repetition, so no target
+    always runs first or last on a machine that warms up or gets busier."""
+    out = []
+    for rep in range(reps):
+        order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
+        out += [(rep, position, name) for position, name in enumerate(order)]
+    return out
+
+
+def _write_records(records_file: IO[str], load: float, rep: int, target: str, records: list[Any]) -> None:
+    for r in records:
+        line = {
+            "load": load, "rep": rep, "target": target, "request_id": r.request_id, "engine": r.engine,
+            "arrival": r.arrival, "ttft": r.ttft, "tpot": r.tpot, "e2e": r.e2e,
+            "output_tokens": r.num_output_tokens, "error": r.finish_reason,
+        }  # fmt: skip
+        records_file.write(json.dumps(line) + "\n")
+
+
+def _add_samples(samples: dict[str, list[float]], records: list[Any]) -> None:
+    """The finished requests' TTFT, TPOT and end-to-end seconds, for the CDF plot."""
+    for r in records:
+        if r.finished is not None:
+            for key in ("ttft", "tpot", "e2e"):
+                if (v := getattr(r, key)) is not None:
+                    samples[key].append(v)
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """One target's replay, with what its router side spent."""
+
+    running: Running
+    warmup: Any  # the warm-up requests' choices (the agreement replay starts from them)
+    result: ReplayResult
+    start_seconds: float
+    router_cpu: float  # CPU seconds of the router side over the replay
+    parts: dict[str, float]  # the same, by component
 
 
 def run_one(
-    name: str, trace: Trace, fleet: FleetSpec, peers: dict[str, tuple[str, str]], args: argparse.Namespace, tick: Any
+    name: str, trace: Trace, fleet: FleetSpec, peers: Peers, cfg: RealtimeBenchConfig, tick: Any
 ) -> tuple[dict[str, Any], list[Any]]:
     """Fresh fleet + router for `name`, the replay, everything stopped; (run summary, request records)."""
-    import asyncio
-    import tempfile
-    from pathlib import Path
-
-    from pilotfish.bench.realtime_client import replay, warm_up
-    from pilotfish.bench.realtime_report import run_summary
-    from pilotfish.bench.realtime_targets import start_target
-    from pilotfish.procs import ChildGroup, cpu_seconds
+    from pilotfish.procs import ChildGroup
 
     group = ChildGroup()
     load_avg = os.getloadavg()[0]
-    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pilotfish-bench-realtime-") as tmp:
         try:
-            running = start_target(name, fleet, group, Path(tmp), peers)
-            warmup = asyncio.run(
-                warm_up(
-                    running.urls,
-                    count=fleet.engines,
-                    token_id_prompts=running.token_id_prompts,
-                    engine_ids=running.engine_ids,
-                )
-            )
-            start_seconds = time.monotonic() - started
-            cpu0 = sum(cpu_seconds(p) for p in running.router_pids)
-            parts0 = {part: cpu_seconds(pid) for part, pid in running.router_parts.items()}
-            result = asyncio.run(
-                replay(
-                    trace,
-                    running.urls,
-                    running.engine_ids,
-                    token_id_prompts=running.token_id_prompts,
-                    timeout=args.request_timeout,
-                    tick=tick,
-                )
-            )
-            router_cpu = sum(cpu_seconds(p) for p in running.router_pids) - cpu0
-            parts = {part: cpu_seconds(pid) - parts0[part] for part, pid in running.router_parts.items()}
+            replayed = _replay(name, trace, fleet, peers, cfg, tick, group, Path(tmp))
         except Exception as exc:  # one target that cannot start must not cost the other targets' runs
             for _ in trace:
                 tick()
             return {"error": f"{type(exc).__name__}: {exc}"[:600], "load_avg_1m": load_avg}, []
         finally:
             group.stop_all()
-    summary = run_summary(result.records, fleet.engines)
+    summary = _run_figures(replayed, fleet.engines, load_avg)
+    if cfg.agreement:
+        _add_agreement(summary, name, trace, replayed, fleet.engines)
+    return summary, replayed.result.records
+
+
+def _replay(
+    name: str,
+    trace: Trace,
+    fleet: FleetSpec,
+    peers: Peers,
+    cfg: RealtimeBenchConfig,
+    tick: Any,
+    group: Any,
+    tmp: Path,
+) -> Replayed:
+    """Start `name` in `group` (the caller stops it), warm it up, replay `trace` through it."""
+    import asyncio
+
+    from pilotfish.bench.realtime_client import replay, warm_up
+    from pilotfish.bench.realtime_targets import start_target
+    from pilotfish.procs import cpu_seconds
+
+    started = time.monotonic()
+    running = start_target(name, fleet, group, tmp, peers)
+    warmup = asyncio.run(
+        warm_up(
+            running.urls, count=fleet.engines, token_id_prompts=running.token_id_prompts, engine_ids=running.engine_ids
+        )
+    )
+    start_seconds = time.monotonic() - started
+    cpu0 = sum(cpu_seconds(p) for p in running.router_pids)
+    parts0 = {part: cpu_seconds(pid) for part, pid in running.router_parts.items()}
+    result = asyncio.run(
+        replay(
+            trace,
+            running.urls,
+            running.engine_ids,
+            token_id_prompts=running.token_id_prompts,
+            timeout=cfg.request_timeout,
+            tick=tick,
+        )
+    )
+    router_cpu = sum(cpu_seconds(p) for p in running.router_pids) - cpu0
+    parts = {part: cpu_seconds(pid) - parts0[part] for part, pid in running.router_parts.items()}
+    return Replayed(running, warmup, result, start_seconds, router_cpu, parts)
+
+
+def _run_figures(replayed: Replayed, engines: int, load_avg: float) -> dict[str, Any]:
+    """One run's summary: latency, throughput and failures, and what the client and router side spent."""
+    from pilotfish.bench.realtime_report import run_summary
+
+    result, requests = replayed.result, len(replayed.result.records)
+    summary = run_summary(result.records, engines)
     summary.update(
         {
             "client_cpu_share": result.client_cpu_seconds / result.wall_seconds if result.wall_seconds else 0.0,
-            "router_cpu_seconds": router_cpu,
+            "router_cpu_seconds": replayed.router_cpu,
             # per request of the replay, so targets compare whatever finished; and by component
-            "router_cpu_ms_per_request": router_cpu * 1000 / len(result.records) if result.records else 0.0,
+            "router_cpu_ms_per_request": replayed.router_cpu * 1000 / requests if requests else 0.0,
             "router_cpu_ms_per_request_parts": {
-                part: cpu * 1000 / len(result.records) for part, cpu in parts.items() if result.records
+                part: cpu * 1000 / requests for part, cpu in replayed.parts.items() if requests
             },
             "replay_seconds": result.wall_seconds,
-            "start_seconds": start_seconds,
+            "start_seconds": replayed.start_seconds,
             "load_avg_1m": load_avg,
-            "prompts": "token ids" if running.token_id_prompts else "text",
+            "prompts": "token ids" if replayed.running.token_id_prompts else "text",
         }
     )
-    if getattr(args, "agreement", False):
-        from pilotfish.bench.realtime_agreement import REPRODUCTIONS
-        from pilotfish.bench.realtime_agreement import replay as agreement_replay
-
-        if name in REPRODUCTIONS:
-            try:
-                summary["agreement"] = agreement_replay(
-                    name, trace, result.records, warmup, fleet.engines, running.engine_urls
-                )
-            except Exception as exc:  # the replay must not cost the run its figures
-                summary["agreement"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
-    return summary, result.records
+    return summary
 
 
-def run(args: argparse.Namespace) -> int:
-    import json
+def _add_agreement(summary: dict[str, Any], name: str, trace: Trace, replayed: Replayed, engines: int) -> None:
+    """--agreement: the router's reproduction over the same requests, where it has one."""
+    from pilotfish.bench.realtime_agreement import REPRODUCTIONS
+    from pilotfish.bench.realtime_agreement import replay as agreement_replay
 
-    from pilotfish.bench.cluster import Progress
-    from pilotfish.bench.realtime_report import aggregate, render_markdown, write_plots
-    from pilotfish.bench.realtime_targets import DEFAULT_TARGETS, TARGETS, find_executable
+    if name not in REPRODUCTIONS:
+        return
+    try:
+        summary["agreement"] = agreement_replay(
+            name, trace, replayed.result.records, replayed.warmup, engines, replayed.running.engine_urls
+        )
+    except Exception as exc:  # the replay must not cost the run its figures
+        summary["agreement"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+# ---- report ----------------------------------------------------------------------------------------------------
+
+
+def report(cfg: RealtimeBenchConfig, plan: Plan, measured: Measured, out: Path, wall_seconds: float) -> None:
+    """Plots, result.json and report.md (rendered from result.json alone)."""
+    from pilotfish.bench.realtime_report import render_markdown, write_plots
     from pilotfish.bench.report import write_report
-    from pilotfish.simulator.traces import compress
 
-    started = time.monotonic()
-    if args.reps < 1 or args.requests < 1 or args.engines < 1 or args.token_scale <= 0:
-        print("--reps, --requests, --engines and --token-scale must be positive", file=sys.stderr)
-        return 2
-    peers = {
-        "vllm-router": find_executable(args.vllm_router, "vllm-router"),
-        "sglang-router": find_executable(args.sglang_router, "sglang-router"),
-    }
-    if getattr(args, "agreement", False) and args.targets == ",".join(DEFAULT_TARGETS):
-        from pilotfish.bench.realtime_agreement import AGREEMENT_TARGETS
+    families = {name: TARGETS[name].family for name in plan.targets}
+    plots, no_plots = write_plots(out, cfg.load, measured.samples, plan.loads, measured.runs, families)
+    result = _result(cfg, plan, measured, wall_seconds) | {"plots": plots, "no_plots": no_plots}
+    md = render_markdown({"benchmark": "realtime", **result})
+    write_report(out, "realtime", result, md)
+    print(md)
 
-        args.targets = ",".join(AGREEMENT_TARGETS)
-    targets, skipped = resolve_targets(args.targets, peers)
-    for line in skipped:
-        print(f"skipped {line}", file=sys.stderr)
-    if not targets:
-        print("--targets: nothing left to run", file=sys.stderr)
-        return 2
-    base, label = workload(args)
-    fleet = fleet_spec(args, base)
-    loads = parse_loads(args.load, args.loads)
-    progress = Progress(len(base) * len(loads) * args.reps * len(targets), enabled=not args.no_progress)
-    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    samples: dict[str, dict[str, list[float]]] = {}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with open(args.out / "records.jsonl", "w") as records_file:
-        for load in loads:
-            trace = compress(base, load) if load != 1.0 else base
-            runs[str(load)] = {name: [] for name in targets}
-            for rep in range(args.reps):
-                order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
-                for position, name in enumerate(order):
-                    progress.label = f"load {load:g} rep {rep + 1}/{args.reps} {name}"
-                    summary, records = run_one(name, trace, fleet, peers, args, progress.tick)
-                    summary.update({"rep": rep, "position": position})
-                    runs[str(load)][name].append(summary)
-                    if "error" in summary:
-                        print(f"\n{name} (load {load:g}, rep {rep + 1}): {summary['error']}", file=sys.stderr)
-                    for r in records:
-                        records_file.write(
-                            json.dumps(
-                                {
-                                    "load": load,
-                                    "rep": rep,
-                                    "target": name,
-                                    "request_id": r.request_id,
-                                    "engine": r.engine,
-                                    "arrival": r.arrival,
-                                    "ttft": r.ttft,
-                                    "tpot": r.tpot,
-                                    "e2e": r.e2e,
-                                    "output_tokens": r.num_output_tokens,
-                                    "error": r.finish_reason,
-                                }
-                            )
-                            + "\n"
-                        )
-                        if load == args.load and r.finished is not None:
-                            s = samples.setdefault(name, {"ttft": [], "tpot": [], "e2e": []})
-                            for key in ("ttft", "tpot", "e2e"):
-                                if (v := getattr(r, key)) is not None:
-                                    s[key].append(v)
-    progress.finish()
-    families = {name: TARGETS[name].family for name in targets}
-    plots, no_plots = write_plots(args.out, args.load, samples, loads, runs, families)
-    span = max(r.arrival for r in base)
-    result = {
-        "trace": label,
-        "skip": args.skip,
+
+def _result(cfg: RealtimeBenchConfig, plan: Plan, measured: Measured, wall_seconds: float) -> dict[str, Any]:
+    from pilotfish.bench.realtime_report import aggregate
+
+    base = plan.base
+    return {
+        "trace": plan.label,
+        "skip": cfg.skip,
         "requests": len(base),
-        "span_seconds_at_load_1": span,
-        "token_scale": args.token_scale,
+        "span_seconds_at_load_1": max(r.arrival for r in base),
+        "token_scale": cfg.token_scale,
         "mean_prompt_tokens": sum(r.input_length for r in base) / len(base),
         "mean_output_tokens": sum(r.output_length for r in base) / len(base),
-        "engines": args.engines,
-        "engine_args": list(fleet.engine_args),
-        "loads": loads,
-        "load": args.load,
-        "reps": args.reps,
-        "targets": {n: {"family": TARGETS[n].family, "description": TARGETS[n].description} for n in targets},
-        "peers": {router: path for router, (path, _) in peers.items() if path},
-        "skipped": skipped,
-        "runs": runs,
-        "summary": {str(ld): aggregate(runs[str(ld)]) for ld in loads},
-        "plots": plots,
-        "no_plots": no_plots,
-        "wall_seconds": time.monotonic() - started,
+        "engines": cfg.engines,
+        "engine_args": list(plan.fleet.engine_args),
+        "loads": plan.loads,
+        "load": cfg.load,
+        "reps": cfg.reps,
+        "targets": {n: {"family": TARGETS[n].family, "description": TARGETS[n].description} for n in plan.targets},
+        "peers": {router: path for router, (path, _) in plan.peers.items() if path},
+        "skipped": plan.skipped,
+        "runs": measured.runs,
+        "summary": {str(ld): aggregate(measured.runs[str(ld)]) for ld in plan.loads},
+        "wall_seconds": wall_seconds,
         "machine": {"cpus": os.cpu_count(), "host": platform.node(), "python": platform.python_version()},
         "command": "pilotfish bench realtime " + " ".join(sys.argv[sys.argv.index("realtime") + 1 :])
         if "realtime" in sys.argv
         else "",
     }
-    md = render_markdown({"benchmark": "realtime", **result})
-    write_report(args.out, "realtime", result, md)
-    print(md)
-    return 0

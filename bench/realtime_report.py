@@ -14,7 +14,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pilotfish.bench.report import plot_latency_cdfs
+from pilotfish.bench.report import (
+    NO_MATPLOTLIB,
+    family_styles,
+    plot_against_load,
+    plot_latency_cdfs,
+    plots_section,
+    pyplot,
+    save_figure,
+)
 
 # figure -> (path in a run summary, scale, label, lower is better)
 FIGURES: dict[str, tuple[tuple[str, ...], float, str, bool]] = {
@@ -268,26 +276,9 @@ def render_markdown(result: dict[str, Any]) -> str:
         "## Plots",
         "",
     ]
-    plots = result["plots"]
-    md += [f"![{p}]({p})" for p in plots] if plots else [f"None: {result.get('no_plots')}."]
+    md += plots_section(result["plots"], result.get("no_plots"))
     md += ["", "Per-request records (every repetition and target): `records.jsonl`."]
     return "\n".join(md)
-
-
-_DASHES = {"pilotfish": "-", "peer": "--", "baseline": ":"}
-
-
-def _styles(families: dict[str, str], plt: Any) -> dict[str, dict[str, Any]]:
-    # a strong colour each (tab10 covers every target) and a dash per family, so lines tell apart in print
-    cmap = plt.get_cmap("tab10")
-    return {
-        n: {
-            "color": cmap(i % 10),
-            "linestyle": _DASHES.get(family, "-"),
-            "linewidth": 2.2 if family == "pilotfish" else 1.4,
-        }
-        for i, (n, family) in enumerate(families.items())
-    }
 
 
 def write_plots(
@@ -299,47 +290,37 @@ def write_plots(
     families: dict[str, str],
 ) -> tuple[list[str], str | None]:
     """latency_cdf.png (pooled over repetitions at `load`) and, with several loads, p99_ttft_vs_load.png."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return [], "matplotlib is not installed (`pip install 'pilotfish[bench]'`): no PNG plots"
-    style = _styles(families, plt)
-    written: list[str] = []
+    plt = pyplot()
+    if plt is None:
+        return [], NO_MATPLOTLIB
+    # a strong colour each (tab10 covers every target) and a dash per family, so lines tell apart in print
+    style = family_styles(plt, families, cmap="tab10")
     title = f"Latency CDFs per target, load {load:g}, all repetitions pooled"
     plot_latency_cdfs(plt, samples, style, title, out_dir / "latency_cdf.png")
-    written.append("latency_cdf.png")
+    written = ["latency_cdf.png"]
     if len(loads) > 1:
         fig, ax = plt.subplots(figsize=(8, 4.8))
-        for name in families:
-            points = []
-            for ld in loads:
-                entry = aggregate({name: runs[str(ld)][name]})[name]["ttft_p99"]
-                if entry:
-                    points.append((ld, entry["median"], entry["min"], entry["max"]))
-            if points:
-                xs, med, lo, hi = zip(*points, strict=True)
-                ax.errorbar(
-                    xs,
-                    med,
-                    yerr=[[m - a for m, a in zip(med, lo, strict=True)], [b - m for m, b in zip(med, hi, strict=True)]],
-                    marker="o",
-                    capsize=3,
-                    label=name,
-                    **style[name],
-                )
-        ax.set_xlabel("load (time compression)")
-        ax.set_ylabel("P99 TTFT (s), median and min-max over repetitions")
-        ax.set_yscale("log")
-        ax.grid(True, alpha=0.3)
+        plot_against_load(
+            ax, _p99_ttft_points(families, loads, runs), style, "P99 TTFT (s), median and min-max over repetitions",
+            log=True,
+        )  # fmt: skip
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out_dir / "p99_ttft_vs_load.png", dpi=110)
-        plt.close(fig)
-        written.append("p99_ttft_vs_load.png")
+        written.append(save_figure(plt, fig, out_dir / "p99_ttft_vs_load.png"))
     return written, None
+
+
+def _p99_ttft_points(
+    families: dict[str, str], loads: Sequence[float], runs: dict[str, dict[str, list[dict[str, Any]]]]
+) -> dict[str, list[tuple[float, float, float, float]]]:
+    """Per target: (load, median, min, max) of P99 TTFT over its repetitions, at each load it ran."""
+    points: dict[str, list[tuple[float, float, float, float]]] = {}
+    for name in families:
+        points[name] = []
+        for ld in loads:
+            entry = aggregate({name: runs[str(ld)][name]})[name]["ttft_p99"]
+            if entry:
+                points[name].append((ld, entry["median"], entry["min"], entry["max"]))
+    return points
 
 
 def _agreement_section(result: dict[str, Any]) -> list[str]:

@@ -35,6 +35,7 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.bench.options import ClusterRunOptions, Duration, Instances, Load
+from pilotfish.scheduler.config import SchedulerConfig
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 
 SCENARIOS = ("load_balance", "failover")
 LOAD_BALANCE_POLICIES = ["decode_load", "neutral_load"]
-FAILOVER_POLICIES = ["prefill_failover", "decode_failover", "neutral_failover", "decode_load", "neutral_load"]
+# the scheduler's shipped default list: failover first, then load balance
+FAILOVER_POLICIES = SchedulerConfig().rescheduling_policies
 
 
 class RescheduleBenchConfig(ClusterRunOptions, frozen=True):

@@ -184,7 +184,7 @@ class Reading:
 
     def __init__(self, tmp_path: Path, refresh_on_scrape: bool = False) -> None:
         self.cfg = config(tmp_path)
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry(auto_describe=True)  # as prometheus_client's REGISTRY, vLLM's
         self.clock = Clock()
         self.path = snapshot_path(self.cfg, "e0")
         self.metrics = SnapshotMetrics(
@@ -425,3 +425,10 @@ def test_a_scrape_refreshes_an_idle_engines_figures(tmp_path):
     r.clock.mono += INTERVAL_MS / 1000
     text = generate_latest(r.registry).decode()
     assert 'pilotfish_llumlet_requests{engine="e0",model_name="m",state="waiting"} 4.0' in text
+
+
+def test_a_scrape_that_fails_to_refresh_still_serves_the_page(tmp_path, monkeypatch):
+    r = Reading(tmp_path, refresh_on_scrape=True)
+    r.write(num_waiting=1)
+    monkeypatch.setattr(r.metrics, "refresh", lambda: 1 / 0)
+    assert "pilotfish_llumlet" in generate_latest(r.registry).decode()  # the families, as last set

@@ -131,12 +131,12 @@ class SnapshotMetrics:
         self.engines = {engine: _Engine(path) for engine, path in snapshots.items()}
         self.interval_s = interval_s
         self.stale_after_s = STALE_AFTER_INTERVALS * interval_s
-        if refresh_on_scrape:
-            registry.register(_RefreshOnScrape(self))  # before the families: collected first
-        self.families = families_for(registry)
         self._wall = wall_clock
         self._clock = clock
         self._next_s = 0.0
+        if refresh_on_scrape:
+            registry.register(_RefreshOnScrape(self))  # before the families: collected first
+        self.families = families_for(registry)
 
     def maybe_refresh(self) -> None:
         """From vLLM's record(), called every output batch: a refresh at most every interval."""
@@ -208,6 +208,10 @@ class _RefreshOnScrape:
     def __init__(self, metrics: SnapshotMetrics) -> None:
         self.metrics = metrics
         self.failed = False
+
+    def describe(self) -> list[Metric]:
+        """No names; and the registry (vLLM's has auto_describe) need not collect it to learn that."""
+        return []
 
     def collect(self) -> list[Metric]:
         if not self.failed:

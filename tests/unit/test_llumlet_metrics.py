@@ -432,3 +432,28 @@ def test_a_scrape_that_fails_to_refresh_still_serves_the_page(tmp_path, monkeypa
     r.write(num_waiting=1)
     monkeypatch.setattr(r.metrics, "refresh", lambda: 1 / 0)
     assert "pilotfish_llumlet" in generate_latest(r.registry).decode()  # the families, as last set
+
+
+# ---- the engine's name, derived alike in vLLM's two processes -------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "dp_rank", "dp_size", "expected"),
+    [
+        (["serve", "--port", "8001"], {}, 0, 1, "{host}-8001"),
+        (["serve", "--port=8002"], {}, 0, 1, "{host}-8002"),
+        (["serve"], {}, 0, 1, "{host}-8000"),  # vLLM's default port
+        (["serve", "--port", "8001"], {}, 1, 2, "{host}-8001-dp1"),
+        (["serve", "--port", "8001"], {"PILOTFISH_HTTP_PORT": "9000"}, 0, 1, "{host}-9000"),
+        (["serve", "--port", "8001"], {"PILOTFISH_INSTANCE_ID": "gpu-a"}, 0, 1, "gpu-a"),
+        (["serve"], {"PILOTFISH_INSTANCE_ID": "gpu-a"}, 3, 4, "gpu-a-dp3"),
+    ],
+)
+def test_both_processes_name_the_engine_alike(monkeypatch, argv, env, dp_rank, dp_size, expected):
+    import socket
+
+    from pilotfish.vllm_plugin.adapters import vllm_identity
+
+    monkeypatch.setattr("sys.argv", argv)
+    cfg = config_from_env({"PILOTFISH_CMS_URL": "redis://x", **env})
+    assert vllm_identity.instance_id(cfg, dp_rank, dp_size) == expected.format(host=socket.gethostname())

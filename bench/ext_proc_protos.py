@@ -459,47 +459,23 @@ def run_bench(
     libraries: tuple[str, ...] = (XDS, EDP),
     min_phase_s: float = MIN_PHASE_S,
 ) -> dict[str, Any]:
+    """Each library's worker `repeats` times, then its figures and (both ran) their paired ratio."""
     warmup = max(3, iterations // 10)
     pythons: dict[str, str] = {}
-    libs: dict[str, dict[str, Any]] = {}
+    libs: dict[str, dict[str, Any]] = {}  # an unavailable library's entry, then every library's
     for lib in libraries:
         python, reason = _interpreter(lib, edp_python)
         if python is None:
             libs[lib] = {"available": False, "reason": reason}
         else:
             pythons[lib] = python
-    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in pythons}
     load_before = os.getloadavg()[0]
     wall0 = time.perf_counter()
-    for r in range(repeats):
-        # alternate the order so a load change during the run hits both libraries alike
-        order = list(pythons) if r % 2 == 0 else list(reversed(pythons))
-        for lib in order:
-            if lib in libs:  # became unavailable in an earlier repeat
-                continue
-            try:
-                runs[lib].append(_run_worker(pythons[lib], lib, iterations, warmup, min_phase_s))
-            except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
-                if lib == XDS:
-                    raise  # the library we ship must work; a failure here is a bug, not "unavailable"
-                libs[lib] = {"available": False, "reason": str(exc), "python": pythons[lib]}
+    runs = _repeats(pythons, libs, repeats, iterations, warmup, min_phase_s)
     elapsed = time.perf_counter() - wall0
     for lib, samples in runs.items():
-        if lib in libs:
-            continue
-        first = samples[0]
-        cpu = sum(s["phases"][ph]["cpu_s"] for s in samples for ph in PHASES)
-        wall = sum(s["phases"][ph]["wall_s"] for s in samples for ph in PHASES)
-        libs[lib] = {
-            "available": True,
-            "version": first["version"],
-            "runtime": first["runtime"],
-            "python": pythons[lib],
-            "wire_sha256": first["wire_sha256"],
-            # below ~0.9 the worker waited for a core: the machine was contended
-            "cpu_share": round(cpu / wall, 3) if wall else None,
-            "us_per_request": {ph: _stats([_us(s, ph) for s in samples]) for ph in PHASES},
-        }
+        if lib not in libs:
+            libs[lib] = _library(samples, pythons[lib])
     result: dict[str, Any] = {
         "iterations": iterations,
         "min_phase_s": min_phase_s,
@@ -517,13 +493,63 @@ def run_bench(
     }
     available = [lib for lib in libraries if libs.get(lib, {}).get("available")]
     if XDS in available and EDP in available:
-        # paired by repeat: the two ran back to back, so a load swing cancels out of their ratio
-        pairs = list(zip(runs[XDS], runs[EDP], strict=False))
-        result["ratio_edp_over_xds"] = {ph: _stats([_us(e, ph) / _us(x, ph) for x, e in pairs]) for ph in PHASES}
-        result["wire_identical"] = libs[XDS]["wire_sha256"] == libs[EDP]["wire_sha256"]
-        totals = {lib: libs[lib]["us_per_request"]["total"]["median"] for lib in (XDS, EDP)}
-        result["faster"] = min(totals, key=totals.__getitem__)
+        result.update(_comparison(runs, libs))
     return result
+
+
+def _repeats(
+    pythons: dict[str, str],
+    libs: dict[str, dict[str, Any]],
+    repeats: int,
+    iterations: int,
+    warmup: int,
+    min_phase_s: float,
+) -> dict[str, list[dict[str, Any]]]:
+    """Each library's worker samples, repeat by repeat; a library other than the one we ship that
+    fails is marked unavailable in `libs` (with why) and left out of later repeats."""
+    runs: dict[str, list[dict[str, Any]]] = {lib: [] for lib in pythons}
+    for r in range(repeats):
+        # alternate the order so a load change during the run hits both libraries alike
+        order = list(pythons) if r % 2 == 0 else list(reversed(pythons))
+        for lib in order:
+            if lib in libs:  # became unavailable in an earlier repeat
+                continue
+            try:
+                runs[lib].append(_run_worker(pythons[lib], lib, iterations, warmup, min_phase_s))
+            except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+                if lib == XDS:
+                    raise  # the library we ship must work; a failure here is a bug, not "unavailable"
+                libs[lib] = {"available": False, "reason": str(exc), "python": pythons[lib]}
+    return runs
+
+
+def _library(samples: list[dict[str, Any]], python: str) -> dict[str, Any]:
+    """One library's entry: its version, its CPU share while timed, µs per request by phase."""
+    first = samples[0]
+    cpu = sum(s["phases"][ph]["cpu_s"] for s in samples for ph in PHASES)
+    wall = sum(s["phases"][ph]["wall_s"] for s in samples for ph in PHASES)
+    return {
+        "available": True,
+        "version": first["version"],
+        "runtime": first["runtime"],
+        "python": python,
+        "wire_sha256": first["wire_sha256"],
+        # below ~0.9 the worker waited for a core: the machine was contended
+        "cpu_share": round(cpu / wall, 3) if wall else None,
+        "us_per_request": {ph: _stats([_us(s, ph) for s in samples]) for ph in PHASES},
+    }
+
+
+def _comparison(runs: dict[str, list[dict[str, Any]]], libs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """envoy-data-plane over xds-protos by phase, whether their wire bytes agree, and which is faster."""
+    # paired by repeat: the two ran back to back, so a load swing cancels out of their ratio
+    pairs = list(zip(runs[XDS], runs[EDP], strict=False))
+    totals = {lib: libs[lib]["us_per_request"]["total"]["median"] for lib in (XDS, EDP)}
+    return {
+        "ratio_edp_over_xds": {ph: _stats([_us(e, ph) / _us(x, ph) for x, e in pairs]) for ph in PHASES},
+        "wire_identical": libs[XDS]["wire_sha256"] == libs[EDP]["wire_sha256"],
+        "faster": min(totals, key=totals.__getitem__),
+    }
 
 
 def render_markdown(result: dict[str, Any], command: str) -> str:
@@ -580,34 +606,29 @@ def render_markdown(result: dict[str, Any], command: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--iterations",
-        type=int,
-        default=DEFAULT_ITERATIONS,
-        help=f"requests per phase per repeat, at least (a phase goes on until {MIN_PHASE_S} s of CPU)",
-    )
-    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="fresh-process repeats per library")
-    parser.add_argument(
-        "--edp-python",
-        metavar="PYTHON",
-        help=f"a Python that has envoy-data-plane, when this one has not (also ${EDP_PYTHON_ENV})",
-    )
+    from pilotfish.bench.ext_proc_protos_config import ProtosBenchConfig
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, ProtosBenchConfig)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pilotfish.bench.ext_proc_protos_config import ProtosBenchConfig
     from pilotfish.bench.report import write_report
+    from pilotfish.config import struct_from_args
 
-    if args.iterations < 1 or args.repeats < 1:
-        print("pilotfish bench protos: --iterations and --repeats must be >= 1", file=sys.stderr)
-        return 2
-    result = run_bench(args.iterations, args.repeats, args.edp_python)
-    command = f"pilotfish bench protos --out {args.out} --iterations {args.iterations} --repeats {args.repeats}"
-    if args.edp_python:
-        command += f" --edp-python {args.edp_python}"
-    markdown = render_markdown(result, command)
+    cfg = struct_from_args(ProtosBenchConfig, args)
+    result = run_bench(cfg.iterations, cfg.repeats, cfg.edp_python)
+    markdown = render_markdown(result, _command(args.out, cfg.iterations, cfg.repeats, cfg.edp_python))
     write_report(args.out, NAME, result, markdown)
     print(markdown, end="")
     return 0
+
+
+def _command(out: Path, iterations: int, repeats: int, edp_python: str | None) -> str:
+    """The command line that repeats this run, for the report."""
+    command = f"pilotfish bench protos --out {out} --iterations {iterations} --repeats {repeats}"
+    return command + (f" --edp-python {edp_python}" if edp_python else "")
 
 
 if __name__ == "__main__":

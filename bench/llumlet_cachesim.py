@@ -158,12 +158,10 @@ def _report(cfg: LlumletCachesimConfig, kinds: dict[str, Any], out: Path) -> Non
 
 def _plot(out: Path, kinds: dict[str, Any]) -> list[str]:
     """misses.png: last-level misses a step the llumlet adds, by kind of step; [] without matplotlib."""
-    try:
-        import matplotlib
+    from pilotfish.bench.report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -175,10 +173,7 @@ def _plot(out: Path, kinds: dict[str, Any]) -> list[str]:
     ax.set_ylabel("last-level misses added a step")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "misses.png", dpi=110)
-    plt.close(fig)
-    return ["misses.png"]
+    return [save_figure(plt, fig, out / "misses.png")]
 
 
 if __name__ == "__main__":

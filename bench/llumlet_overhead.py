@@ -375,12 +375,10 @@ def _plot(
 ) -> list[str]:
     """overhead.png: throughput per round, by engine, each plugin engine's paired throughput cost,
     and the hooks' cost to the step measured within one engine (`in_engine`); [] without matplotlib."""
-    try:
-        import matplotlib
+    from pilotfish.bench.report import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return []
     Path(out).mkdir(parents=True, exist_ok=True)
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": [2, 1]})
@@ -413,10 +411,7 @@ def _plot(
     right.set_ylabel("cost against vLLM alone (%), 95% interval")
     right.grid(True, axis="y", alpha=0.3)
     right.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(Path(out) / "overhead.png", dpi=110)
-    plt.close(fig)
-    return ["overhead.png"]
+    return [save_figure(plt, fig, Path(out) / "overhead.png")]
 
 
 def _or_nan(value: float | None) -> float:

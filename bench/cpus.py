@@ -8,7 +8,6 @@ read as vLLM's latency. With vLLM on CPU 0 and the client on CPU 1 it waited 0.0
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 from collections.abc import Iterator
@@ -23,13 +22,8 @@ HELP = (
 )
 
 DEFAULT = "auto"
-# the field of a benchmark's config struct: `vllm_cpus: VllmCpus = DEFAULT`
+# --vllm-cpus as a field of a benchmark's config struct: `vllm_cpus: VllmCpus = DEFAULT`
 VllmCpus = Annotated[str, Meta(description=HELP)]
-
-
-def add_argument(parser: argparse.ArgumentParser) -> None:
-    """--vllm-cpus for a benchmark whose flags are not yet a config struct."""
-    parser.add_argument("--vllm-cpus", default=DEFAULT, help=HELP)
 
 
 def split_cpus(spec: str) -> tuple[set[int] | None, set[int] | None]:

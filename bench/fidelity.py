@@ -43,8 +43,8 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pilotfish.bench.cpus import HELP as VLLM_CPUS_HELP
-from pilotfish.bench.cpus import pinned, split_cpus, worker_cpus
+from pilotfish.bench.cpus import DEFAULT as VLLM_CPUS_DEFAULT
+from pilotfish.bench.cpus import VllmCpus, pinned, split_cpus, worker_cpus
 
 LATENCY_GOAL = 0.15
 COUNT_GOAL = 0.10
@@ -82,7 +82,7 @@ class FidelityConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     ] = 96
     block_size: Annotated[int, Meta(ge=1, description="vLLM CPU attention needs a multiple of 32")] = 32
     vocab_size: Annotated[int, Meta(gt=16, description="prompt token ids are folded below this")] = 256
-    vllm_cpus: Annotated[str, Meta(description=VLLM_CPUS_HELP)] = "auto"
+    vllm_cpus: VllmCpus = VLLM_CPUS_DEFAULT
     real_repeats: Annotated[
         int,
         Meta(

@@ -50,7 +50,9 @@ class LlumletStalenessConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields
             "default; 0: leave Python's 5000)"
         ),
     ] = None
-    redis_url: Annotated[str, Meta(description="use this Redis instead of starting a redis-server")] = ""
+    redis_url: Annotated[
+        str | None, Meta(description="use this Redis instead of starting a redis-server (unset: start one)")
+    ] = None
     write_from: Annotated[
         Literal["process", "engine", "export"],
         Meta(

@@ -77,19 +77,19 @@ class RealtimeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
         ),
     ] = 0
     vllm_router: Annotated[
-        str,
+        str | None,
         Meta(
             description="vllm-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped "
             "without one"
         ),
-    ] = ""
+    ] = None
     sglang_router: Annotated[
-        str,
+        str | None,
         Meta(
             description="sglang-router executable (unset: .venv-peers/bin, then PATH); its targets are skipped "
             "without one"
         ),
-    ] = ""
+    ] = None
     request_timeout: Annotated[float, Meta(gt=0, description="seconds one request may take")] = 300.0
     seed: Annotated[int, Meta(description="seed of synthetic traces")] = 0
     agreement: Annotated[
@@ -142,8 +142,8 @@ def make_plan(cfg: RealtimeBenchConfig) -> Plan:
     from pilotfish.config import ConfigError
 
     peers = {
-        "vllm-router": find_executable(cfg.vllm_router, "vllm-router"),
-        "sglang-router": find_executable(cfg.sglang_router, "sglang-router"),
+        "vllm-router": find_executable(cfg.vllm_router or "", "vllm-router"),
+        "sglang-router": find_executable(cfg.sglang_router or "", "sglang-router"),
     }
     names = cfg.targets
     if cfg.agreement and names == list(DEFAULT_TARGETS):

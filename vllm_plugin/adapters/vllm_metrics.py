@@ -1,6 +1,6 @@
 """vLLM's stat-logger plugin: the llumlet's figures on vLLM's own /metrics.
 
-Registered as the `vllm.stat_logger_plugins` entry point `pilotfish_llumlet`. vLLM (0.32) loads
+Registered as the `vllm.stat_logger_plugins` entry point `pilotfish_llumlet_metrics`. vLLM (0.32) loads
 that group in its API-server process only, and instantiates an `AggregateStatLoggerBase` subclass
 once with `(vllm_config, engine_indexes)`; it calls `record()` for every batch of engine outputs
 and `log()` every VLLM_LOG_STATS_INTERVAL (10 s). The llumlet runs in the engine-core process, so
@@ -13,8 +13,8 @@ vLLM: the first unexpected error is logged and the logger goes quiet.
 
 Side effect of the entry point, whatever the settings: vLLM keeps its engine statistics (and its
 own Prometheus families) even under --disable-log-stats when any stat-logger plugin is installed;
-only its periodic log line stays off. Set VLLM_PLUGINS to a list without `pilotfish_llumlet` to
-load neither of this package's plugins.
+only its periodic log line stays off. VLLM_PLUGINS=pilotfish_llumlet (the general plugin, without
+this one) leaves vLLM's statistics as they were.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ class InstanceHealth(Protocol):
         """Ids of the members whose status says not schedulable."""
         ...
 
-    def stamped_before(self, cutoff_ms: float) -> Iterable[str]:
+    def stamped_before(self, cutoff_ms: float) -> AbstractSet[str]:
         """Ids of the members whose status is stamped before `cutoff_ms`."""
         ...
 
@@ -200,7 +200,7 @@ class InstanceFilter(Filter):
     @abc.abstractmethod
     def passes(self, cand: Candidate, req: RequestInfo) -> bool: ...
 
-    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
+    def blocked_in(self, health: InstanceHealth) -> AbstractSet[str]:
         """health_indexed: the ids of the members `passes` would block, at this decision."""
         raise NotImplementedError(f"filter {self.name!r} is not answered from an index's health")
 

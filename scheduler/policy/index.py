@@ -173,6 +173,9 @@ class LoadIndex:
         self._unschedulable: set[str] = set()
         self._ts: dict[str, int] = {}
         self._by_ts: list[tuple[int, str]] = []
+        # (instance filters, the marking ones, global filters) of each pass (normal, fallback) of
+        # `pipeline`: fixed once it is built, and a decision would otherwise sort them out again
+        self._passes: dict[bool, tuple[list[InstanceFilter], list[InstanceFilter], list[GlobalFilter]]] = {}
         self._build(instances)
 
     def _build(self, instances: Iterable[InstanceView]) -> None:
@@ -241,24 +244,32 @@ class LoadIndex:
     def unschedulable(self) -> AbstractSet[str]:
         return self._unschedulable
 
-    def stamped_before(self, cutoff_ms: float) -> Iterable[str]:
+    def stamped_before(self, cutoff_ms: float) -> AbstractSet[str]:
         end = bisect.bisect_left(self._by_ts, (cutoff_ms, ""))
-        return (instance_id for _, instance_id in self._by_ts[:end])
+        return {instance_id for _, instance_id in self._by_ts[:end]} if end else _NONE
 
     def _unhealthy(self, marking: list[InstanceFilter]) -> set[str]:
         bad: set[str] = set()
         for flt in marking:
-            bad.update(flt.blocked_in(self))
+            bad |= flt.blocked_in(self)  # sets: merged without hashing again
         return bad
 
     def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[InstanceFilter], list[Blocker]]:
         """The single-instance filters of this pass and the global filters' blockers."""
-        filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
-        global_filters = [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback]
-        if not global_filters:
+        stages = self._passes.get(fallback) if pipeline is self.pipeline else None
+        if stages is None:
+            filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
+            stages = (
+                filters,
+                [f for f in filters if f.marks_failover],
+                [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback],
+            )
+            if pipeline is self.pipeline:
+                self._passes[fallback] = stages
+        filters, marking, global_filters = stages
+        if not global_filters or not marking:
             return filters, []
-        bad = self._unhealthy([f for f in filters if f.marks_failover])
-        return filters, _blockers(global_filters, bad, self.members)
+        return filters, _blockers(global_filters, self._unhealthy(marking), self.members)
 
     def _ranked(self, pipeline: Pipeline, req: RequestInfo) -> Iterator[tuple]:
         """Every member's full selector key (signed values..., instance id), best first."""

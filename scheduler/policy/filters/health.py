@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from pilotfish.scheduler.policy.base import Candidate, InstanceFilter, InstanceHealth
@@ -32,8 +31,8 @@ class SchedulabilityFilter(InstanceFilter):
         s = cand.inst.status
         return s is not None and s.schedulable
 
-    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
-        return itertools.chain(health.without_status(), health.unschedulable())
+    def blocked_in(self, health: InstanceHealth) -> AbstractSet[str]:
+        return health.without_status() | health.unschedulable()
 
 
 class StalenessFilter(InstanceFilter):
@@ -74,5 +73,5 @@ class StalenessFilter(InstanceFilter):
         s = cand.inst.status
         return s is not None and s.timestamp_ms >= self.cutoff_ms()
 
-    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
-        return itertools.chain(health.without_status(), health.stamped_before(self.cutoff_ms()))
+    def blocked_in(self, health: InstanceHealth) -> AbstractSet[str]:
+        return health.without_status() | health.stamped_before(self.cutoff_ms())

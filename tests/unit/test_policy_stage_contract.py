@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import pytest
@@ -91,9 +92,8 @@ class FreshWithin(InstanceFilter):
         s = cand.inst.status
         return s is not None and s.timestamp_ms >= self._cutoff_ms()
 
-    def blocked_in(self, health: InstanceHealth) -> Iterable[str]:
-        yield from health.without_status()
-        yield from health.stamped_before(self._cutoff_ms())
+    def blocked_in(self, health: InstanceHealth) -> AbstractSet[str]:
+        return health.without_status() | health.stamped_before(self._cutoff_ms())
 
 
 class Unscanned(FreshWithin):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import yaml
 
@@ -50,7 +50,14 @@ from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelecto
 from pilotfish.scheduler.policy.selectors.round_robin import RoundRobinSelector
 from pilotfish.scheduler.view.types import InferType
 
-T = TypeVar("T")
+
+class Named(Protocol):
+    """What a registry holds: classes that carry their registry key."""
+
+    name: ClassVar[str]
+
+
+T = TypeVar("T", bound=Named)
 
 
 class Registry(Generic[T]):
@@ -59,7 +66,7 @@ class Registry(Generic[T]):
         self._classes: dict[str, type[T]] = {}
 
     def register(self, cls: type[T]) -> type[T]:
-        name: str = cls.name  # type: ignore[attr-defined]
+        name = cls.name
         if name in self._classes:
             raise ValueError(f"{self.kind} {name!r} is registered twice")
         self._classes[name] = cls

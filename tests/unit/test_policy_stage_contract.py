@@ -300,3 +300,30 @@ def test_a_cache_locality_metric_must_say_it_reads_the_prefix_index() -> None:
 
             def value(self, inst: InstanceView, req: RequestInfo) -> float:
                 return 0.0
+
+
+def test_a_rescheduling_policy_checks_its_own_flags() -> None:
+    from pilotfish.scheduler.rescheduler.policies.base import ReschedulingPolicy
+    from pilotfish.scheduler.rescheduler.registry import RESCHEDULING_POLICIES
+
+    class NeedsUnits(ReschedulingPolicy):
+        name = "test_needs_units"
+        infer_type = InferType.NEUTRAL
+
+        @classmethod
+        def check_config(cls, config: SchedulerConfig) -> None:
+            if config.rescheduling_load_balance_scope != "unit":
+                raise ConfigError("--rescheduling-load-balance-scope: test_needs_units balances within units")
+
+        def pairs(self, instances: Sequence[InstanceView]) -> list:
+            return []
+
+    RESCHEDULING_POLICIES.register(NeedsUnits)
+    try:
+        named = {"enable_full_mode_scheduling": True, "rescheduling_policies": ["neutral_load", NeedsUnits.name]}
+        with pytest.raises(ConfigError, match="test_needs_units balances within units"):
+            check_config(SchedulerConfig(**named))  # type: ignore[arg-type]
+        check_config(SchedulerConfig(**named, rescheduling_load_balance_scope="unit"))  # type: ignore[arg-type]
+        check_config(SchedulerConfig(enable_full_mode_scheduling=True))  # not named: not asked
+    finally:
+        RESCHEDULING_POLICIES.unregister(NeedsUnits.name)

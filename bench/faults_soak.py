@@ -222,7 +222,18 @@ def leak_check(
         "bound_mib_per_hour": round(bound, 2),
         "leak": slope > bound,
         "decides": half[-1][0] - half[0][0] >= min_seconds,
+        # shown, not deciding: growth that slows quarter by quarter is levelling off, a leak does not
+        "quarter_slopes_mib_per_hour": [round(ls_slope(q) * 3600, 1) for q in quarters(points, warmup)],
     }
+
+
+def quarters(points: Series, warmup: float) -> list[list[tuple[float, float]]]:
+    """The span after `warmup` cut into four equal stretches of time."""
+    span = after_warmup(points, warmup)
+    start, length = span[0][0], (span[-1][0] - span[0][0]) / 4
+    if length <= 0:
+        return [span]
+    return [[(t, v) for t, v in span if min(3, int((t - start) / length)) == k] for k in range(4)]
 
 
 def live_return(points: Series, warmup: float, window: float, pct: float) -> dict[str, Any]:
@@ -394,8 +405,9 @@ def render_memory(soak: dict[str, Any]) -> list[str]:
         f"Rule: {soak['rule']}. By the whole-run rule alone: {'flat' if soak['whole_run_flat'] else 'not flat'}.",
         "",
         "| process | RSS first MiB | last MiB | max MiB | whole-run growth % | 2nd-half slope MiB/h (bound) | leak "
-        "| anon / file / THP MiB, first → last | largest step MiB: anon / file / THP | in flight at step / typical |",
-        "|---|---:|---:|---:|---:|---:|---|---|---|---|",
+        "| slope by quarter MiB/h | anon / file / THP MiB, first → last | largest step MiB: anon / file / THP "
+        "| in flight at step / typical |",
+        "|---|---:|---:|---:|---:|---:|---|---|---|---|---|",
     ]
     for name, p in soak["processes"].items():
         s, leak = p["step"], p["leak"]
@@ -404,7 +416,8 @@ def render_memory(soak: dict[str, Any]) -> list[str]:
         cells = [name, p["first_mib"], p["last_mib"], p["max_mib"],
                  f"{p['growth_pct']:g}" + ("" if p["whole_run_flat"] else " (over)"),
                  f"{leak['slope_mib_per_hour']:g} ({leak['bound_mib_per_hour']:g})",
-                 ("YES" if leak["leak"] else "no") + ("" if leak["decides"] else " (too short)"), parts,
+                 ("YES" if leak["leak"] else "no") + ("" if leak["decides"] else " (too short)"),
+                 ", ".join(f"{v:g}" for v in leak["quarter_slopes_mib_per_hour"]), parts,
                  f"+{s['rise_mib']:g} at {s['from_s']:.0f}-{s['to_s']:.0f} s" + (f": {made}" if made else ""),
                  f"{s['inflight_peak_at_step']} / {s['inflight_peak_typical']:g}"
                  + (" (burst)" if s["coincides_with_burst"] else "")]  # fmt: skip
@@ -462,7 +475,7 @@ def plot_memory(samples: Sequence[dict[str, Any]], peaks: Sequence[int], path: A
         if series:
             ax_env.plot([t for t, _ in series], [v for _, v in series], label=label)
     ax_env.set_ylabel("Envoy (MiB)")
-    ax_env.set_title("Envoy's allocator figures change at its stats flush (every 5 s)", fontsize=8)
+    ax_env.set_title("Envoy: RSS, RssAnon and tcmalloc's own figures (admin /memory)", fontsize=8)
     ax_env.legend(fontsize=7, ncol=2)
     times = [s["t"] for s in samples]
     # a peak belongs to the interval that ends at its sample

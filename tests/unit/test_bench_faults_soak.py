@@ -45,6 +45,14 @@ def test_a_steady_leak_is_not_flat() -> None:
     assert not summary["flat"] and summary["whole_run_flat"]
     assert summary["processes"]["scheduler"]["leak"]["slope_mib_per_hour"] == pytest.approx(15, abs=0.1)
     assert "scheduler: RSS still growing in the second half" in summary["why_not"]
+    assert summary["processes"]["scheduler"]["leak"]["quarter_slopes_mib_per_hour"] == pytest.approx([15] * 4, abs=0.2)
+
+
+def test_growth_that_stops_shows_in_the_last_quarter() -> None:
+    # +20 MiB an hour until 450 s, level after (as the simulated engines grow in a 10-minute soak)
+    summary = fs.summarise_memory(soak(lambda t: 50 + 20 * min(t, 450) / 3600), steady_spans(), CFG)
+    quarters = summary["processes"]["scheduler"]["leak"]["quarter_slopes_mib_per_hour"]
+    assert quarters[:2] == pytest.approx([20, 20], abs=0.2) and quarters[3] == 0
 
 
 @pytest.mark.parametrize(("live_after", "flat"), [(8.0, True), (8.5, True), (14.0, False)])

@@ -150,3 +150,72 @@ def test_vllm_metrics_show_the_llumlets_figures_after_requests(engine: Engine) -
     assert any(name == "vllm:num_requests_running" for name, _ in got)
     assert not any(name.startswith("pilotfish_") and "instance" in dict(labels) for name, labels in got)
     assert [p.name for p in engine.metrics_dir.iterdir()] == [f"{engine.instance_id}.json"]
+
+
+# vLLM imports in ~40 s here: every case runs in one process, its command line and settings set in turn
+GATING = r"""
+import json, os, sys
+from types import SimpleNamespace
+from pilotfish.vllm_plugin.adapters.vllm_metrics import LlumletStatLogger
+from vllm.v1.metrics.loggers import StatLoggerBase, load_stat_logger_plugin_factories
+
+assert issubclass(LlumletStatLogger, StatLoggerBase)
+assert LlumletStatLogger in load_stat_logger_plugin_factories()  # through the installed entry point
+results = []
+for argv, env, dp_size in json.load(sys.stdin):
+    sys.argv = ["vllm", *argv]
+    saved = dict(os.environ)
+    os.environ.update(env)
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name=["m"], model="/models/m"),
+        parallel_config=SimpleNamespace(data_parallel_size=dp_size),
+    )
+    logger = LlumletStatLogger(config, list(range(dp_size)))
+    logger.record(None, None)
+    logger.log()
+    metrics = logger.metrics
+    results.append(None if metrics is None else sorted(str(e.path) for e in metrics.engines.values()))
+    os.environ.clear()
+    os.environ.update(saved)
+print(json.dumps(results))
+"""
+SELECTED = ["--scheduler-cls", testing.SCHEDULER_CLS]
+GATING_CASES = [
+    (SELECTED, {}, 1, ["e.json"]),
+    (SELECTED, {}, 2, ["e-dp0.json", "e-dp1.json"]),
+    (["--port", "8001"], {}, 1, None),  # vLLM without the llumlet's scheduler class
+    (SELECTED, {"PILOTFISH_VLLM_METRICS": "false"}, 1, None),
+    (SELECTED, {"PILOTFISH_CMS_URL": ""}, 1, None),  # the llumlet off
+    (SELECTED, {"PILOTFISH_TTL_MS": "bad"}, 1, None),  # the engine core refuses it, naming it
+]
+
+
+@pytest.fixture(scope="module")
+def gating(tmp_path_factory) -> tuple[Path, list[list[str] | None]]:
+    import subprocess
+
+    python = testing.vllm_python()
+    if python is None:
+        _missing("vLLM is not installed: run scripts/install-vllm.sh (or set PILOTFISH_VLLM_PYTHON)")
+    directory = tmp_path_factory.mktemp("snapshots")
+    settings = {"PILOTFISH_CMS_URL": "redis://unused", "PILOTFISH_INSTANCE_ID": "e",
+                "PILOTFISH_METRICS_DIR": str(directory)}  # fmt: skip
+    out = subprocess.run(
+        [str(python), "-c", GATING],
+        input=json.dumps([case[:3] for case in GATING_CASES]),
+        env=testing.vllm_env(settings),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return directory, json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(GATING_CASES)))
+def test_the_stat_logger_reads_only_where_the_llumlet_runs(gating, case: int) -> None:
+    """vLLM's own plugin loader finds it; it is inert unless the llumlet runs with metrics on."""
+    directory, results = gating
+    expected = GATING_CASES[case][3]
+    assert results[case] == (None if expected is None else [str(directory / name) for name in expected])

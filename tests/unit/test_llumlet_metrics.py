@@ -457,3 +457,18 @@ def test_both_processes_name_the_engine_alike(monkeypatch, argv, env, dp_rank, d
     monkeypatch.setattr("sys.argv", argv)
     cfg = config_from_env({"PILOTFISH_CMS_URL": "redis://x", **env})
     assert vllm_identity.instance_id(cfg, dp_rank, dp_size) == expected.format(host=socket.gethostname())
+
+
+def test_an_export_process_found_dead_at_stop_leaves_no_snapshot(tmp_path):
+    # the engine removes what the dead child cannot
+    cfg = config(tmp_path)
+    llumlet = Llumlet(cfg, "e0", cms_pb2.InstanceMetadata(), FakeWriter(), own_process=True, metrics_snapshot=True)  # type: ignore[arg-type]
+    SnapshotWriter(cfg, "e0", "process").write(counters(), 0, 0, [])
+
+    class DeadProcess:
+        def stop(self, remove: bool) -> bool:
+            return False
+
+    llumlet.exporter.process = DeadProcess()  # type: ignore[attr-defined]
+    llumlet.stop()
+    assert not snapshot_path(cfg, "e0").exists()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,14 +94,15 @@ class Families:
         )
 
 
-_families: dict[int, Families] = {}
+# by the registry itself, weakly: an id() would be reused by a later registry
+_families: weakref.WeakKeyDictionary[CollectorRegistry, Families] = weakref.WeakKeyDictionary()
 
 
 def families_for(registry: CollectorRegistry = REGISTRY) -> Families:
     """The families in `registry`, created on first use."""
-    found = _families.get(id(registry))
+    found = _families.get(registry)
     if found is None:
-        found = _families[id(registry)] = Families(registry)
+        found = _families[registry] = Families(registry)
     return found
 
 

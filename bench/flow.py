@@ -559,7 +559,7 @@ def summarise(cfg: FlowBenchConfig, cells: list[dict[str, Any]]) -> dict[str, An
     out: dict[str, Any] = {}
     bound = f"{over_share_bound(cfg):g}"
     for w in cfg.workloads:
-        mine = [c for c in cells if c["workload"] == w and c.get("past_knee")]
+        mine = [c for c in cells if c["workload"] == w and "fairness" in c]
         s: dict[str, Any] = {"seeds": [c["seed"] for c in mine], "knee": spread([c["knee"] for c in mine]),
                              "knee_bounded": all(c["knee_bounded"] for c in mine)}
         s["past"] = {}
@@ -588,6 +588,7 @@ def summarise(cfg: FlowBenchConfig, cells: list[dict[str, Any]]) -> dict[str, An
         fair = [c["fairness"] for c in mine]
         s["fairness"] = {
             "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
+                    "a_slo": spread([f[OFF]["flood"]["tenants"]["A"]["slo_attainment"] for f in fair]),
                     "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
                     "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
             "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
@@ -700,8 +701,9 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
     ]
     for w, s in summary.items():
         f = s["fairness"]
-        md.append(f"| {w} | off | {_r(f['off']['a_p99_ratio'])} | - | {_pct(f['off']['b_slo'])} | 0 | "
-                  f"{_r(f['off']['goodput_rps'], '{:.1f}')} |")
+        off = f["off"]
+        md.append(f"| {w} | off | {_r(off['a_p99_ratio'])} | {_pct(off['a_slo'])} | {_pct(off['b_slo'])} | 0 | "
+                  f"{_r(off['goodput_rps'], '{:.1f}')} |")
         for b, x in f["on"].items():
             mark = " (the on arm)" if b == f["bound"] else ""
             md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "

@@ -563,8 +563,9 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             description="fairness on what is dispatched: while more than one flow is active (in flight or "
             "waiting), a flow holding more than 1/active of the work in flight and waiting (tokens: prompt + "
-            "max tokens) is judged against the saturation bounds times --flow-over-share-bound, leaving the "
-            "headroom to the flows within their share; a single flow is never judged so"
+            "max tokens), and asking for more than 1/active of the tokens arriving lately, is judged against "
+            "the saturation bounds times --flow-over-share-bound, leaving the headroom to the flows within "
+            "their share; a single flow is never judged so"
         ),
     ] = True
     flow_over_share_bound: Annotated[
@@ -576,6 +577,14 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "share (--flow-fair-share): lower isolates the other flows better and leaves engines idler",
         ),
     ] = 0.5
+    flow_fair_share_window_ms: Annotated[
+        float,
+        Meta(
+            gt=0,
+            description="time constant of the decayed per-flow arrival rates (tokens): a flow is over its "
+            "share only while it also asks for more than 1/active of the tokens arriving lately",
+        ),
+    ] = 5000.0
 
 
 def parse_instance(text: str) -> tuple[str, str]:

@@ -22,10 +22,12 @@ Fair share of what is dispatched (--flow-fair-share): round robin orders the que
 already on the engines (queued prefill, big decode batches) delays everyone else's first token
 however the queue is ordered. So the controller keeps an account of the tokens (prompt + max
 tokens) each flow has in flight, and while more than one flow is active (in flight or waiting),
-a flow holding more than 1/active of them is judged against the saturation bounds times
---flow-over-share-bound: it waits while an engine is past that, and the headroom above it is
-left to the flows within their share. One flow alone is never judged so, so a single tenant
-pays nothing.
+a flow holding more than 1/active of them, and asking for more than 1/active of the tokens
+arriving lately (a rate decayed over --flow-fair-share-window-ms), is judged against the
+saturation bounds times --flow-over-share-bound: it waits while an engine is past that, and the
+headroom above it is left to the flows within their share. The arrival test keeps the flag on the
+flood: held back and shed, a flood's work in flight can fall below a lighter flow's, but what it
+asks for does not. One flow alone is never judged so, so a single tenant pays nothing.
 """
 
 from __future__ import annotations
@@ -87,6 +89,7 @@ class FlowSettings:
     recheck_s: float = 0.05
     fair_share: bool = True
     over_share_bound: float = 0.5
+    share_window_s: float = 5.0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FlowSettings:
@@ -101,6 +104,7 @@ class FlowSettings:
             recheck_s=config.flow_recheck_ms / 1000,
             fair_share=config.flow_fair_share,
             over_share_bound=config.flow_over_share_bound,
+            share_window_s=config.flow_fair_share_window_ms / 1000,
         )
 
 
@@ -135,6 +139,30 @@ class FlowStats:
             self.flow_wait[key] += seconds
 
 
+class ArrivalRates:
+    """Tokens arriving per flow, each an exponentially decayed sum (time constant `window_s`), so a
+    flow's share of what is asked lately is its value over the total. A flow whose value decays
+    below one token is forgotten, which bounds the memory by the flows active lately."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._values: dict[str, tuple[float, float]] = {}  # flow -> (decayed tokens, as of when)
+
+    def add(self, flow: str, tokens: int, now: float) -> None:
+        value, at = self._values.get(flow, (0.0, now))
+        self._values[flow] = (value * math.exp(-(now - at) / self.window_s) + tokens, now)
+
+    def rates(self, now: float) -> dict[str, float]:
+        out = {}
+        for flow, (value, at) in list(self._values.items()):
+            v = value * math.exp(-(now - at) / self.window_s)
+            if v < 1.0:
+                del self._values[flow]
+            else:
+                out[flow] = v
+        return out
+
+
 class FlowController:
     def __init__(
         self,
@@ -161,6 +189,7 @@ class FlowController:
         self._inflight: dict[str, tuple[str, int]] = {}
         self._flow_tokens: Counter[str] = Counter()
         self._pruned_at = -math.inf
+        self.arrivals = ArrivalRates(self.settings.share_window_s)
 
     # -- what waits ---------------------------------------------------------------------------------
 
@@ -227,7 +256,10 @@ class FlowController:
         mine = demand.get(flow, 0)
         if not mine or len(demand) < 2:
             return False
-        return mine * len(demand) > sum(demand.values())
+        if mine * len(demand) <= sum(demand.values()):
+            return False
+        rates = self.arrivals.rates(self._clock())
+        return rates.get(flow, 0.0) * len(demand) > sum(rates.values())
 
     def _account(self, req: RequestInfo, flow: str) -> None:
         if not self.settings.fair_share:
@@ -268,6 +300,8 @@ class FlowController:
         band = band_of(priority, req.model, self.settings.by_model or {})
         queue = self._queues.get(req.model)
         flow = flow[:MAX_FLOW_LENGTH]
+        if self.settings.fair_share:
+            self.arrivals.add(flow, req.prompt_tokens + max(req.max_tokens, 0), self._clock())
         if hold_s <= 0 or not self._eligible(req.model):
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow)

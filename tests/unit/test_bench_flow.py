@@ -87,3 +87,8 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
     summary = flow.summarise(cfg, [cell])
     md = flow.render_markdown(cfg, {"summary": summary, "problems": [], "wall_seconds": 1.0, "host": "h"}, [], "none")
     assert f"| {workload} | 1.2 |" in md and "on, bound 0.5 (the on arm)" in md
+    # --loads "" (fairness only): the fairness part is still summarised
+    import msgspec
+
+    only = flow.summarise(msgspec.structs.replace(cfg, loads=[]), [{**cell, "past_knee": {}, "ceilings": {}}])
+    assert only[workload]["past"] == {} and only[workload]["fairness"]["on"]["0.5"]["a_p99_ratio"]["n"] == 1

@@ -350,3 +350,33 @@ def test_scale_tightens_every_bound() -> None:
     assert full.reason(_full(EngineStatus(total_kv_tokens=1000, used_kv_tokens=475), 0), 0.5) == "kv"
     assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=128), 256), 0.5) == "batch"
     assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=127), 256), 0.5) == ""
+
+
+def test_a_lighter_flow_is_never_over_its_share_though_its_work_in_flight_is_the_larger() -> None:
+    """Held back, a flood's work in flight can fall below a lighter flow's; what it asked for lately
+    keeps the flag on the flood."""
+    clock = Clock()
+    core, flow = fair(clock)
+    replies = Replies()
+    for i in range(6):
+        assert isinstance(flow.submit(treq(f"b{i}", 20), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    for i in range(2):
+        assert isinstance(flow.submit(treq(f"a{i}", 30), STD, "A", 5.0, replies.to(f"a{i}")), Decision)
+    assert flow.over_share("B") and not flow.over_share("A")
+    for i in range(5):
+        core.release(f"b{i}")
+    clock.now += 1
+    assert flow.flow_tokens() == {"A": 60, "B": 20}
+    assert not flow.over_share("A") and not flow.over_share("B")
+
+
+def test_arrival_rates_decay_and_forget() -> None:
+    from pilotfish.scheduler.flow.controller import ArrivalRates
+
+    rates = ArrivalRates(window_s=5.0)
+    rates.add("a", 100, 0.0)
+    rates.add("b", 10, 0.0)
+    rates.add("a", 100, 5.0)
+    got = rates.rates(5.0)
+    assert got["a"] == pytest.approx(100 / 2.718281828 + 100, rel=1e-6) and got["b"] == pytest.approx(10 / 2.718281828)
+    assert rates.rates(60.0) == {}  # decayed below a token: forgotten

@@ -38,9 +38,16 @@ from typing import Any
 
 ENVOY = "envoy"
 MIB = 1024 * 1024
-# the admin's /stats filter is a regular expression: Envoy's allocator figures and every HTTP
-# connection manager's active requests (the admin's own listener is dropped when read)
-ENVOY_STATS_FILTER = r"^server\.memory_|^http\..*\.downstream_rq_active$"
+# the admin's /stats filter is a regular expression: Envoy's allocator figures, every HTTP
+# connection manager's active requests and connections (the admin's own dropped when read) and
+# every cluster's open connections: an idle connection a burst opened holds live bytes until the
+# pool's idle timeout
+ENVOY_STATS_FILTER = r"^server\.memory_|^http\..*\.downstream_(rq|cx)_active$|^cluster\..*\.upstream_cx_active$"
+ENVOY_ACTIVE_SUFFIXES = {
+    ".downstream_rq_active": "rq_active",
+    ".downstream_cx_active": "downstream_cx",
+    ".upstream_cx_active": "upstream_cx",
+}
 ENVOY_MEMORY_KEYS = {
     "server.memory_allocated": "allocated",
     "server.memory_heap_size": "heap_size",
@@ -101,19 +108,16 @@ def parse_envoy_memory(text: str) -> dict[str, float]:
 
 def parse_envoy_stats(text: str) -> dict[str, float]:
     out: dict[str, float] = {}
-    active = 0.0
-    seen_active = False
     for line in text.splitlines():
         key, sep, value = line.partition(": ")
         if not sep or not re.fullmatch(r"-?\d+(\.\d+)?", value.strip()):
             continue
         if key in ENVOY_MEMORY_KEYS:
             out[ENVOY_MEMORY_KEYS[key]] = float(value)
-        elif key.endswith(".downstream_rq_active") and not key.startswith("http.admin."):
-            active += float(value)
-            seen_active = True
-    if seen_active:
-        out["rq_active"] = active
+        elif not key.startswith("http.admin."):
+            for suffix, name in ENVOY_ACTIVE_SUFFIXES.items():
+                if key.endswith(suffix):
+                    out[name] = out.get(name, 0.0) + float(value)
     return out
 
 
@@ -298,7 +302,15 @@ def memory_verdict(processes: dict[str, dict[str, Any]], envoy_live: dict[str, A
     if envoy_live is None:
         reasons.append("Envoy's live bytes were not sampled")
     elif not envoy_live["returned"]:
-        reasons.append("Envoy's live bytes did not come back to their level after the warm-up")
+        held = ", ".join(
+            f"{envoy_live[f'{key}_first']} → {envoy_live[f'{key}_last']} {key.replace('_cx', '')} connections"
+            for key in ("upstream_cx", "downstream_cx")
+            if f"{key}_first" in envoy_live
+        )
+        reasons.append(
+            f"Envoy's live bytes did not come back to their level after the warm-up ({envoy_live['baseline_mib']} → "
+            f"{envoy_live['end_mib']} MiB" + (f"; {held} open" if held else "") + ")"
+        )
     return {"flat": not reasons, "decided_by": "second-half slope and Envoy's live bytes", "why_not": reasons}
 
 
@@ -371,6 +383,11 @@ def summarise_memory(
             if series:
                 envoy_live[f"{key}_first_mib"] = round(after_warmup(series, cfg.soak_warmup_seconds)[0][1], 1)
                 envoy_live[f"{key}_last_mib"] = round(series[-1][1], 1)
+        for key in ("upstream_cx", "downstream_cx"):  # counts: what holds live bytes after a burst
+            series = envoy_series(samples, key, scale=1)
+            if series:
+                envoy_live[f"{key}_first"] = int(after_warmup(series, cfg.soak_warmup_seconds)[0][1])
+                envoy_live[f"{key}_last"] = int(series[-1][1])
     active = [s["envoy"]["rq_active"] for s in samples if "rq_active" in s.get("envoy", {})]
     peak_at = max(range(len(peaks)), key=peaks.__getitem__) if peaks else None
     return {
@@ -434,6 +451,12 @@ def render_memory(soak: dict[str, Any]) -> list[str]:
             f"free but mapped {live.get('pageheap_free_first_mib', '-')} → {live.get('pageheap_free_last_mib', '-')} "
             f"MiB, thread caches {live.get('thread_cache_first_mib', '-')} → {live.get('thread_cache_last_mib', '-')} "
             "MiB."
+            + (
+                f" Open connections: upstream {live['upstream_cx_first']} → {live['upstream_cx_last']}, downstream "
+                f"{live.get('downstream_cx_first', '-')} → {live.get('downstream_cx_last', '-')}."
+                if "upstream_cx_first" in live
+                else ""
+            )
         )
     else:
         lines.append("Envoy's live bytes: not sampled (its admin endpoint did not answer).")

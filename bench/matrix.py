@@ -41,9 +41,12 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
+from msgspec import Meta
+
+from pilotfish.bench.options import SloOptions, TraceDir
 
 PEERS = ("llm-d", "dynamo", "sglang")  # the reproductions of other routers (bench/peers.py)
 LOCAL_PEERS = ("sglang", "power-of-two", "least-requests")  # router-local: what lite mode is held against
@@ -64,27 +67,42 @@ DEFAULT_WORKLOADS = (
 )
 
 
-class MatrixConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Every knob of the matrix, with its default size (the CLI flags are derived from it)."""
+Workloads = Annotated[
+    list[str],
+    Meta(description="family:<name>[:knob=value;...] (simulator/traces/families.py; knobs separated by ';' "
+                     "here) or trace:<file in the traces folder>"),
+]
+Policies = Annotated[
+    list[str], Meta(description="bench cluster policy names; pilotfish and pilotfish-full are what ships")
+]
 
-    workloads: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_WORKLOADS))
-    policies: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_POLICIES))
-    fleets: list[int] = msgspec.field(default_factory=lambda: [16, 64])
-    loads: list[float] = msgspec.field(default_factory=lambda: [0.5, 0.8, 1.0, 1.2])
-    seeds: list[int] = msgspec.field(default_factory=lambda: [0, 1])
+
+class MatrixConfig(SloOptions, frozen=True):
+    """Every knob of the matrix, with its default size (the CLI flags and bench/README.md's table
+    come from it; the engine and SLO options are bench/options.py's)."""
+
+    workloads: Workloads = msgspec.field(default_factory=lambda: list(DEFAULT_WORKLOADS))
+    policies: Policies = msgspec.field(default_factory=lambda: list(DEFAULT_POLICIES))
+    fleets: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(description="engines per fleet")] = msgspec.field(
+        default_factory=lambda: [16, 64])
+    loads: Annotated[list[Annotated[float, Meta(gt=0)]], Meta(
+        description="loads as fractions of round-robin's knee")] = msgspec.field(
+        default_factory=lambda: [0.5, 0.8, 1.0, 1.2])
+    seeds: Annotated[list[int], Meta(description="seeds (synthetic traces, windows of a shared one, routers)")] = (
+        msgspec.field(default_factory=lambda: [0, 1]))
     # trace length of a cell, the same for every fleet (64 engines get a quarter as many per engine as 16:
     # their cells are shorter bursts, not a steady state)
-    requests_per_cell: int = 1024
-    knee_attainment: float = 0.9
-    knee_steps: int = 2
-    knee_doublings: int = 8
-    slo_ttft: float = 2.0
-    slo_tpot: float = 0.1
-    profile: str = "llama3-8b-a100"
-    num_gpu_blocks: int = 30000
-    max_model_len: int = 196608
-    traces_dir: str | None = None
-    jobs: int = 2
+    requests_per_cell: Annotated[int, Meta(ge=1, description="requests in a cell's trace, whatever the fleet")] = 1024
+    knee_attainment: Annotated[float, Meta(gt=0, le=1, description=(
+        "the knee: the highest rate at which round-robin's SLO attainment is at least this share of its "
+        "attainment at a quarter of the starting rate"))] = 0.9
+    knee_steps: Annotated[int, Meta(ge=0, description="bisections after the doubling")] = 2
+    knee_doublings: Annotated[int, Meta(ge=1, description="most doublings (or halvings) while bracketing the knee")] = 8
+    traces_dir: TraceDir = None
+    jobs: Annotated[int, Meta(ge=1, description="worker processes (the machine is shared: keep it low)")] = 2
+    quick: Annotated[bool, Meta(description=(
+        "a smoke-size matrix (two workloads, 16 engines, two loads, one seed, short traces) for what is left "
+        "at its default"))] = False
 
 
 QUICK = {"workloads": [DEFAULT_WORKLOADS[0], "family:rag"], "fleets": [16], "loads": [0.8, 1.2], "seeds": [0],
@@ -92,56 +110,20 @@ QUICK = {"workloads": [DEFAULT_WORKLOADS[0], "family:rag"], "fleets": [16], "loa
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    d = MatrixConfig()
-    parser.add_argument("--workloads", default=",".join(d.workloads),
-                        help="comma list: family:<name>[:knob=value;...] (simulator/traces/families.py; knobs "
-                             "separated by ';' here) or trace:<file in the traces folder>")
-    parser.add_argument("--policies", default=",".join(d.policies),
-                        help="comma list of bench cluster policy names; pilotfish and pilotfish-full are what ships")
-    parser.add_argument("--fleets", default=",".join(map(str, d.fleets)), help="engines per fleet, comma list")
-    parser.add_argument("--loads", default=",".join(f"{x:g}" for x in d.loads),
-                        help="loads as fractions of round-robin's knee, comma list")
-    parser.add_argument("--seeds", default=",".join(map(str, d.seeds)), help="seeds, comma list")
-    parser.add_argument("--requests-per-cell", type=int, default=d.requests_per_cell,
-                        help="requests in a cell's trace, whatever the fleet")
-    parser.add_argument("--knee-attainment", type=float, default=d.knee_attainment,
-                        help="the knee: the highest rate at which round-robin's SLO attainment is at least this "
-                             "share of its attainment at a quarter of the starting rate")
-    parser.add_argument("--knee-steps", type=int, default=d.knee_steps, help="bisections after the doubling")
-    parser.add_argument("--knee-doublings", type=int, default=d.knee_doublings,
-                        help="most doublings (or halvings) while bracketing the knee")
-    parser.add_argument("--slo-ttft", type=float, default=d.slo_ttft, help="goodput SLO: TTFT seconds")
-    parser.add_argument("--slo-tpot", type=float, default=d.slo_tpot, help="goodput SLO: TPOT seconds")
-    parser.add_argument("--profile", default=d.profile, help="engine step-time profile")
-    parser.add_argument("--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="KV blocks per engine")
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len, help="engine max model length")
-    parser.add_argument("--traces-dir", default=None, help="folder of the shared traces (unset: ../shared/traces)")
-    parser.add_argument("--jobs", type=int, default=d.jobs,
-                        help="worker processes (the machine is shared: keep it low)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a smoke-size matrix (two workloads, 16 engines, two loads, one seed, short traces)")
+    from pilotfish.config import add_struct_arguments
+
+    add_struct_arguments(parser, MatrixConfig)
 
 
 def config_from_args(args: argparse.Namespace) -> MatrixConfig:
-    def items(raw: str) -> list[str]:
-        return [x.strip() for x in raw.split(",") if x.strip()]
+    """The struct from the flags typed; --quick replaces what the user left at its default."""
+    from pilotfish.config import _UNSET, struct_from_args
 
-    values: dict[str, Any] = {
-        "workloads": items(args.workloads), "policies": items(args.policies),
-        "fleets": [int(x) for x in items(args.fleets)], "loads": [float(x) for x in items(args.loads)],
-        "seeds": [int(x) for x in items(args.seeds)], "requests_per_cell": args.requests_per_cell,
-        "knee_attainment": args.knee_attainment, "knee_steps": args.knee_steps,
-        "knee_doublings": args.knee_doublings, "slo_ttft": args.slo_ttft,
-        "slo_tpot": args.slo_tpot, "profile": args.profile, "num_gpu_blocks": args.num_gpu_blocks,
-        "max_model_len": args.max_model_len, "traces_dir": args.traces_dir, "jobs": args.jobs,
-    }
-    if args.quick:  # the quick size replaces what the user left at its default
-        d = MatrixConfig()
-        for key, value in QUICK.items():
-            if values[key] == getattr(d, key):
-                values[key] = value
-    return msgspec.convert(values, MatrixConfig)
+    config = struct_from_args(MatrixConfig, args)
+    if not config.quick:
+        return config
+    typed = {name for name in MatrixConfig.__struct_fields__ if getattr(args, name, _UNSET) is not _UNSET}
+    return msgspec.structs.replace(config, **{k: v for k, v in QUICK.items() if k not in typed})
 
 
 # ---- set-up: traces and runs (each a pure function of its arguments, so workers can run them) ------------

@@ -12,7 +12,7 @@ from types import ModuleType
 import msgspec
 import pytest
 
-from pilotfish.bench import cluster, fidelity, options, reschedule, scheduler, sim_capacity, sim_speed
+from pilotfish.bench import cluster, fidelity, matrix, options, reschedule, scheduler, sim_capacity, sim_speed
 from pilotfish.config import add_struct_arguments, struct_from_args
 
 BENCHES: list[tuple[ModuleType, type[msgspec.Struct]]] = [
@@ -22,6 +22,7 @@ BENCHES: list[tuple[ModuleType, type[msgspec.Struct]]] = [
     (sim_capacity, sim_capacity.SimCapacityConfig),
     (fidelity, fidelity.FidelityConfig),
     (scheduler, scheduler.SchedulerBenchConfig),
+    (matrix, matrix.MatrixConfig),
 ]
 IDS = [module.__name__.rsplit(".", 1)[1] for module, _ in BENCHES]
 

@@ -36,6 +36,14 @@ class ProtocolError(Exception):
     """The subscribed connection carried something no Redis pub/sub reply looks like."""
 
 
+def pack_command(*parts: bytes) -> bytes:
+    """One Redis command in RESP: an array of bulk strings."""
+    out = [b"*%d\r\n" % len(parts)]
+    for part in parts:
+        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
+    return b"".join(out)
+
+
 def status_notice(instance_id: str, record: bytes) -> bytes:
     """The notice a status write publishes: the record inline when it is small enough."""
     plain = f"{keys.STATUS}:{instance_id}".encode()

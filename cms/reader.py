@@ -4,8 +4,9 @@ Two paths:
 
 - **notices**: the writers publish a notice on `keys.events_channel(cluster)` after each write
   (cms/notices.py); a status notice carries the record itself, any other makes the reader GET that
-  one key; the decoded record is handed over at once. Of the statuses one read of the subscription
-  brings, only each instance's newest is decoded;
+  one key; the decoded record is handed over at once, from the subscription's transport callback
+  (no task wakes per notice). Of the statuses one read of the subscription brings, only each
+  instance's newest is decoded;
 - **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
   lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
   A value identical to the one last seen (by its digest) is not decoded again.
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
-from pilotfish.cms.notices import MAX_PLAIN_NOTICE, PushParser, split_notice
+from pilotfish.cms.notices import MAX_PLAIN_NOTICE, PushParser, pack_command, split_notice
 from pilotfish.cms.records import (
     MALFORMED,
     MAX_RECORD_BYTES,
@@ -61,8 +62,6 @@ CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
 # summaries of refused records kept (one per key); beyond this the oldest is forgotten
 MAX_REJECTED = 4 * MGET_BATCH
-# bytes asked of the subscribed connection per read: every notice that arrived, in one pass
-READ_CHUNK = 256 * 1024
 
 
 class CmsSink(Protocol):
@@ -229,27 +228,35 @@ class CmsReader:
         return seen
 
     async def _listen(self, recovered: Any) -> None:
-        pubsub = self._client.pubsub()
+        # a connection of its own, made by redis-py (socket, TLS, AUTH, protocol handshake); from
+        # then on its bytes go to `_Subscription`, which hands inline statuses over as they arrive
+        conn = self._client.connection_pool.make_connection()
         try:
-            # redis-py connects (auth, TLS, protocol) and subscribes; the replies are read here
-            await pubsub.subscribe(keys.events_channel(self.cluster))
-            stream = pubsub.connection._reader
-            parser = PushParser()
+            await conn.connect()
+            transport = conn._writer.transport
+            subscription = _Subscription(self, transport.get_protocol())
+            transport.set_protocol(subscription)
+            leftover = bytes(getattr(conn._reader, "_buffer", b""))  # nothing is owed after the handshake
+            if leftover:
+                subscription.data_received(leftover)
+            transport.write(pack_command(b"SUBSCRIBE", keys.events_channel(self.cluster).encode()))
             recovered()
             # notices sent while unsubscribed are lost: the next poll catches them up
             while True:
-                _raise_if_cancelling()
-                data = await stream.read(READ_CHUNK)
-                if not data:
-                    raise ConnectionError("Redis closed the notice subscription")
-                await self._on_messages(parser.feed(data))
+                await subscription.wake.wait()
+                subscription.wake.clear()
+                if subscription.ended is not None:
+                    raise subscription.ended
+                plain, subscription.to_read = subscription.to_read, {}
+                for kind, instance_id in plain:
+                    await self._read_key(kind, instance_id)
         finally:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(pubsub.aclose(), CLOSE_TIMEOUT)
+                await asyncio.wait_for(conn.disconnect(), CLOSE_TIMEOUT)
 
-    async def _on_messages(self, messages: list[list[bytes | int | None]]) -> None:
-        """Apply what one read brought: of an instance's inline statuses only the newest (the view
-        would drop the older ones anyway), then a GET per plainly announced key."""
+    def _take_notices(self, messages: list[list[bytes | int | None]]) -> dict[tuple[str, str], None]:
+        """Hand over the inline statuses among `messages` (of each instance only the newest: the view
+        would drop the older ones anyway); returns the plainly announced keys, to be read with a GET."""
         inline: dict[str, bytes] = {}
         plain: dict[tuple[str, str], None] = {}
         for message in messages:
@@ -265,10 +272,9 @@ class CmsReader:
                 plain[(kind, instance_id)] = None
             else:
                 inline[instance_id] = record
-        for instance_id, record in inline.items():
-            await self._apply(keys.status_key(self.cluster, instance_id), keys.STATUS, record)
-        for kind, instance_id in plain:
-            await self._read_key(kind, instance_id)
+        for instance_id, record in inline.items():  # never over the size bound: no STRLEN to await
+            self._hand_over(keys.status_key(self.cluster, instance_id), keys.STATUS, record)
+        return plain
 
     async def _read_key(self, kind: str, instance_id: str) -> None:
         make_key = keys.meta_key if kind == keys.META else keys.status_key
@@ -285,6 +291,22 @@ class CmsReader:
 
     async def _apply(self, key: str, kind: str, raw: bytes | Exception) -> bool:
         """Decode and hand over; True if the key holds a valid record (changed or not)."""
+        if isinstance(raw, bytes) and len(raw) > MAX_RECORD_BYTES and not self._known_value(key, raw):
+            # only the bound's worth was read: ask for the whole size, for the refusal's summary
+            size = len(raw)
+            with contextlib.suppress(Exception):
+                size = int(await self._client.strlen(key))
+            return self._hand_over(key, kind, raw, size)
+        return self._hand_over(key, kind, raw)
+
+    def _known_value(self, key: str, raw: bytes) -> bool:
+        """The value last handed over or refused for `key`."""
+        raw_digest = digest(raw)
+        held = self._rejected.get(key)
+        return self._last_digest.get(key) == raw_digest or (held is not None and held.digest == raw_digest)
+
+    def _hand_over(self, key: str, kind: str, raw: bytes | Exception, full_size: int = 0) -> bool:
+        """`_apply` without the STRLEN an oversized value needs (`full_size`, when known)."""
         instance_id = keys.instance_of(key)
         if isinstance(raw, Exception):  # not a string key: nothing a writer of ours would leave
             raw_digest, size = b"", 0
@@ -297,9 +319,8 @@ class CmsReader:
             if held is not None and held.digest == raw_digest:
                 return False  # the same refused value, polled again
             failure = None
-            if size > MAX_RECORD_BYTES:  # only the bound's worth was read: ask for the whole size
-                with contextlib.suppress(Exception):
-                    size = int(await self._client.strlen(key))
+            if size > MAX_RECORD_BYTES:
+                size = max(size, full_size)
                 failure = BadRecord(f"{kind} record of {size} bytes exceeds {MAX_RECORD_BYTES}", OVERSIZE)
         record: Any = None
         if failure is None:
@@ -353,3 +374,34 @@ def _raise_if_cancelling(cause: BaseException | None = None) -> None:
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError from cause
+
+
+class _Subscription(asyncio.Protocol):
+    """The notice connection's reader: parses what arrives and hands inline statuses over at once, in
+    the transport's callback, so no task wakes per notice; what needs a GET, and the end of the
+    subscription, go to the listening task (`wake`)."""
+
+    def __init__(self, reader: CmsReader, previous: asyncio.BaseProtocol) -> None:
+        self._reader = reader
+        # redis-py's protocol: told when the connection is lost, so its disconnect() completes
+        self._previous = previous
+        self._parser = PushParser()
+        self.to_read: dict[tuple[str, str], None] = {}
+        self.ended: BaseException | None = None
+        self.wake = asyncio.Event()
+
+    def data_received(self, data: bytes) -> None:
+        if self.ended is not None:
+            return
+        try:
+            self.to_read.update(self._reader._take_notices(self._parser.feed(data)))
+        except Exception as exc:  # a protocol error, a sink that raised: the task ends the subscription
+            self.ended = exc
+        if self.to_read or self.ended is not None:
+            self.wake.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.ended is None:
+            self.ended = exc or ConnectionError("Redis closed the notice subscription")
+        self.wake.set()
+        self._previous.connection_lost(exc)

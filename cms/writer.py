@@ -33,6 +33,7 @@ from typing import Any
 import redis
 
 from pilotfish.cms import keys
+from pilotfish.cms.notices import pack_command as _pack
 from pilotfish.cms.notices import status_notice
 from pilotfish.protos import cms_pb2
 
@@ -211,11 +212,3 @@ class CmsWriter:
         if conn is not None:
             conn.disconnect()
             self.client.connection_pool.release(conn)
-
-
-def _pack(*parts: bytes) -> bytes:
-    """One Redis command in RESP: an array of bulk strings."""
-    out = [b"*%d\r\n" % len(parts)]
-    for part in parts:
-        out.append(b"$%d\r\n%s\r\n" % (len(part), part))
-    return b"".join(out)

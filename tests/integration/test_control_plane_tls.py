@@ -27,6 +27,7 @@ import grpc
 import pytest
 import redis
 
+from pilotfish.cms import keys
 from pilotfish.cms.reader import CmsReader
 from pilotfish.cms.writer import CmsWriter
 from pilotfish.config import ConfigError
@@ -361,12 +362,14 @@ def test_a_llumlet_with_tls_refuses_a_plaintext_destination_call(creds: Creds, l
 class Sink:
     def __init__(self) -> None:
         self.meta: dict[str, cms_pb2.InstanceMetadata] = {}
+        self.update_ids: list[int] = []
 
     def apply_metadata(self, meta: cms_pb2.InstanceMetadata) -> bool:
         self.meta[meta.instance_id] = meta
         return True
 
     def apply_status(self, status: cms_pb2.InstanceStatus) -> bool:
+        self.update_ids.append(status.update_id)
         return True
 
     def status_gone(self, instance_id: str) -> None: ...
@@ -388,13 +391,22 @@ def redis_server_binary() -> Path:
         pytest.skip(f"redis-server: {exc}")
 
 
-async def read_back(url: str, options: dict[str, Any]) -> Sink:
-    """A CMS reader with `options` until it has the metadata written (or raises on timeout)."""
+async def read_back(url: str, options: dict[str, Any], writer: CmsWriter | None = None) -> Sink:
+    """A CMS reader with `options` until it has the metadata written (or raises on timeout); with
+    `writer`, then also a status written after that, which only its notice brings (no second poll)."""
     sink = Sink()
-    reader = CmsReader(url, "t", sink, poll_interval=0.2, redis_options=options)
+    reader = CmsReader(url, "t", sink, poll_interval=0.2 if writer is None else 3600.0, redis_options=options)
     task = asyncio.create_task(reader.run())
     try:
         await wait_until_async(lambda: "e1" in sink.meta, TIMEOUT, "the reader applying the metadata")
+        if writer is not None:
+            client = redis.Redis.from_url(url, **options)
+            await wait_until_async(
+                lambda: client.pubsub_numsub(keys.events_channel("t"))[0][1] == 1, TIMEOUT, "the subscription"
+            )
+            writer.write_status(cms_pb2.InstanceStatus(instance_id="e1", update_id=2, timestamp_ms=2))
+            await wait_until_async(lambda: 2 in sink.update_ids, TIMEOUT, "a status through its notice")
+            client.close()
     finally:
         task.cancel()
         await asyncio.wait([task], timeout=5)
@@ -420,7 +432,7 @@ async def test_redis_with_a_password(redis_server_binary: Path, tmp_path: Path) 
         writer.write_metadata(meta())
         writer.write_status(cms_pb2.InstanceStatus(instance_id="e1", update_id=1, timestamp_ms=1))
         # the scheduler's reader, with the password from the same kind of file
-        sink = await read_back(service.url, security.redis_options(service.url))
+        sink = await read_back(service.url, security.redis_options(service.url), writer)
         assert sink.meta["e1"].model == "m"
         # and without it, nothing: the reader counts Redis errors and applies nothing
         bare = Sink()
@@ -452,7 +464,7 @@ async def test_rediss_with_client_certificates(redis_server_binary: Path, tmp_pa
         writer = CmsWriter(service.url, "t", "e1", 5000, redis_options=good.redis_options(service.url))
         writer.write_metadata(meta())
         writer.write_status(cms_pb2.InstanceStatus(instance_id="e1", update_id=1, timestamp_ms=1))
-        sink = await read_back(service.url, good.redis_options(service.url))
+        sink = await read_back(service.url, good.redis_options(service.url), writer)
         assert sink.meta["e1"].host == "127.0.0.1"
         no_cert = creds.client(cert=False)
         with pytest.raises(redis.ConnectionError):  # tls-auth-clients: no client certificate, no session

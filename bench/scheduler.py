@@ -33,12 +33,16 @@ from msgspec import Meta
 
 GOALS_US = {256: 200.0, 4096: 1000.0}
 # the decision configurations: label, full mode, SchedulerConfig fields
+# the shipped default first (no flags: whatever SchedulerConfig defaults to), then the named policies
+LOAD_BALANCE = {"scheduling_policy": "load-balance"}
 CONFIGS: list[tuple[str, bool, dict[str, Any]]] = [
-    ("lite load-balance (num_requests)", False, {}),
-    ("full load-balance (all_prefills_tokens_num)", True, {}),
-    ("full load-balance, top-k 4", True, {"dispatch_top_k": 4}),
-    ("full load-balance, cache-aware", True, {"enable_cache_aware_scheduling": True}),
-    ("full load-balance, predictor-enhanced", True, {"enable_predictor_enhanced_scheduling": True}),
+    ("lite default (predicted-latency)", False, {}),
+    ("full default (predicted-latency)", True, {}),
+    ("lite load-balance (num_requests)", False, LOAD_BALANCE),
+    ("full load-balance (all_prefills_tokens_num)", True, LOAD_BALANCE),
+    ("full load-balance, top-k 4", True, {**LOAD_BALANCE, "dispatch_top_k": 4}),
+    ("full load-balance, cache-aware", True, {**LOAD_BALANCE, "enable_cache_aware_scheduling": True}),
+    ("full load-balance, predictor-enhanced", True, {**LOAD_BALANCE, "enable_predictor_enhanced_scheduling": True}),
 ]
 
 

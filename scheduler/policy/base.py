@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -81,6 +82,13 @@ class Metric(abc.ABC):
     # max(least + abs, least * rel) of the least loaded instance counts as balanced, so a prefix
     # hit may pick among such instances; (0, 1): only instances as loaded as the least
     balance_band: ClassVar[tuple[float, float]] = (0.0, 1.0)
+    # the value is `evaluate(state(inst), inst, req)`, `state` depending only on notified instance state
+    # (as `indexable` asks of the whole value): a load index keeps it per member, re-made when the member
+    # changes, and a decision adds the request's part (BoundedLoadIndex)
+    instance_state: bool = False
+    # instance_state, and `lower_bound` + `bound_offset` put a floor under the value: a load index walks
+    # the members by the floor when the metric ranks first
+    has_floor: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -97,6 +105,24 @@ class Metric(abc.ABC):
         """A cache-locality metric a load index can serve: its value on an instance without a hit.
         None (the default): an index does not rank by it (the pipeline scans)."""
         return None
+
+    def state(self, inst: InstanceView) -> Any:
+        """instance_state: what the value reads of the instance, request aside."""
+        raise NotImplementedError(f"metric {self.name!r} has no instance state")
+
+    def evaluate(self, state: Any, inst: InstanceView, req: RequestInfo) -> float:
+        """instance_state: `value(inst, req)` from `state(inst)`, with the same float operations."""
+        raise NotImplementedError(f"metric {self.name!r} has no instance state")
+
+    def lower_bound(self, state: Any) -> float:
+        """instance_state: with `bound_offset`, a floor under the value: for every request, value >=
+        lower_bound(state) + bound_offset(req, hit) on an instance whose cached prefix for it is `hit`.
+        -inf (the default): no floor, a load index visits every member."""
+        return -math.inf
+
+    def bound_offset(self, req: RequestInfo, hit: int) -> float:
+        """The request's part of `lower_bound`'s floor; -inf where no floor holds."""
+        return -math.inf
 
     def drain(self, inst: InstanceView) -> Drain | None:
         """forward_predicted: how `value` moves with the clock until `inst` changes; None while it does not move."""

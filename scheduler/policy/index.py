@@ -134,7 +134,7 @@ def _predicted_metric(pipeline: Pipeline) -> Metric | None:
 def indexable_pipeline(pipeline: Pipeline) -> bool:
     if pipeline.selector.index_walk is IndexWalk.NONE:
         return False
-    if _key_metrics(pipeline) is None and _predicted_metric(pipeline) is None:
+    if _key_metrics(pipeline) is None and _predicted_metric(pipeline) is None and _bounded_plan(pipeline) is None:
         return False
     if not all(g.indexable for g in pipeline.global_filters):
         return False
@@ -159,10 +159,13 @@ def _blockers(
 
 
 def load_index(pipeline: Pipeline, instances: Iterable[InstanceView]) -> LoadIndex:
-    """The index for an indexable pipeline: by drain time for a forward-predicted metric, else by value."""
-    if _key_metrics(pipeline) is None:
+    """The index for an indexable pipeline: by value; by drain time for a forward-predicted metric; by a floor
+    for a request-dependent one that has a floor."""
+    if _key_metrics(pipeline) is not None:
+        return LoadIndex(pipeline, instances)
+    if _predicted_metric(pipeline) is not None:
         return PredictedLoadIndex(pipeline, instances)
-    return LoadIndex(pipeline, instances)
+    return BoundedLoadIndex(pipeline, instances)
 
 
 class LoadIndex:
@@ -834,3 +837,219 @@ class _Best:
 
 def _remove(lst: list, item: tuple) -> None:
     del lst[bisect.bisect_left(lst, item)]
+
+
+# a floor is compared with a value computed by other float operations: this much slack (relative, and
+# absolute in the value's unit) keeps rounding from stopping a walk one instance early
+_BOUND_REL_SLACK = 1e-9
+_BOUND_ABS_SLACK = 1e-9
+
+
+def _bounded_plan(pipeline: Pipeline) -> tuple[Metric | None, list[Metric]] | None:
+    """(cache head or None, the ranked metrics after it) when a BoundedLoadIndex serves the pipeline."""
+    selector = pipeline.selector
+    metrics = list(selector.metrics)
+    head: Metric | None = None
+    if selector.index_walk is IndexWalk.BANDED:
+        head, metrics = metrics[0], metrics[1:]
+    elif selector.index_walk is not IndexWalk.RANKED:
+        return None
+    elif metrics and metrics[0].cache_locality:
+        head, metrics = metrics[0], metrics[1:]
+    if head is not None:
+        miss = head.miss_value()
+        # the instances without a hit must all have the same head value: then they rank among themselves
+        # by the metrics after it, and the walk's order (by the first one's floor) serves them
+        if miss is None or miss.base is not None:
+            return None
+    if not metrics or not (metrics[0].has_floor and metrics[0].instance_state) or not metrics[0].lower_is_better:
+        return None
+    if not all(m.instance_state or m.indexable for m in metrics[1:]):
+        return None
+    return head, metrics
+
+
+class BoundedLoadIndex(LoadIndex):
+    """The exact answer for a ranking whose first metric depends on the request but has a floor (predicted TTFT).
+
+    Such a metric's value is `evaluate(state, ...)` of a per-instance state kept here, made again when the
+    instance changes, and it is at least lower_bound(state) + bound_offset(req, hit) (base.py). The members
+    are kept sorted by (lower_bound, states, position). A decision
+
+    1. walks the members without a prefix hit in that order, computing their values exactly (from the
+       states: a few float operations, not the view's layers), until the floor of the next one passes the
+       `need`-th best value among those that pass the filters: no member left can rank among the best
+       `need` without a hit. Members with the same states as one outranked get the same values and come
+       later in the stable order: the walk skips them all at once (idle instances in lite mode tie so);
+    2. visits the members with a hit (few) by their own floor, while it is within what a hit can still
+       matter at: for a banded selector the band limit of the least value or the `need`-th best value,
+       whichever is higher; for a ranked one the `need`-th best (or every hit, with a cache head, which
+       ranks the hits first);
+    3. runs the selector's own `select` over the visited candidates in the scan's order.
+
+    That gives the scan's answer: the least value, the in-band hits, whether an in-band candidate has no
+    hit, the best `need` without a hit (the in-band ranking and the load ranking's head, fallbacks after
+    them) are all among the visited, and what the selector draws at random it draws from the same list.
+    """
+
+    def _build(self, instances: Iterable[InstanceView]) -> None:
+        plan = _bounded_plan(self.pipeline)
+        assert plan is not None, "BoundedLoadIndex needs a ranking whose first metric has a floor"
+        self._head, self._ranked = plan
+        self._first = self._ranked[0]
+        # id -> (floor, the ranked metrics' states, position, id): what `_sorted` holds, in the scan's order
+        self._key: dict[str, tuple] = {}
+        self._sorted: list[tuple] = []
+        self._position: dict[str, int] = {}
+        for inst in instances:
+            self._position[inst.instance_id] = len(self._position)
+            self.members[inst.instance_id] = inst
+            self._key[inst.instance_id] = key = self._make_key(inst)
+            self._sorted.append(key)
+            self._track_health(inst)
+        self._sorted.sort()
+        self._by_ts.sort()
+
+    def _make_key(self, inst: InstanceView) -> tuple:
+        states = tuple(m.state(inst) if m.instance_state else m.value(inst, _KEY_REQUEST) for m in self._ranked)
+        instance_id = inst.instance_id
+        return (self._first.lower_bound(states[0]), states, self._position[instance_id], instance_id)
+
+    def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
+        selector = pipeline.selector
+        need = max(cast(RankedSelector, selector).top_k, count)
+        members = self.members
+        first = self._first
+        hits = {i: h for i, h in first.ctx.prefix_hits(req).items() if i in members}
+        for fallback in (False, True):
+            filters, blockers = self._pass(pipeline, fallback)
+            visit = _Visit(self, pipeline, filters, blockers, req)
+            best = self._walk_misses(visit, hits, need, first.bound_offset(req, 0))
+            self._visit_hits(visit, hits, need, best)
+            if visit.cands:
+                position = self._position
+                cands = sorted(visit.cands, key=lambda c: position[c.inst.instance_id])
+                return [c.inst for c in selector.select(cands, req, count)]
+        return None
+
+    def _walk_misses(self, visit: _Visit, hits: dict[str, int], need: int, offset: float) -> list[tuple]:
+        """Step 1; returns the best `need` passing members without a hit as (values, position, (floor, states))."""
+        entries = self._sorted
+        best: list[tuple] = []
+        limit = math.inf  # the `need`-th best first value, with slack, once there are `need`
+        j, n = 0, len(entries)
+        while j < n:
+            entry = entries[j]
+            floor, states, pos, instance_id = entry
+            if floor + offset > limit:
+                break
+            j += 1
+            if instance_id in hits:
+                continue
+            values = visit.values(states, instance_id)
+            if values is None or (len(best) >= need and (values, pos) >= best[-1][:2]):
+                # outranked by the `need` best: so are the members with the same states after it
+                j = max(j, bisect.bisect_left(entries, (floor, states, math.inf)))
+                continue
+            if not visit.admit(instance_id, values):
+                continue
+            bisect.insort(best, (values, pos, (floor, states)))
+            if len(best) > need:
+                best.pop()
+            if len(best) >= need:
+                worst = best[-1][0][0]
+                limit = worst + abs(worst) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+                visit.limit = worst
+        return best
+
+    def _visit_hits(self, visit: _Visit, hits: dict[str, int], need: int, best: list[tuple]) -> None:
+        """Step 2: the members with a hit, by their floor, while one can still matter."""
+        if not hits:
+            return
+        first, key = self._first, self._key
+        offsets: dict[int, float] = {}
+        floors = []
+        for instance_id, hit in hits.items():
+            offset = offsets.get(hit)
+            if offset is None:
+                offset = offsets[hit] = first.bound_offset(visit.req, hit)
+            floors.append((key[instance_id][0] + offset, instance_id))
+        floors.sort()
+        selector = visit.pipeline.selector
+        banded = selector.index_walk is IndexWalk.BANDED
+        # a ranked selector with a cache head ranks every hit before every miss: all of them matter
+        prune = banded or self._head is None
+        # the first values of every passing candidate so far, the `need` least (`need`-th best: the last)
+        firsts = sorted(values[0] for values, _, _ in best)
+        least = min((c.values[first.name] for c in visit.cands), default=math.inf)
+        visit.limit = math.inf  # step 1's skip does not apply to hits: they rank by other values
+        for floor, instance_id in floors:
+            if prune and len(firsts) >= need:
+                threshold = firsts[need - 1]
+                if banded:
+                    threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
+                if floor > threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK:
+                    break
+            states = key[instance_id][1]
+            values = visit.values(states, instance_id)
+            if values is None or not visit.admit(instance_id, values):
+                continue
+            bisect.insort(firsts, values[0])
+            least = min(least, values[0])
+
+
+class _Visit:
+    """One pass's visits of a BoundedLoadIndex: each member's values computed from its states, the filters run,
+    and the candidates that pass kept."""
+
+    __slots__ = ("blockers", "cands", "extra", "filters", "head", "index", "limit", "pipeline", "ranked", "req")
+
+    def __init__(
+        self,
+        index: BoundedLoadIndex,
+        pipeline: Pipeline,
+        filters: list[InstanceFilter],
+        blockers: list[Blocker],
+        req: RequestInfo,
+    ) -> None:
+        self.index, self.pipeline, self.filters, self.blockers, self.req = index, pipeline, filters, blockers, req
+        self.head = index._head
+        self.ranked = index._ranked
+        names = {m.name for m in pipeline.selector.metrics}
+        self.extra = [m for m in pipeline.metrics if m.name not in names]
+        self.cands: list[Candidate] = []
+        # values whose first one is above this cannot rank (step 1): the others are not computed
+        self.limit = math.inf
+
+    def values(self, states: tuple, instance_id: str) -> tuple | None:
+        """The ranked metrics' values (as the scan computes them); None when the first is above `limit`."""
+        inst = self.index.members[instance_id]
+        req = self.req
+        ranked = self.ranked
+        first = ranked[0].evaluate(states[0], inst, req)
+        if first > self.limit:
+            return None
+        rest = [
+            m.evaluate(state, inst, req) if m.instance_state else state
+            for m, state in zip(ranked[1:], states[1:], strict=True)
+        ]
+        return (first, *rest)
+
+    def admit(self, instance_id: str, values: tuple) -> bool:
+        """Run the filters on the member; keep its Candidate when it passes."""
+        inst = self.index.members[instance_id]
+        req = self.req
+        named = {m.name: v for m, v in zip(self.ranked, values, strict=True)}
+        if self.head is not None:
+            named[self.head.name] = self.head.value(inst, req)
+        for m in self.extra:
+            named[m.name] = m.value(inst, req)
+        cand = Candidate(inst, named)
+        for flt in self.filters:
+            if not flt.passes(cand, req):
+                return False
+        for blocker in self.blockers:
+            if blocker.blocks(inst):
+                return False
+        self.cands.append(cand)
+        return True

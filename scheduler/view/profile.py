@@ -106,6 +106,9 @@ class LatencyTables:
             self._ttft_x = [0.0, float(token_budget)]
             self._ttft_y = [profile.base_ms, profile.step_ms(token_budget, 0, 0)]
         self._tpot = profile.tpot_ms
+        xs, ys = self._ttft_x, self._ttft_y
+        # the least ms per prefill token anywhere on the prefill curve (`prefill_floor` says what for)
+        self.prefill_slope = min(((ys[i + 1] - ys[i]) / (xs[i + 1] - xs[i]) for i in range(len(xs) - 1)), default=0.0)
 
     def prefill_ms(self, tokens: float) -> float:
         """Time to compute `tokens` prefill tokens (chunked at the token budget when no table)."""
@@ -133,13 +136,35 @@ class LatencyTables:
         Prefill time from the table, plus the decode batch that shares every chunked-prefill
         step (its per-step cost beyond the base, from the TPOT lookup).
         """
-        total = prefill_tokens_ahead + own_tokens
-        ms = self.prefill_ms(total)
+        return self.ttft_with_share(
+            prefill_tokens_ahead + own_tokens, decode_batch, self.decode_share_ms(decode_batch, seq_len_sum)
+        )
+
+    def decode_share_ms(self, decode_batch: float, seq_len_sum: float) -> float:
+        """What a decode batch adds to every chunked-prefill step (its step cost beyond the base, never
+        below 0); 0 without a batch. Depends on the instance alone, so a load index keeps it per instance."""
+        if decode_batch <= 0:
+            return 0.0
+        return max(0.0, self.tpot_ms(decode_batch, seq_len_sum / decode_batch) - self.profile.base_ms)
+
+    def ttft_with_share(self, total_tokens: float, decode_batch: float, share_ms: float) -> float:
+        """`ttft_ms` from the prefill tokens in all (ahead + own) and the batch's `decode_share_ms`."""
+        ms = self.prefill_ms(total_tokens)
         if decode_batch > 0:
-            steps = math.ceil(total / max(1.0, self.token_budget - decode_batch))
-            per_step = self.tpot_ms(decode_batch, seq_len_sum / decode_batch) - self.profile.base_ms
-            ms += steps * max(0.0, per_step)
+            steps = math.ceil(total_tokens / max(1.0, self.token_budget - decode_batch))
+            ms += steps * share_ms
         return ms
+
+    def prefill_floor(self, tokens: float) -> float:
+        """A floor under the prefill time of `tokens` behind any queue: for every a >= 0 and tokens >= 1,
+        prefill_ms(a + tokens) >= prefill_floor(tokens) + prefill_slope * a.
+
+        With a table, prefill_ms is max(0, g) for g piecewise linear (extended linearly), and g rises by at
+        least the least slope per token: the floor is g(tokens). Without one, prefill_ms(t) is
+        slope * t + base_ms * ceil(t / budget), so prefill_ms(tokens) itself is one."""
+        if self.profile.ttft_ms is not None:
+            return interp1(self._ttft_x, self._ttft_y, tokens)
+        return self.prefill_ms(tokens)
 
 
 def profile_from_config(path: str | None) -> LatencyProfile:

@@ -427,7 +427,12 @@ def test_index_walk_equals_scan(
     [
         ([], MetricBasedSelector([METRICS.get("num_requests")()]), True),
         ([], MetricBasedSelector([METRICS.get("kv_cache_hit_len")()]), True),  # sparse head, merged
-        ([], MetricBasedSelector([METRICS.get("predicted_ttft")()]), False),
+        # request-dependent, with a floor per instance: walked by the floor (BoundedLoadIndex)
+        ([], MetricBasedSelector([METRICS.get("predicted_ttft")()]), True),
+        # no floor first: scanned
+        ([], MetricBasedSelector([METRICS.get("predicted_tpot")()]), False),
+        # forward-predicted prefill ahead: no state to keep between changes, scanned
+        ([], MetricBasedSelector([METRICS.get("predicted_ttft")(ctx(predictor_enhanced=True))]), False),
         ([], MetricBasedSelector([METRICS.get("num_requests")(), METRICS.get("kv_cache_hit_len")()]), False),
         ([], CacheAwareSelector([METRICS.get("kv_cache_hit_len")(), METRICS.get("num_requests")()]), True),
         (
@@ -443,7 +448,20 @@ def test_index_walk_equals_scan(
             CacheAwareSelector([METRICS.get("cache_aware_all_prefills_tokens_num")(), METRICS.get("num_requests")()]),
             False,
         ),
-        ([], CacheAwareSelector([METRICS.get("kv_cache_hit_len")(), METRICS.get("predicted_ttft")()]), False),
+        (
+            [],
+            CacheAwareSelector(
+                [METRICS.get(n)() for n in ("kv_cache_hit_len", "predicted_ttft", "predicted_tpot")]
+            ),
+            True,
+        ),  # the default, predicted-latency
+        (
+            [],
+            CacheAwareSelector(
+                [METRICS.get(n)() for n in ("cache_aware_all_prefills_tokens_num", "predicted_ttft")]
+            ),
+            False,
+        ),  # misses differ in the head's value: their order is not the floor's
         (
             [MetricBasedFilter(METRICS.get("num_requests")(), 3), SchedulabilityFilter()],
             MetricBasedSelector([METRICS.get("num_requests")()]),

@@ -15,6 +15,8 @@ The cached prefix (prefix index) comes off the request's own prompt in both mode
 
 from __future__ import annotations
 
+import math
+
 from pilotfish.scheduler.policy.base import Metric
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.load import AllDecodesTokensNum, AllPrefillsTokensNum, DecodeBatchSize
@@ -40,27 +42,59 @@ class _Load:
 
 class PredictedTtft(Metric):
     """TTFT in ms: the TTFT table at (prefill tokens ahead + this request's uncached tokens),
-    plus the decode batch's share of every chunked-prefill step (TPOT table)."""
+    plus the decode batch's share of every chunked-prefill step (TPOT table).
+
+    The instance's part, (tokens ahead, decode batch, the batch's share of a step), is its `state`; and
+    since prefill time rises at least by the profile's least slope per token ahead (view/profile.py,
+    `prefill_floor`), and the batch's share comes once per step (at least one, and at least one per
+    step's worth of tokens ahead), the value is at least
+    prefill_floor(own tokens) + slope * ahead + share * max(1, ceil(ahead / step tokens)): a load index
+    walks the instances by the request-free part and stops where that floor passes what can rank."""
 
     name = "predicted_ttft"
     balance_band = (50.0, 1.1)
     indexable = False
     lite = True  # from the LRS in lite mode
     uses_prefix_cache = True  # the prompt's cached prefix is not prefilled again
+    has_floor = True
 
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)
         self._load = _Load(self.ctx)
+        # a forward-predicted prefill ahead moves with the clock: no state to keep between changes
+        self.instance_state = not (self.ctx.full_mode and self.ctx.predictor_enhanced)
+
+    def state(self, inst: InstanceView) -> tuple[float, float, float]:
+        ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
+        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum)
+
+    def evaluate(self, state: tuple[float, float, float], inst: InstanceView, req: RequestInfo) -> float:
+        ahead, batch, share = state
+        own = max(0, req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.instance_id, 0))
+        return self.ctx.tables.ttft_with_share(ahead + own, batch, share)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
-        own = max(0, req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.instance_id, 0))
-        ahead, batch, seq_sum = self._load(inst, req)
-        return self.ctx.tables.ttft_ms(ahead, own, batch, seq_sum)
+        return self.evaluate(self.state(inst), inst, req)
+
+    def lower_bound(self, state: tuple[float, float, float]) -> float:
+        ahead, batch, share = state
+        if not ahead >= 0:  # (NaN too) the floor assumes a queue of zero or more tokens
+            return -math.inf
+        if batch <= 0:
+            return self.ctx.tables.prefill_slope * ahead
+        steps = max(1, math.ceil(ahead / max(1.0, self.ctx.tables.token_budget - batch)))
+        return self.ctx.tables.prefill_slope * ahead + steps * share
+
+    def bound_offset(self, req: RequestInfo, hit: int) -> float:
+        own = max(0, req.prompt_tokens - hit)
+        # no own token: an idle instance's TTFT is 0, below the one step the floor counts
+        return self.ctx.tables.prefill_floor(own) if own >= 1 else -math.inf
 
 
 class PredictedTpot(Metric):
     """TPOT in ms the request would see: the TPOT table at (decode batch + 1, mean sequence length
-    with this request's prompt joining the batch)."""
+    with this request's prompt joining the batch). Its `state` is (decode batch, sum of the batch's
+    sequence lengths)."""
 
     name = "predicted_tpot"
     balance_band = (2.0, 1.1)
@@ -70,8 +104,20 @@ class PredictedTpot(Metric):
     def __init__(self, ctx: PolicyContext | None = None) -> None:
         super().__init__(ctx)
         self._load = _Load(self.ctx)
+        self.instance_state = not (self.ctx.full_mode and self.ctx.predictor_enhanced)
 
-    def value(self, inst: InstanceView, req: RequestInfo) -> float:
-        _, batch, seq_sum = self._load(inst, req)
+    def state(self, inst: InstanceView) -> tuple[float, float]:
+        _, batch, seq_sum = self._load(inst, _NO_REQUEST)
+        return batch, seq_sum
+
+    def evaluate(self, state: tuple[float, float], inst: InstanceView, req: RequestInfo) -> float:
+        batch, seq_sum = state
         batch += 1
         return self.ctx.tables.tpot_ms(batch, (seq_sum + req.prompt_tokens) / batch)
+
+    def value(self, inst: InstanceView, req: RequestInfo) -> float:
+        return self.evaluate(self.state(inst), inst, req)
+
+
+# the load metrics read no request (the view's load only): the state is made without one
+_NO_REQUEST = RequestInfo(request_id="", model="")

@@ -1,0 +1,323 @@
+"""The default policy's ranking (predicted TTFT, then TPOT, through cache_aware) walked by the floor under
+predicted TTFT (BoundedLoadIndex) decides exactly as the scan does: random fleets, requests and prefix hits,
+lite and full mode, with health, failover and SLO filters, as instances change; and a decision visits a
+few instances of thousands."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pilotfish.protos import cms_pb2
+from pilotfish.scheduler import core as core_module
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.core import SchedulerCore
+from pilotfish.scheduler.errors import NoSchedulableInstanceError
+from pilotfish.scheduler.policy.base import Pipeline, Selector
+from pilotfish.scheduler.policy.context import PolicyContext
+from pilotfish.scheduler.policy.filters.failover import FailoverFilter
+from pilotfish.scheduler.policy.filters.health import SchedulabilityFilter, StalenessFilter
+from pilotfish.scheduler.policy.filters.metric_based import MetricBasedFilter
+from pilotfish.scheduler.policy.index import BoundedLoadIndex, indexable_pipeline, load_index
+from pilotfish.scheduler.policy.registry import METRICS
+from pilotfish.scheduler.policy.selectors.cache_aware import CacheAwareSelector
+from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
+from pilotfish.scheduler.view.prefix_index import PrefixIndex
+from pilotfish.scheduler.view.profile import LatencyProfile, LatencyTables, TpotTable
+from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InferType, InflightLoad, InstanceView, RequestInfo
+
+NOW = 10_000.0
+BLOCKS = (11, 12, 13, 14, 15, 16)
+
+# the built-in profile (tables derived from four numbers), and one with tables whose prefill curve dips
+# (a floor from its least slope, negative here) and whose TPOT is not monotone in the batch
+PROFILES = {
+    "derived": LatencyProfile(),
+    "tables": LatencyProfile(
+        base_ms=8.0,
+        ttft_ms=[(64.0, 30.0), (512.0, 25.0), (2048.0, 180.0), (8192.0, 900.0)],
+        tpot_ms=TpotTable(batch_sizes=[1, 16, 64], seq_lens=[128, 4096], ms=[[9.0, 12.0], [8.5, 30.0], [20.0, 90.0]]),
+    ),
+    "steep": LatencyProfile(base_ms=2.0, prefill_ms_per_token=0.5, decode_ms_per_token=3.0, context_ms_per_token=0.01),
+}
+
+
+def _context(full: bool, profile: str, hits: PrefixIndex) -> PolicyContext:
+    return PolicyContext(
+        wall_clock=lambda: NOW,
+        full_mode=full,
+        prefix_index=hits,
+        tables=LatencyTables(PROFILES[profile], token_budget=512),
+        instance_staleness_seconds=5.0,
+    )
+
+
+def _pipeline(ranking: str, filters: list[str], top_k: int, c: PolicyContext) -> Pipeline:
+    ttft, tpot, hit = (METRICS.get(n)(c) for n in ("predicted_ttft", "predicted_tpot", "kv_cache_hit_len"))
+    stages: list = []
+    for name in filters:
+        if name == "schedulability":
+            stages.append(SchedulabilityFilter(not_skip_when_fallback=True))
+        elif name == "staleness":
+            stages.append(StalenessFilter(5.0, ctx=c))
+        elif name == "ttft-slo":  # a fresh metric object, as the registry builds one per stage
+            stages.append(MetricBasedFilter(METRICS.get("predicted_ttft")(c), 400.0))
+        elif name == "tpot-slo":
+            stages.append(MetricBasedFilter(METRICS.get("predicted_tpot")(c), 40.0))
+        else:
+            stages.append(FailoverFilter(name.removeprefix("failover-")))
+    rng = random.Random(5)
+    selector: Selector
+    if ranking == "default":
+        selector = CacheAwareSelector([hit, ttft, tpot], top_k=top_k, rng=rng)
+    elif ranking == "narrow-band":
+        selector = CacheAwareSelector([hit, ttft, tpot], top_k=top_k, balance_abs_threshold=0.0, rng=rng)
+    elif ranking == "hit-first":
+        selector = MetricBasedSelector([hit, ttft], top_k=top_k, rng=rng)
+    else:
+        selector = MetricBasedSelector([ttft, tpot], top_k=top_k, rng=rng)
+    return Pipeline(stages, selector)
+
+
+FILTER_SETS = [
+    [],
+    ["ttft-slo"],
+    ["ttft-slo", "tpot-slo"],
+    ["schedulability", "staleness", "failover-node"],
+    ["schedulability", "staleness", "ttft-slo", "tpot-slo", "failover-instance-unit"],
+    ["staleness", "tpot-slo", "failover-node-unit"],
+]
+
+# small value sets, so instances tie (idle ones most of all) and the ties' order is exercised
+instance_state = st.tuples(
+    st.sampled_from([0, 0, 1, 100, 511, 512, 700, 3000]),  # prefill tokens ahead (lite) / uncomputed (full)
+    st.sampled_from([0, 0, 1, 5, 63, 600]),  # decode batch
+    st.sampled_from([0, 100, 5000, 200_000]),  # its sequence lengths, in all
+    st.booleans(),  # schedulable
+    st.sampled_from([0.0, 1.0, 9.0, -0.5, None]),  # status age, s (None: no status yet)
+    st.integers(0, 3),  # node
+    st.integers(0, 3),  # unit
+    st.sampled_from([0, 0, 1, 3]),  # in-flight requests (full mode)
+)
+
+
+def _apply(v: InstanceView, state: tuple, full: bool) -> None:
+    ahead, batch, seq, ok, age, node, unit, inflight = state
+    if full:
+        v.status = (
+            None
+            if age is None
+            else EngineStatus(
+                timestamp_ms=int((NOW - age) * 1000),
+                schedulable=ok,
+                uncomputed_prefill_tokens=ahead,
+                num_running_decode=batch,
+                running_decode_seq_len_sum=seq,
+            )
+        )
+        v.inflight = InflightLoad(
+            requests=inflight, prefill_tokens=inflight * 90, decode_requests=inflight, decode_tokens=inflight * 300
+        )
+    else:
+        lrs = v.lrs
+        lrs.prefill_tokens, lrs.num_decode_requests = ahead, batch
+        lrs.num_tokens = ahead + seq
+        lrs.num_requests = batch + (1 if ahead else 0)
+    v.node_id, v.unit_id = f"n{node}", f"u{unit}"
+
+
+def _views(states: list[tuple], full: bool) -> list[InstanceView]:
+    views = []
+    for k, state in enumerate(states):
+        v = InstanceView(Endpoint(f"i{k:02d}", f"h{k}:1", InferType.NEUTRAL))
+        _apply(v, state, full)
+        views.append(v)
+    return views
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    full=st.booleans(),
+    profile=st.sampled_from(sorted(PROFILES)),
+    ranking=st.sampled_from(["default", "default", "narrow-band", "hit-first", "load"]),
+    states=st.lists(instance_state, min_size=1, max_size=40),
+    filters=st.sampled_from(FILTER_SETS),
+    top_k=st.integers(1, 3),
+    count=st.integers(1, 4),
+    cached=st.lists(st.tuples(st.integers(0, 39), st.integers(1, len(BLOCKS))), max_size=10),
+    # (prompt tokens, blocks of it the request names; 0: none) of each decision, and an instance that
+    # changes before it with its new state (-1: none)
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from([0, 1, 16, 40, 96, 700, 5000]),
+            st.integers(0, len(BLOCKS)),
+            st.integers(-1, 39),
+            instance_state,
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_bounded_index_equals_scan(
+    full: bool,
+    profile: str,
+    ranking: str,
+    states: list[tuple],
+    filters: list[str],
+    top_k: int,
+    count: int,
+    cached: list[tuple[int, int]],
+    steps: list[tuple],
+) -> None:
+    if not full:
+        filters = [f for f in filters if f in ("ttft-slo", "tpot-slo")]  # lite mode has no statuses
+    hits = PrefixIndex()
+    for k, depth in cached:
+        hits.record_dispatch(f"i{k:02d}", BLOCKS[:depth])
+    c = _context(full, profile, hits)
+    views = _views(states, full)
+    scan = _pipeline(ranking, filters, top_k, c)
+    walk = _pipeline(ranking, filters, top_k, c)
+    assert indexable_pipeline(walk)
+    index = load_index(walk, views)
+    assert isinstance(index, BoundedLoadIndex)
+    for n, (prompt, blocks, k, state) in enumerate(steps):
+        if 0 <= k < len(views):
+            _apply(views[k], state, full)
+            index.rekey(views[k])
+        req = RequestInfo(f"r{n}", "m", prompt_tokens=prompt, prefix_block_hashes=BLOCKS[:blocks], prefix_block_size=16)
+        c.begin(req)
+        try:
+            expected = [i.instance_id for i in scan.run(views, req, count)]
+        except NoSchedulableInstanceError:
+            with pytest.raises(NoSchedulableInstanceError):
+                walk.run(views, req, count, index)
+            continue
+        assert [i.instance_id for i in walk.run(views, req, count, index)] == expected
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_predicted_ttft_floor_holds(full: bool) -> None:
+    """lower_bound(state) + bound_offset(req, 0) never exceeds the value, over a grid of loads and prompts (and
+    a tight floor is no use: it often equals the value, to the last few bits)."""
+    for profile in PROFILES:
+        c = _context(full, profile, PrefixIndex())
+        ttft = METRICS.get("predicted_ttft")(c)
+        for ahead in (0, 1, 300, 511, 512, 513, 1500, 9000):
+            for batch in (0, 1, 7, 511, 512, 2000):
+                for seq in (0, 10, 4000, 300_000):
+                    v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0)], full)[0]
+                    state = ttft.state(v)
+                    for prompt in (0, 1, 2, 15, 512, 513, 4000, 20_000):
+                        req = RequestInfo("r", "m", prompt_tokens=prompt)
+                        c.begin(req)
+                        value = ttft.value(v, req)
+                        # within the rounding slack the index allows (index.py: _BOUND_*_SLACK)
+                        assert ttft.lower_bound(state) + ttft.bound_offset(req, 0) <= value + abs(value) * 1e-12
+
+
+def _fleet(n: int, rng: random.Random, full: bool) -> list[InstanceView]:
+    return _views(
+        [
+            (rng.randrange(0, 20_000) if full else rng.choice([0, 0, rng.randrange(16, 8192)]), rng.randrange(0, 64),
+             rng.randrange(0, 200_000), True, 0.0, k % 7, k % 5, 0)
+            for k in range(n)
+        ],
+        full,
+    )
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_default_decision_visits_few_of_4096_instances(full: bool) -> None:
+    rng = random.Random(4)
+    hits = PrefixIndex()
+    views = _fleet(4096, rng, full)
+    for k in rng.sample(range(4096), 100):  # a prefix held by 100 instances
+        hits.record_dispatch(f"i{k:02d}", BLOCKS)
+    c = _context(full, "derived", hits)
+    c.tables = LatencyTables(PROFILES["derived"])
+    filters = ["schedulability", "staleness", "failover-node"] if full else []
+    pipeline = _pipeline("default", filters, 1, c)
+    index = load_index(pipeline, views)
+    ttft = pipeline.selector.metrics[1]
+    evaluate = ttft.evaluate
+    visits = 0
+
+    def counted(*args: object) -> float:
+        nonlocal visits
+        visits += 1
+        return evaluate(*args)  # type: ignore[arg-type]
+
+    ttft.evaluate = counted  # type: ignore[method-assign]
+    for n, blocks in enumerate((0, 3, len(BLOCKS))):
+        req = RequestInfo(f"r{n}", "m", prompt_tokens=1000, prefix_block_hashes=BLOCKS[:blocks], prefix_block_size=16)
+        c.begin(req)
+        visits = 0
+        walked = [v.instance_id for v in pipeline.run(views, req, 3, index)]
+        assert visits < 150, (blocks, visits)
+        ttft.evaluate = evaluate  # type: ignore[method-assign]
+        assert walked == [v.instance_id for v in _pipeline("default", filters, 1, c).run(views, req, 3)]
+        ttft.evaluate = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two cores, one indexed and one that scans, fed the same dispatches, reports, releases and statuses:
+    the index follows every change it is told of, and every decision is the same."""
+
+    def build() -> SchedulerCore:
+        if full:
+            core = SchedulerCore(
+                SchedulerConfig(enable_full_mode_scheduling=True, model=["m"]),
+                wall_clock=lambda: NOW,
+                rng=random.Random(3),
+            )
+            for k in range(40):
+                core.apply_metadata(
+                    cms_pb2.InstanceMetadata(instance_id=f"i{k:02d}", host="h", http_port=1 + k, model="m",
+                                             node_id=f"n{k % 5}", update_id=1)
+                )
+            return core
+        instances = [f"i{k:02d}=10.0.0.{k}:8000" for k in range(40)]
+        return SchedulerCore(SchedulerConfig(instances=instances, model=["m"]), rng=random.Random(3))
+
+    indexed = build()
+    indexed._groups("m")  # its candidate groups and their index, before the scanning one's are made without
+    monkeypatch.setattr(core_module, "INDEX_MIN_INSTANCES", 10**9)
+    scanned = build()
+    rng = random.Random(8)
+    prefixes = [tuple(rng.getrandbits(32) for _ in range(4)) for _ in range(5)]
+    updates = [1] * 40
+    for i in range(300):
+        if full and i % 2 == 0:  # a status for a random instance
+            k = rng.randrange(40)
+            updates[k] += 1
+            status = cms_pb2.InstanceStatus(
+                instance_id=f"i{k:02d}",
+                update_id=updates[k],
+                timestamp_ms=int(NOW * 1000),
+                schedulable=rng.random() > 0.1,
+                uncomputed_prefill_tokens=rng.choice([0, rng.randrange(0, 9000)]),
+                num_running_decode=rng.randrange(0, 30),
+                running_decode_seq_len_sum=rng.randrange(0, 60_000),
+            )
+            for core in (indexed, scanned):
+                core.apply_status(status)
+        req = RequestInfo(
+            f"r{i}", "m", prompt_tokens=rng.randrange(1, 3000), prefix_block_hashes=rng.choice(prefixes),
+            prefix_block_size=16,
+        )
+        decisions = [core.schedule(req) for core in (indexed, scanned)]
+        assert decisions[0] == decisions[1]
+        if i % 3 == 0:
+            for core in (indexed, scanned):
+                core.report(f"r{i}", 1)
+        if i >= 60:
+            for core in (indexed, scanned):
+                core.release(f"r{i - 60}")
+    stage = indexed._by_model["m"].stages[InferType.NEUTRAL]
+    assert isinstance(stage.index, BoundedLoadIndex)
+    assert scanned._by_model["m"].stages[InferType.NEUTRAL].index is None

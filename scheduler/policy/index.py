@@ -897,6 +897,12 @@ class BoundedLoadIndex(LoadIndex):
         assert plan is not None, "BoundedLoadIndex needs a ranking whose first metric has a floor"
         self._head, self._ranked = plan
         self._first = self._ranked[0]
+        # what a visit computes, sorted out once: the ranked metrics' names, how each after the first gets
+        # its value from its state (evaluate, or None: the state is the value), the filters' other metrics
+        self._names = [m.name for m in self._ranked]
+        self._rest = [m.evaluate if m.instance_state else None for m in self._ranked[1:]]
+        ranked_names = {m.name for m in self.pipeline.selector.metrics}
+        self._extra = [m for m in self.pipeline.metrics if m.name not in ranked_names]
         # id -> (floor, the ranked metrics' states, position, id): what `_sorted` holds, in the scan's order
         self._key: dict[str, tuple] = {}
         self._sorted: list[tuple] = []
@@ -921,125 +927,124 @@ class BoundedLoadIndex(LoadIndex):
         members = self.members
         first = self._first
         hits = {i: h for i, h in first.ctx.prefix_hits(req).items() if i in members}
+        offset = first.bound_offset(req, 0)
         for fallback in (False, True):
             filters, blockers = self._pass(pipeline, fallback)
-            visit = _Visit(self, pipeline, filters, blockers, req)
-            best = self._walk_misses(visit, hits, need, first.bound_offset(req, 0))
-            self._visit_hits(visit, hits, need, best)
+            visit = _Visit(self, filters, blockers, req)
+            best = self._walk_misses(visit, hits, need, offset)
+            if hits:
+                self._visit_hits(visit, hits, need, best)
             if visit.cands:
                 position = self._position
                 cands = sorted(visit.cands, key=lambda c: position[c.inst.instance_id])
                 return [c.inst for c in selector.select(cands, req, count)]
         return None
 
+    def _values(self, states: tuple, inst: InstanceView, req: RequestInfo, first: float) -> tuple:
+        """The ranked metrics' values, the first one given: as the scan computes them."""
+        rest = self._rest
+        if len(rest) == 1:  # the default's two (TTFT, TPOT), without a loop
+            evaluate = rest[0]
+            return (first, states[1] if evaluate is None else evaluate(states[1], inst, req))
+        later = [s if e is None else e(s, inst, req) for e, s in zip(rest, states[1:], strict=True)]
+        return (first, *later)
+
     def _walk_misses(self, visit: _Visit, hits: dict[str, int], need: int, offset: float) -> list[tuple]:
-        """Step 1; returns the best `need` passing members without a hit as (values, position, (floor, states))."""
-        entries = self._sorted
+        """Step 1; returns the best `need` passing members without a hit as (values, position)."""
+        entries, members, req = self._sorted, self.members, visit.req
+        evaluate = self._first.evaluate
         best: list[tuple] = []
-        limit = math.inf  # the `need`-th best first value, with slack, once there are `need`
+        worst = math.inf  # the `need`-th best first value, once there are `need`
+        limit = math.inf  # the same with slack, for the floors
         j, n = 0, len(entries)
         while j < n:
-            entry = entries[j]
-            floor, states, pos, instance_id = entry
+            floor, states, pos, instance_id = entries[j]
             if floor + offset > limit:
                 break
             j += 1
             if instance_id in hits:
                 continue
-            values = visit.values(states, instance_id)
-            if values is None or (len(best) >= need and (values, pos) >= best[-1][:2]):
-                # outranked by the `need` best: so are the members with the same states after it
-                j = max(j, bisect.bisect_left(entries, (floor, states, math.inf)))
-                continue
-            if not visit.admit(instance_id, values):
-                continue
-            bisect.insort(best, (values, pos, (floor, states)))
-            if len(best) > need:
-                best.pop()
-            if len(best) >= need:
-                worst = best[-1][0][0]
-                limit = worst + abs(worst) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
-                visit.limit = worst
+            inst = members[instance_id]
+            first = evaluate(states[0], inst, req)
+            if first <= worst:
+                values = self._values(states, inst, req, first)
+                if len(best) < need or (values, pos) < best[-1]:
+                    if not visit.admit(inst, values):
+                        continue
+                    bisect.insort(best, (values, pos))
+                    if len(best) > need:
+                        best.pop()
+                    if len(best) >= need:
+                        worst = best[-1][0][0]
+                        limit = worst + abs(worst) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+                    continue
+            # outranked by the `need` best: so are the members with the same states after it (same values,
+            # later in the stable order), skipped at once
+            j = max(j, bisect.bisect_left(entries, (floor, states, math.inf)))
         return best
 
     def _visit_hits(self, visit: _Visit, hits: dict[str, int], need: int, best: list[tuple]) -> None:
         """Step 2: the members with a hit, by their floor, while one can still matter."""
-        if not hits:
-            return
-        first, key = self._first, self._key
+        first, key, members, req = self._first, self._key, self.members, visit.req
+        selector = self.pipeline.selector
+        banded = selector.index_walk is IndexWalk.BANDED
+        # a ranked selector with a cache head ranks every hit before every miss: all of them matter
+        prune = banded or self._head is None
+        # the first values of the passing candidates, the `need` least so far (the `need`-th best: the last)
+        firsts = [values[0] for values, _ in best]
+        least = firsts[0] if firsts else math.inf
+        threshold = math.inf
+        if prune and len(firsts) >= need:
+            threshold = firsts[need - 1]
+            if banded:
+                threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
+        # the threshold only falls as hits are visited: a floor above it now is above it for good
+        cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
         offsets: dict[int, float] = {}
         floors = []
         for instance_id, hit in hits.items():
             offset = offsets.get(hit)
             if offset is None:
-                offset = offsets[hit] = first.bound_offset(visit.req, hit)
-            floors.append((key[instance_id][0] + offset, instance_id))
+                offset = offsets[hit] = first.bound_offset(req, hit)
+            floor = key[instance_id][0] + offset
+            if floor <= cut:
+                floors.append((floor, instance_id))
         floors.sort()
-        selector = visit.pipeline.selector
-        banded = selector.index_walk is IndexWalk.BANDED
-        # a ranked selector with a cache head ranks every hit before every miss: all of them matter
-        prune = banded or self._head is None
-        # the first values of every passing candidate so far, the `need` least (`need`-th best: the last)
-        firsts = sorted(values[0] for values, _, _ in best)
-        least = min((c.values[first.name] for c in visit.cands), default=math.inf)
-        visit.limit = math.inf  # step 1's skip does not apply to hits: they rank by other values
+        evaluate = first.evaluate
         for floor, instance_id in floors:
+            if floor > threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK:
+                break
+            inst = members[instance_id]
+            states = key[instance_id][1]
+            value = evaluate(states[0], inst, req)
+            if not visit.admit(inst, self._values(states, inst, req, value)):
+                continue
+            bisect.insort(firsts, value)
+            least = min(least, value)
             if prune and len(firsts) >= need:
                 threshold = firsts[need - 1]
                 if banded:
                     threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
-                if floor > threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK:
-                    break
-            states = key[instance_id][1]
-            values = visit.values(states, instance_id)
-            if values is None or not visit.admit(instance_id, values):
-                continue
-            bisect.insort(firsts, values[0])
-            least = min(least, values[0])
 
 
 class _Visit:
-    """One pass's visits of a BoundedLoadIndex: each member's values computed from its states, the filters run,
-    and the candidates that pass kept."""
+    """One pass's visits of a BoundedLoadIndex: the filters run on each member visited, and the candidates
+    that pass kept."""
 
-    __slots__ = ("blockers", "cands", "extra", "filters", "head", "index", "limit", "pipeline", "ranked", "req")
+    __slots__ = ("blockers", "cands", "extra", "filters", "head", "names", "req")
 
     def __init__(
-        self,
-        index: BoundedLoadIndex,
-        pipeline: Pipeline,
-        filters: list[InstanceFilter],
-        blockers: list[Blocker],
-        req: RequestInfo,
+        self, index: BoundedLoadIndex, filters: list[InstanceFilter], blockers: list[Blocker], req: RequestInfo
     ) -> None:
-        self.index, self.pipeline, self.filters, self.blockers, self.req = index, pipeline, filters, blockers, req
-        self.head = index._head
-        self.ranked = index._ranked
-        names = {m.name for m in pipeline.selector.metrics}
-        self.extra = [m for m in pipeline.metrics if m.name not in names]
+        self.filters, self.blockers, self.req = filters, blockers, req
+        self.head, self.names, self.extra = index._head, index._names, index._extra
         self.cands: list[Candidate] = []
-        # values whose first one is above this cannot rank (step 1): the others are not computed
-        self.limit = math.inf
 
-    def values(self, states: tuple, instance_id: str) -> tuple | None:
-        """The ranked metrics' values (as the scan computes them); None when the first is above `limit`."""
-        inst = self.index.members[instance_id]
+    def admit(self, inst: InstanceView, values: tuple) -> bool:
+        """Run the filters on the member, its Candidate holding every metric the pipeline names; keep it
+        when it passes."""
         req = self.req
-        ranked = self.ranked
-        first = ranked[0].evaluate(states[0], inst, req)
-        if first > self.limit:
-            return None
-        rest = [
-            m.evaluate(state, inst, req) if m.instance_state else state
-            for m, state in zip(ranked[1:], states[1:], strict=True)
-        ]
-        return (first, *rest)
-
-    def admit(self, instance_id: str, values: tuple) -> bool:
-        """Run the filters on the member; keep its Candidate when it passes."""
-        inst = self.index.members[instance_id]
-        req = self.req
-        named = {m.name: v for m, v in zip(self.ranked, values, strict=True)}
+        named = dict(zip(self.names, values, strict=True))
         if self.head is not None:
             named[self.head.name] = self.head.value(inst, req)
         for m in self.extra:

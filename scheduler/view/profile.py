@@ -117,9 +117,12 @@ class LatencyTables:
         if self.profile.ttft_ms is not None:
             return max(0.0, interp1(self._ttft_x, self._ttft_y, tokens))
         full, rest = divmod(tokens, self.token_budget)
-        ms = full * self._ttft_y[1]
+        ys = self._ttft_y
+        ms = full * ys[1]
         if rest:
-            ms += interp1(self._ttft_x, self._ttft_y, rest)
+            # interp1 over the two points (0, base) and (budget, a full step), inlined: the same float
+            # operations without a call and a bisect (the default policy computes this per candidate)
+            ms += ys[0] + (ys[1] - ys[0]) * (rest - 0.0) / (self.token_budget - 0.0)
         return ms
 
     def tpot_ms(self, batch: float, mean_seq_len: float) -> float:

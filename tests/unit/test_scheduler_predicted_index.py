@@ -321,3 +321,19 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
     stage = indexed._by_model["m"].stages[InferType.NEUTRAL]
     assert isinstance(stage.index, BoundedLoadIndex)
     assert scanned._by_model["m"].stages[InferType.NEUTRAL].index is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(states=st.lists(instance_state, min_size=1, max_size=8), waiting=st.integers(0, 5), prefill=st.integers(0, 5))
+def test_the_full_mode_load_is_the_load_metrics(states: list[tuple], waiting: int, prefill: int) -> None:
+    """The predicted metrics read the full-mode load in one go: the very values of the three load metrics."""
+    c = _context(True, "derived", PrefixIndex())
+    ttft, tpot = METRICS.get("predicted_ttft")(c), METRICS.get("predicted_tpot")(c)
+    loads = [METRICS.get(n)(c) for n in ("all_prefills_tokens_num", "decode_batch_size", "all_decodes_tokens_num")]
+    req = RequestInfo("r", "m", prompt_tokens=10)
+    for v in _views(states, True):
+        if v.status is not None:
+            v.status.num_waiting, v.status.num_waiting_prefill, v.status.num_loading = waiting, prefill, 1
+        ahead, batch, seq = (m.value(v, req) for m in loads)
+        assert ttft.state(v) == (ahead, batch, c.tables.decode_share_ms(batch, seq))
+        assert tpot.state(v) == (batch, seq)

@@ -29,13 +29,29 @@ class _Load:
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.full = ctx.full_mode
+        self._predicted = ctx.predictor_enhanced
         self._prefills = AllPrefillsTokensNum(ctx)
         self._batch = DecodeBatchSize(ctx)
         self._decode_tokens = AllDecodesTokensNum(ctx)
 
     def __call__(self, inst: InstanceView, req: RequestInfo) -> tuple[float, float, float]:
         if self.full:
-            return (self._prefills.value(inst, req), self._batch.value(inst, req), self._decode_tokens.value(inst, req))
+            if self._predicted:
+                return (
+                    self._prefills.value(inst, req),
+                    self._batch.value(inst, req),
+                    self._decode_tokens.value(inst, req),
+                )
+            # the three metrics' formulas without a prediction, read in one go: a scan does this per instance
+            # and a decision, an index per change (tests/unit/test_scheduler_predicted_index.py holds them equal)
+            s, inflight = inst.status, inst.inflight
+            if s is None:
+                return inflight.prefill_tokens, inflight.decode_requests, inflight.decode_tokens
+            return (
+                s.uncomputed_prefill_tokens + inflight.prefill_tokens,
+                s.num_waiting_decode + s.num_loading + s.num_running_decode + inflight.decode_requests,
+                s.running_decode_seq_len_sum + inflight.decode_tokens,
+            )
         lrs = inst.lrs
         return lrs.prefill_tokens, lrs.num_decode_requests, lrs.num_tokens - lrs.prefill_tokens
 

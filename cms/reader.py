@@ -85,9 +85,13 @@ class CmsReader:
         redis_options: dict[str, Any] | None = None,
         removal_grace: float = REMOVAL_GRACE_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        notice_records: bool = True,
     ) -> None:
         """`redis_options`: extra redis-py connection options (the password, rediss:// CA and client
-        certificate: pilotfish/security.py's `redis_options`)."""
+        certificate: pilotfish/security.py's `redis_options`). `notice_records`: take a status from the
+        notice that carries it; False reads the key instead, for Redis ACLs that confine each llumlet
+        to its own keys (a notice carries no proof of who published it)."""
+        self.notice_records = notice_records
         keys.check_id(cluster, "cluster name")
         self.redis_url = redis_url
         self._redis_options = dict(redis_options or {})
@@ -268,7 +272,7 @@ class CmsReader:
                 continue
             self.num_notices += 1
             kind, instance_id, record = notice
-            if record is None:
+            if record is None or not self.notice_records:
                 plain[(kind, instance_id)] = None
             else:
                 inline[instance_id] = record

@@ -144,6 +144,15 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     cms_poll_interval_seconds: Annotated[
         float, Meta(gt=0, description="full mode: full CMS re-read period, the fallback for lost change notices")
     ] = 2.0
+    cms_notice_records: Annotated[
+        bool,
+        Meta(
+            description="full mode: take a status from the change notice that carries it (no Redis read per "
+            "engine step); set false where per-llumlet Redis ACLs must confine each llumlet to its own status "
+            "(anyone who may publish a notice could otherwise speak for any instance): notices then only say "
+            "which key to read; see docs/cms-trust.md"
+        ),
+    ] = True
     cms_max_clock_skew_seconds: Annotated[
         float,
         Meta(

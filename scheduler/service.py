@@ -532,6 +532,7 @@ class SchedulerServer:
                 self.core.cms,
                 self.config.cms_poll_interval_seconds,
                 redis_options=self.security.redis_options(self.config.redis_url),
+                notice_records=self.config.cms_notice_records,
             )
             self._reader_task = asyncio.create_task(self.reader.run(), name="scheduler-cms-reader")
             if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists

@@ -88,6 +88,7 @@ class ReschedulerService:
             self.core.cms,
             config.cms_poll_interval_seconds,
             redis_options=self.security.redis_options(config.redis_url),
+            notice_records=config.cms_notice_records,
         )
         self._reader_task = asyncio.create_task(self.reader.run(), name="rescheduler-cms-reader")
         if self.core.cms.follows_discovery:  # CMS metadata admits only engines discovery lists

@@ -112,3 +112,30 @@ async def test_the_subscription_survives_what_is_no_notice(redis_service) -> Non
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         writer.close()
+
+
+async def test_without_notice_records_every_notice_is_only_a_hint_to_read(redis_service) -> None:
+    """For Redis ACLs that confine each llumlet to its own keys: a record in a notice, which anyone
+    allowed to publish could have sent, is never taken; the key it names is read instead."""
+    client = redis.Redis.from_url(redis_service.url)
+    writer = CmsWriter(redis_service.url, "t", "e0", ttl_ms=60_000)
+    writer.write_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="127.0.0.1", http_port=8000))
+    writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=1))
+    sink = Sink()
+    reader = CmsReader(redis_service.url, "t", sink, poll_interval=3600.0, notice_records=False)
+    task = asyncio.create_task(reader.run())
+    channel = keys.events_channel("t")
+    try:
+        await reader.wait_first_poll(timeout=10)
+        await eventually(lambda: client.pubsub_numsub(channel)[0][1] == 1, "the subscription")
+        before = reads(client)
+        forged = cms_pb2.InstanceStatus(instance_id="e0", update_id=2, num_running=99).SerializeToString()
+        client.publish(channel, b"status:e0:" + forged)
+        await eventually(lambda: reads(client) == before + 1, "the key read instead")
+        writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=3, num_running=1))
+        await eventually(lambda: sink.newest("e0") == 3, "the written status, read from its key")
+        assert all(s.num_running != 99 for s in sink.statuses), "a record from a notice was taken"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        writer.close()

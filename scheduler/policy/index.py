@@ -51,7 +51,14 @@ next decision, so the walks by F and by drain time hold only the instances still
 re-keyed with the same inputs (a Release or a Report: the LRS, which this value does not read)
 stays where it is.
 
-Anything else (SLO, cache-aware with prediction, round-robin) scans.
+A request-dependent metric with a floor (predicted TTFT, the default policy's first load metric) is
+served by `BoundedLoadIndex`: its value is computed from a per-instance state kept here (re-made when the
+instance changes) plus the request, and it is at least a request-free key of that state plus an offset of
+the request. The walk visits the instances without a prefix hit by key until the floor passes the
+`need`-th best value, the instances with a hit by their own floor while one can still matter, and runs the
+selector's own `select` over the visited candidates (see the class).
+
+Anything else (cache-aware with prediction, predictor-enhanced predicted latency, round-robin) scans.
 """
 
 from __future__ import annotations
@@ -924,9 +931,9 @@ class BoundedLoadIndex(LoadIndex):
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = pipeline.selector
         need = max(cast(RankedSelector, selector).top_k, count)
-        members = self.members
         first = self._first
-        hits = {i: h for i, h in first.ctx.prefix_hits(req).items() if i in members}
+        # every instance with a hit (some may not be members: the walk never meets those, step 2 skips them)
+        hits = first.ctx.prefix_hits(req)
         offset = first.bound_offset(req, 0)
         for fallback in (False, True):
             filters, blockers = self._pass(pipeline, fallback)
@@ -1003,10 +1010,13 @@ class BoundedLoadIndex(LoadIndex):
         offsets: dict[int, float] = {}
         floors = []
         for instance_id, hit in hits.items():
+            entry = key.get(instance_id)
+            if entry is None:
+                continue  # not a member
             offset = offsets.get(hit)
             if offset is None:
                 offset = offsets[hit] = first.bound_offset(req, hit)
-            floor = key[instance_id][0] + offset
+            floor = entry[0] + offset
             if floor <= cut:
                 floors.append((floor, instance_id))
         floors.sort()

@@ -312,9 +312,11 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
         )
         decisions = [core.schedule(req) for core in (indexed, scanned)]
         assert decisions[0] == decisions[1]
-        if i % 3 == 0:
-            for core in (indexed, scanned):
-                core.report(f"r{i}", 1)
+        for core in (indexed, scanned):
+            if i % 3 == 0:
+                core.report(f"r{i}", 0, prefill_done=True)  # joins the decode batch
+            if i >= 5:
+                core.report(f"r{i - 5}", 1 + i % 9)  # tokens generated: the batch's sequences grow
         if i >= 60:
             for core in (indexed, scanned):
                 core.release(f"r{i - 60}")

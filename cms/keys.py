@@ -46,7 +46,20 @@ def status_pattern(cluster: str) -> str:
 
 
 def events_channel(cluster: str) -> str:
+    """The shared notice channel: anyone allowed to publish there may announce any key, so readers
+    only GET what its notices name."""
     return f"{PREFIX}:{cluster}:{EVENTS}"
+
+
+def instance_events_channel(cluster: str, instance_id: str) -> str:
+    """One writer's own notice channel: Redis ACLs can confine each llumlet to publishing on its own
+    (`&<this channel>`), so a record a notice carries here is trusted as that instance's."""
+    return f"{events_channel(cluster)}:{instance_id}"
+
+
+def instance_events_pattern(cluster: str) -> str:
+    """What readers PSUBSCRIBE to: every writer's own channel (ids hold no glob characters)."""
+    return f"{events_channel(cluster)}:*"
 
 
 def instance_of(key: str | bytes) -> str:

@@ -1,6 +1,7 @@
-"""CMS notices on the events channel, and the parser the reader reads them with.
+"""CMS notices on the writers' channels, and the parser the reader reads them with.
 
-A writer publishes one notice per write on `keys.events_channel(cluster)`:
+A writer publishes one notice per write on its own channel, `keys.instance_events_channel(cluster,
+instance)` (readers take a record only from the channel of the instance it is about):
 
     "<kind>:<instance>"             look: GET the key (metadata, removals, a large status)
     "status:<instance>:<record>"    the status record itself, the same bytes the writer SET

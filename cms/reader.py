@@ -2,11 +2,14 @@
 
 Two paths:
 
-- **notices**: the writers publish a notice on `keys.events_channel(cluster)` after each write
-  (cms/notices.py); a status notice carries the record itself, any other makes the reader GET that
-  one key; the decoded record is handed over at once, from the subscription's transport callback
-  (no task wakes per notice). Of the statuses one read of the subscription brings, only each
-  instance's newest is decoded;
+- **notices**: each writer publishes a notice on its own channel,
+  `keys.instance_events_channel(cluster, id)`, after each write (cms/notices.py); a status notice
+  carries the record itself, any other makes the reader GET that one key. A notice about another
+  instance than its channel's is refused (counted, nothing read), and one on the shared channel
+  (`keys.events_channel`) is only ever a reason to GET, so a Redis ACL that confines each llumlet
+  to its own keys and its own channel confines what its notices can change too. The decoded record
+  is handed over at once, from the subscription's transport callback (no task wakes per notice).
+  Of the statuses one read of the subscription brings, only each instance's newest is decoded;
 - **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
   lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
   A value identical to the one last seen (by its digest) is not decoded again.
@@ -53,6 +56,8 @@ MGET_BATCH = 512
 SCAN_COUNT = 1000
 # How long a record must stay missing before the reader believes its instance gone (see __init__).
 REMOVAL_GRACE_SECONDS = 3.0
+# the refusal reason of a notice published on one instance's channel about another
+NOTICE_SENDER = "notice_sender"
 
 # Reconnect backoff: doubles from FIRST_BACKOFF to MAX_BACKOFF, each sleep drawn from [half, all]
 # of it, so readers do not reconnect in step and one resumes within ~1 s of Redis returning.
@@ -89,8 +94,8 @@ class CmsReader:
     ) -> None:
         """`redis_options`: extra redis-py connection options (the password, rediss:// CA and client
         certificate: pilotfish/security.py's `redis_options`). `notice_records`: take a status from the
-        notice that carries it; False reads the key instead, for Redis ACLs that confine each llumlet
-        to its own keys (a notice carries no proof of who published it)."""
+        notice that carries it on its writer's own channel (never from the shared channel); False reads
+        the key instead, where ACLs confine each llumlet's keys but not its notice channel."""
         self.notice_records = notice_records
         keys.check_id(cluster, "cluster name")
         self.redis_url = redis_url
@@ -108,6 +113,7 @@ class CmsReader:
         self.num_redis_errors = 0
         self.num_polls = 0
         self.num_notices = 0
+        self._own_channel_prefix = (keys.events_channel(cluster) + ":").encode()
         # A key missing from a poll is believed gone only after `removal_grace`: a Redis that restarts
         # comes back empty, and its llumlets write their records again within their refresh interval;
         # dropping the engines at once would leave nothing to schedule on in between.
@@ -243,6 +249,9 @@ class CmsReader:
             leftover = bytes(getattr(conn._reader, "_buffer", b""))  # nothing is owed after the handshake
             if leftover:
                 subscription.data_received(leftover)
+            # the writers' own channels (a record they carry is theirs, where ACLs confine each writer
+            # to its channel) and the shared one (plain notices only: GET what they name)
+            transport.write(pack_command(b"PSUBSCRIBE", keys.instance_events_pattern(self.cluster).encode()))
             transport.write(pack_command(b"SUBSCRIBE", keys.events_channel(self.cluster).encode()))
             recovered()
             # notices sent while unsubscribed are lost: the next poll catches them up
@@ -263,16 +272,33 @@ class CmsReader:
         would drop the older ones anyway); returns the plainly announced keys, to be read with a GET."""
         inline: dict[str, bytes] = {}
         plain: dict[tuple[str, str], None] = {}
+        own_prefix = self._own_channel_prefix
         for message in messages:
-            if len(message) != 3 or message[0] != b"message" or not isinstance(message[2], bytes):
-                continue  # the subscription's confirmation, or nothing of ours
-            notice = split_notice(message[2])
+            sender: bytes | None  # the instance whose own channel carried it; None: the shared channel
+            if len(message) == 4 and message[0] == b"pmessage" and isinstance(message[3], bytes):
+                channel, data = message[2], message[3]
+                if not isinstance(channel, bytes) or not channel.startswith(own_prefix):
+                    continue
+                sender = channel[len(own_prefix):]
+            elif len(message) == 3 and message[0] == b"message" and isinstance(message[2], bytes):
+                data, sender = message[2], None
+            else:
+                continue  # a subscription's confirmation, or nothing of ours
+            notice = split_notice(data)
             if notice is None:
-                log.debug("ignored CMS notice %r", message[2][:MAX_PLAIN_NOTICE])
+                log.debug("ignored CMS notice %r", data[:MAX_PLAIN_NOTICE])
                 continue
             self.num_notices += 1
             kind, instance_id, record = notice
-            if record is None or not self.notice_records:
+            if sender is not None and sender != instance_id.encode():
+                # published on one instance's channel about another: whoever may publish there is not
+                # that instance; nothing is read or changed
+                self._refusals.note(instance_id, NOTICE_SENDER, f"a notice about {instance_id!r} on "
+                                    f"{sender.decode(errors='replace')!r}'s channel")
+                if self._note_refused is not None:
+                    self._note_refused(instance_id, NOTICE_SENDER)
+                continue
+            if record is None or sender is None or not self.notice_records:
                 plain[(kind, instance_id)] = None
             else:
                 inline[instance_id] = record

@@ -63,7 +63,8 @@ class CmsWriter:
         self._epoch_field = cms_pb2.InstanceStatus(epoch=self.epoch).SerializeToString()
         self.status_key = keys.status_key(cluster, instance_id)
         self.meta_key = keys.meta_key(cluster, instance_id)
-        self.channel = keys.events_channel(cluster)
+        # its own channel: an ACL can confine it there, which is what lets readers trust an inline record
+        self.channel = keys.instance_events_channel(cluster, instance_id)
         self._meta_notice = f"{keys.META}:{instance_id}"
         self._status_key_b = self.status_key.encode()
         self._ttl_b = str(ttl_ms).encode()

@@ -147,10 +147,11 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     cms_notice_records: Annotated[
         bool,
         Meta(
-            description="full mode: take a status from the change notice that carries it (no Redis read per "
-            "engine step); set false where per-llumlet Redis ACLs must confine each llumlet to its own status "
-            "(anyone who may publish a notice could otherwise speak for any instance): notices then only say "
-            "which key to read; see docs/cms-trust.md"
+            description="full mode: take a status from the change notice that carries it on its own "
+            "instance's channel (no Redis read per engine step; a record on the shared channel or about "
+            "another instance is never taken); false: every notice only says which key to read. Per-llumlet "
+            "Redis ACLs confine notices too when they grant each llumlet only its own channel; see "
+            "docs/cms-trust.md"
         ),
     ] = True
     cms_max_clock_skew_seconds: Annotated[

@@ -298,13 +298,15 @@ async def test_redis_acls_confine_the_llumlet_and_the_scheduler_reads_read_only(
     if int(version.split(".")[0]) < 7:
         pytest.skip(f"redis-server {version}: per-key read/write ACL selectors need Redis 7")
     events = keys.events_channel(CLUSTER)
+    own, pattern = keys.instance_events_channel(CLUSTER, "a"), keys.instance_events_pattern(CLUSTER)
     # the rules docs/cms-trust.md gives, for instance "a" and the scheduler
     _acl(admin, "llumlet-a", "on", ">pw-a", "resetkeys", "resetchannels",
-         f"~{keys.meta_key(CLUSTER, 'a')}", f"~{keys.status_key(CLUSTER, 'a')}", f"&{events}",
+         f"~{keys.meta_key(CLUSTER, 'a')}", f"~{keys.status_key(CLUSTER, 'a')}", f"&{own}",
          "-@all", "+set", "+del", "+publish", "+ping")  # fmt: skip
     _acl(admin, "pilotfish-scheduler", "on", ">pw-s", "resetkeys", "resetchannels",
-         f"%R~pilotfish:{CLUSTER}:*", f"&{events}",
-         "-@all", "+scan", "+getrange", "+strlen", "+subscribe", "+unsubscribe", "+ping")  # fmt: skip
+         f"%R~pilotfish:{CLUSTER}:*", f"&{events}", f"&{pattern}",
+         "-@all", "+scan", "+getrange", "+strlen", "+subscribe", "+psubscribe", "+unsubscribe", "+punsubscribe",
+         "+ping")  # fmt: skip
     host = f"127.0.0.1:{redis_service.port}/0"
     engine = Engine(f"redis://llumlet-a:pw-a@{host}", "a", 8001)
     llumlet = redis.Redis.from_url(f"redis://llumlet-a:pw-a@{host}")
@@ -319,6 +321,22 @@ async def test_redis_acls_confine_the_llumlet_and_the_scheduler_reads_read_only(
             await engine.export(num_waiting=4)
             await eventually(lambda: waiting(server, "a") == 4, "a notice through the read-only user")
             assert reader.num_redis_errors == 0
+            # the default takes records from notices: one on a's own channel (only a's user may publish
+            # there) is a's; an admin forging one about "a" on the shared channel or on b's channel
+            # changes nothing (the first is only a reason to read a's key, the second is refused)
+            forged = cms_pb2.InstanceStatus(instance_id="a", update_id=10**6, num_waiting=99).SerializeToString()
+            refused = reader.refused_by_reason.get("notice_sender", 0)
+            admin.publish(events, b"status:a:" + forged)
+            admin.publish(keys.instance_events_channel(CLUSTER, "b"), b"status:a:" + forged)
+            await eventually(lambda: reader.refused_by_reason.get("notice_sender", 0) > refused,
+                             "the notice on b's channel refused")
+            await engine.export(num_waiting=5)
+            await eventually(lambda: waiting(server, "a") == 5, "a's next status")
+        # the llumlet's user may publish on its own channel only
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            llumlet.publish(keys.instance_events_channel(CLUSTER, "b"), b"status:b")
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            llumlet.publish(events, b"status:b")
         # the llumlet's user cannot write another instance's keys, nor read anything
         for forged_key in (keys.status_key(CLUSTER, "b"), keys.meta_key(CLUSTER, "b"), "pilotfish:other:status:a"):
             with pytest.raises(redis.exceptions.NoPermissionError):

@@ -99,7 +99,8 @@ async def test_the_subscription_survives_what_is_no_notice(redis_service) -> Non
     try:
         await reader.wait_first_poll(timeout=10)
         await eventually(lambda: client.pubsub_numsub(channel)[0][1] == 1, "the subscription")
-        client.publish(channel, b"status:e0:\xff\xfe garbage")  # refused as a record, counted
+        # on e0's own channel: taken as e0's record, refused as one, counted
+        client.publish(keys.instance_events_channel("t", "e0"), b"status:e0:\xff\xfe garbage")
         await eventually(lambda: reader.num_bad_records == 1, "the bad inline record refused")
         errors = reader.num_redis_errors
         client.publish(channel, b"x" * (MAX_BULK + 1))  # no notice is this long: the connection is dropped
@@ -135,6 +136,39 @@ async def test_without_notice_records_every_notice_is_only_a_hint_to_read(redis_
         writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=3, num_running=1))
         await eventually(lambda: sink.newest("e0") == 3, "the written status, read from its key")
         assert all(s.num_running != 99 for s in sink.statuses), "a record from a notice was taken"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        writer.close()
+
+
+async def test_a_record_is_taken_only_from_its_own_instances_channel(redis_service) -> None:
+    """Redis ACLs can confine a llumlet to publishing on its own channel, not to what it says there:
+    a record about e0 is taken from e0's channel only. On the shared channel it is a reason to read
+    e0's key; on another instance's channel it is refused (counted), and nothing is read."""
+    client = redis.Redis.from_url(redis_service.url)
+    writer = CmsWriter(redis_service.url, "t", "e0", ttl_ms=60_000)
+    writer.write_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="127.0.0.1", http_port=8000))
+    writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=1))
+    sink = Sink()
+    reader = CmsReader(redis_service.url, "t", sink, poll_interval=3600.0)
+    task = asyncio.create_task(reader.run())
+    shared = keys.events_channel("t")
+    try:
+        await reader.wait_first_poll(timeout=10)
+        await eventually(lambda: client.pubsub_numsub(shared)[0][1] == 1, "the subscription")
+        await eventually(lambda: client.pubsub_numpat() == 1, "the pattern subscription")
+        forged = cms_pb2.InstanceStatus(instance_id="e0", update_id=2, num_running=99).SerializeToString()
+        before = reads(client)
+        client.publish(shared, b"status:e0:" + forged)
+        await eventually(lambda: reads(client) == before + 1, "the key read instead")
+        client.publish(keys.instance_events_channel("t", "e1"), b"status:e0:" + forged)
+        await eventually(lambda: reader.refused_by_reason.get("notice_sender") == 1, "the notice refused")
+        assert reads(client) == before + 1
+        writer.write_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=3, num_running=1))
+        await eventually(lambda: sink.newest("e0") == 3, "e0's own status, from its own channel")
+        assert reads(client) == before + 1, "e0's own notice carried its record: no read"
+        assert all(s.num_running != 99 for s in sink.statuses), "a forged record was taken"
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

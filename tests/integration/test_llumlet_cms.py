@@ -44,7 +44,7 @@ def make_llumlet(url: str, instance: str = "e0", abort=None, write_from_engine_t
 def test_writer_output_is_what_the_reader_accepts(redis_service):
     client = redis.Redis.from_url(redis_service.url)
     pubsub = client.pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(keys.events_channel("t"))
+    pubsub.subscribe(keys.instance_events_channel("t", "e0"))  # the writer's own channel
     writer = CmsWriter(redis_service.url, "t", "e0", ttl_ms=5000)
     status = cms_pb2.InstanceStatus(instance_id="e0", update_id=7, num_waiting=3, admitted_request_ids=["a", "b"])
     writer.write_status(status)

@@ -1007,18 +1007,29 @@ class BoundedLoadIndex(LoadIndex):
                 threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
         # the threshold only falls as hits are visited: a floor above it now is above it for good
         cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
-        offsets: dict[int, float] = {}
+        offsets = {hit: first.bound_offset(req, hit) for hit in set(hits.values())}
         floors = []
-        for instance_id, hit in hits.items():
-            entry = key.get(instance_id)
-            if entry is None:
-                continue  # not a member
-            offset = offsets.get(hit)
-            if offset is None:
-                offset = offsets[hit] = first.bound_offset(req, hit)
-            floor = entry[0] + offset
-            if floor <= cut:
-                floors.append((floor, instance_id))
+        # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
+        # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
+        # order up to there are fewer to look at than the hits (a bisect tells how many)
+        reach = len(self._sorted)
+        if cut < math.inf:
+            reach = bisect.bisect_right(self._sorted, cut - min(offsets.values()), key=_floor_of)
+        if reach < len(hits):
+            for entry in itertools.islice(self._sorted, reach):
+                hit = hits.get(entry[3])
+                if hit is not None:
+                    floor = entry[0] + offsets[hit]
+                    if floor <= cut:
+                        floors.append((floor, entry[3]))
+        else:
+            for instance_id, hit in hits.items():
+                entry = key.get(instance_id)
+                if entry is None:
+                    continue  # not a member
+                floor = entry[0] + offsets[hit]
+                if floor <= cut:
+                    floors.append((floor, instance_id))
         floors.sort()
         evaluate = first.evaluate
         for floor, instance_id in floors:
@@ -1035,6 +1046,10 @@ class BoundedLoadIndex(LoadIndex):
                 threshold = firsts[need - 1]
                 if banded:
                     threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
+
+
+def _floor_of(entry: tuple) -> float:
+    return entry[0]
 
 
 class _Visit:

@@ -1038,6 +1038,10 @@ class BoundedLoadIndex(LoadIndex):
             inst = members[instance_id]
             states = key[instance_id][1]
             value = evaluate(states[0], inst, req)
+            if value > threshold:
+                # past the band and the `need` best: it cannot matter (a hit without a floor, its prompt all
+                # cached, comes here, and most such are out of reach)
+                continue
             if not visit.admit(inst, self._values(states, inst, req, value)):
                 continue
             bisect.insort(firsts, value)

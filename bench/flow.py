@@ -2,7 +2,7 @@
 workload family, over several seeds.
 
 The scheduler's own FlowController (scheduler/flow) runs on the virtual-time cluster's clock over
-the full-mode core (bench/cluster_full.py's router): a request arrives, is dispatched or waits in
+the full-mode core (simulator/cluster/scheduler_router.py): a request arrives, is dispatched or waits in
 the queue, and leaves it when an engine's status (written after every step) shows room, exactly
 as the service drains on a CMS status; deadlines are timers. A shed request never reaches an
 engine (the gateway's 429). Every run asserts that nothing is lost: each request finished or was

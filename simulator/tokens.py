@@ -50,6 +50,11 @@ def generated_token_id(index: int) -> int:
     return VOCAB + index % len(WORDS)
 
 
+# the engine's step loop looks a token up instead of calling: GENERATED_TOKEN_IDS[index % NUM_GENERATED]
+NUM_GENERATED = len(WORDS)
+GENERATED_TOKEN_IDS = tuple(generated_token_id(i) for i in range(NUM_GENERATED))
+
+
 class Tokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 

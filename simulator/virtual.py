@@ -72,10 +72,12 @@ class VirtualEngine:
         if self._wake_at is not None and t > self._wake_at:
             self._start_woken()
         out: list[TimedOutput] = []
-        while self._plan is not None and self._plan.end <= t:
-            plan = self._plan
-            out.extend(TimedOutput(plan.end, o) for o in self.core.end_step(plan))
-            self._plan = self.core.begin_step(plan.end) if self.core.has_unfinished_requests() else None
+        plan = self._plan
+        core = self.core
+        while plan is not None and plan.end <= t:
+            end = plan.end
+            out += [TimedOutput(end, o) for o in core.end_step(plan)]
+            plan = self._plan = core.begin_step(end) if core.has_unfinished_requests() else None
         self.now = t
         return out
 

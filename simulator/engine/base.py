@@ -32,10 +32,11 @@ class StepPlan:
     num_decode_requests: int = 0
     decode_flags: list[bool] = field(default_factory=list)  # per scheduled entry: a decode, not a prefill
     num_context_tokens: int = 0  # sum of the context lengths the step attends (the profile's C)
+    # start + duration, kept: drivers read it several times per step
+    end: float = field(init=False)
 
-    @property
-    def end(self) -> float:
-        return self.start + self.duration
+    def __post_init__(self) -> None:
+        self.end = self.start + self.duration
 
 
 @dataclass(frozen=True, slots=True)

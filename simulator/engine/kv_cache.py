@@ -112,7 +112,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.req_blocks: dict[str, list[KVBlock]] = {}
-        self._num_registered: dict[str, int] = {}  # leading blocks of a request already registered
+        # leading blocks of a request already registered (the scheduler reads it to skip no-op allocations)
+        self.num_registered: dict[str, int] = {}
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks
@@ -147,7 +148,7 @@ class KVCacheManager:
             total = request.num_computed_tokens + num_new_tokens
             if total <= len(held) * self.block_size:
                 # the common decode step: the tokens fit in blocks already held
-                if self.enable_prefix_caching and total // self.block_size > self._num_registered.get(
+                if self.enable_prefix_caching and total // self.block_size > self.num_registered.get(
                     request.request_id, 0
                 ):
                     self._register(request, held, total)
@@ -172,7 +173,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         full = min(num_tokens, request.num_tokens) // self.block_size
-        start = self._num_registered.get(request.request_id, 0)
+        start = self.num_registered.get(request.request_id, 0)
         if full <= start:
             return
         hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
@@ -182,7 +183,7 @@ class KVCacheManager:
                 self.pool.register(blocks[i], hashes[i])
         else:
             self._register_with_events(request, blocks, hashes, start, full, events)
-        self._num_registered[request.request_id] = full
+        self.num_registered[request.request_id] = full
 
     def _register_with_events(
         self, request: SimRequest, blocks: list[KVBlock], hashes: list[int], start: int, full: int, events: list
@@ -205,7 +206,7 @@ class KVCacheManager:
     def free(self, request: SimRequest) -> list[int]:
         """Release every block the request holds, tail first; returns the ids that became free."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        self._num_registered.pop(request.request_id, None)
+        self.num_registered.pop(request.request_id, None)
         return self.pool.release(list(reversed(blocks)))
 
     def num_blocks_held(self, request_id: str) -> int:

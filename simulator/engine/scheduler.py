@@ -21,7 +21,7 @@ from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.kv_cache import KVCacheManager
 from pilotfish.simulator.engine.request import FinishReason, RequestStatus, SimRequest
 from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for
-from pilotfish.simulator.tokens import generated_token_id
+from pilotfish.simulator.tokens import GENERATED_TOKEN_IDS, NUM_GENERATED
 
 
 class V1Engine:
@@ -138,49 +138,84 @@ class V1Engine:
         return StepResult(plan.duration, outputs, plan.num_prefill_tokens, plan.num_decode_requests)
 
     def begin_step(self, now: float) -> StepPlan:
-        budget = self.config.max_num_batched_tokens
+        # The hot path of every simulation (one call per engine step): counters are read once into
+        # locals, the step's totals are summed as requests are scheduled, and a running request
+        # whose tokens fit the blocks it holds skips the allocator (see `_fits_held`).
+        config = self.config
+        budget = config.max_num_batched_tokens
+        last = config.max_model_len - 1  # a request computes at most max_model_len - 1 tokens
         scheduled: list[tuple[SimRequest, int]] = []
+        decode_flags: list[bool] = []
+        prefill_tokens = decodes = context = 0
         preempted = False
+        running = self.running
+        kv = self.kv
+        held_blocks = kv.req_blocks
+        registered = kv.num_registered
+        block_size = kv.block_size
+        caching = kv.enable_prefix_caching
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            request = self.running[i]
-            num_new = min(
-                request.num_tokens - request.num_computed_tokens,
-                budget,
-                self.config.max_model_len - 1 - request.num_computed_tokens,
-            )
+        while i < len(running) and budget > 0:
+            request = running[i]
+            computed = request.num_computed_tokens
+            num_output = len(request.output_token_ids)
+            num_tokens = request.num_prompt_tokens + num_output
+            # min(tokens it lacks, budget, room to max_model_len), as integers
+            num_new = num_tokens - computed
+            if budget < num_new:
+                num_new = budget
+            if last - computed < num_new:
+                num_new = last - computed
             if num_new <= 0:
                 i += 1
                 continue
-            new_blocks = self.kv.allocate(request, num_new)
-            while new_blocks is None:
-                victim = self.running.pop()  # the latest arrival loses its blocks first (FCFS)
-                self._preempt(victim, now)
-                preempted = True
-                if victim is request:
+            total = computed + num_new
+            held = held_blocks.get(request.request_id)
+            # what `kv.allocate` does when the tokens fit the blocks held and no block fills up to
+            # be registered: nothing, returning no new blocks
+            if held is None or total > len(held) * block_size or (
+                caching and total // block_size > registered.get(request.request_id, 0)
+            ):
+                new_blocks = kv.allocate(request, num_new)
+                while new_blocks is None:
+                    victim = running.pop()  # the latest arrival loses its blocks first (FCFS)
+                    self._preempt(victim, now)
+                    preempted = True
+                    if victim is request:
+                        break
+                    new_blocks = kv.allocate(request, num_new)
+                if new_blocks is None:
                     break
-                new_blocks = self.kv.allocate(request, num_new)
-            if new_blocks is None:
-                break
-            self._allocated(request, new_blocks, now)
+                if new_blocks:
+                    self._allocated(request, new_blocks, now)
             scheduled.append((request, num_new))
+            # one new token right after a sampled one: a decode, not a (re)compute of known tokens
+            if num_new == 1 and num_output > 0 and computed == num_tokens - 1:
+                decode_flags.append(True)
+                decodes += 1
+            else:
+                decode_flags.append(False)
+                prefill_tokens += num_new
+            context += total
             budget -= num_new
             i += 1
 
         # vLLM admits nothing in a step that had to preempt: memory is short
-        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            cached = self.kv.computed_blocks(request)
-            hit = len(cached) * self.config.block_size
+        waiting = self.waiting
+        while not preempted and waiting and budget > 0 and len(running) < config.max_num_seqs:
+            request = waiting[0]
+            cached = kv.computed_blocks(request)
+            hit = len(cached) * block_size
+            num_tokens = request.num_tokens
             # KV that arrived by transfer counts as computed, like a hit, but needs fresh blocks
-            skip = max(hit, min(request.num_external_computed_tokens, request.num_tokens - 1))
-            num_new = min(request.num_tokens - skip, budget)
-            new_blocks = self.kv.allocate(request, skip - hit + num_new, cached)
+            skip = max(hit, min(request.num_external_computed_tokens, num_tokens - 1))
+            num_new = min(num_tokens - skip, budget)
+            new_blocks = kv.allocate(request, skip - hit + num_new, cached)
             if new_blocks is None:
                 break
-            self.waiting.popleft()
-            self.running.append(request)
+            waiting.popleft()
+            running.append(request)
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = skip
             request.num_external_computed_tokens = 0  # consumed: a later preemption recomputes
@@ -188,25 +223,22 @@ class V1Engine:
                 # vLLM counts prefix-cache queries and hits of new requests only; a preempted
                 # request's return goes to separate (unexported) preempted_* counters
                 request.num_cached_tokens = hit
-                self._cache_queries += request.num_tokens
+                self._cache_queries += num_tokens
                 self._cache_hits += hit
             for o in self.observers:
                 o.request_scheduled(request, now)
                 o.cache_hit(request, hit, now)
             self._allocated(request, new_blocks, now)
             scheduled.append((request, num_new))
-            budget -= num_new
-
-        prefill_tokens = decodes = context = 0
-        decode_flags: list[bool] = []
-        for request, num_new in scheduled:
             decode = _is_decode(request, num_new)
             decode_flags.append(decode)
             if decode:
                 decodes += 1
             else:
                 prefill_tokens += num_new
-            context += request.num_computed_tokens + num_new
+            context += skip + num_new
+            budget -= num_new
+
         duration = self.profile.step_seconds(prefill_tokens, decodes, context) + self._stolen_s
         self._stolen_s = 0.0
         return StepPlan(now, duration, scheduled, prefill_tokens, decodes, decode_flags, context)
@@ -218,25 +250,37 @@ class V1Engine:
         observers = self.observers
         max_model_len = self.config.max_model_len
         running = RequestStatus.RUNNING
-        for (request, num_new), decode in zip(plan.scheduled, plan.decode_flags, strict=True):
+        length, stop = FinishReason.LENGTH, FinishReason.STOP
+        # the two lists are built together in begin_step, so they have the same length
+        for (request, num_new), decode in zip(plan.scheduled, plan.decode_flags):  # noqa: B905
             if request.status is not running:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += num_new
+            computed = request.num_computed_tokens + num_new
+            request.num_computed_tokens = computed
             if not decode:
                 for o in observers:
                     o.prefill_chunk(request, num_new, end)
             output_ids = request.output_token_ids
             index = len(output_ids)
-            if request.num_computed_tokens < request.num_prompt_tokens + index:
+            num_prompt = request.num_prompt_tokens
+            if computed < num_prompt + index:
                 continue  # a prefill chunk that does not reach the end samples nothing
             if index == 0:
-                self._prompt_tokens += request.num_prompt_tokens
-            token_id = generated_token_id(index)
+                self._prompt_tokens += num_prompt
+            token_id = GENERATED_TOKEN_IDS[index % NUM_GENERATED]
             output_ids.append(token_id)
             self._generation_tokens += 1
             for o in observers:
                 o.token_generated(request, token_id, end)
-            reason = request.length_limit_reached(max_model_len)
+            # SimRequest.length_limit_reached, inlined: the request now has index + 1 outputs
+            num_output = index + 1
+            stop_after = request.stop_after
+            if stop_after is not None and num_output >= stop_after:
+                reason: FinishReason | None = stop
+            elif num_output >= request.max_tokens or num_prompt + num_output >= max_model_len:
+                reason = length
+            else:
+                reason = None
             outputs.append(TokenOutput(request.request_id, token_id, index, reason))
             if reason is not None:
                 self._finish(request, reason, end)

@@ -13,7 +13,7 @@ labelled `engine` (its instance id): `instance` is the target label Prometheus s
 | `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
 | `pilotfish_scheduler_ejections_total{engine,reason}` | engine ejections: `upstream_errors`, `health_probes` |
 | `pilotfish_scheduler_instance_ejected{engine}` | 1 while the engine is ejected (no candidate), else 0 |
-| `pilotfish_scheduler_policy_<metric>{engine}` | each policy metric, a family each (`POLICY_METRIC_FAMILIES`) |
+| `pilotfish_scheduler_policy_<metric>{engine}` | each policy metric, a family each (the metric's `exported`) |
 | `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
 | `pilotfish_scheduler_view_staleness_seconds{engine}` | full: now - timestamp_ms, or time since applied if longer |
@@ -47,35 +47,15 @@ if TYPE_CHECKING:
     from pilotfish.scheduler.limits import ListenerStats
     from pilotfish.scheduler.view.kv_events import KvEventStats
 
-# The policy's metrics, one family each so no family mixes units: (family, scale to the family's
-# unit, what it is). The two latency predictions are milliseconds in the policy, seconds here.
-# A metric registered elsewhere gets `pilotfish_scheduler_policy_<name>`, unscaled.
-POLICY_METRIC_FAMILIES: dict[str, tuple[str, float, str]] = {
-    "num_requests": ("pilotfish_scheduler_policy_requests", 1.0, "Requests held (LRS num_requests)"),
-    "num_tokens": ("pilotfish_scheduler_policy_tokens", 1.0, "Tokens of held requests (LRS num_tokens)"),
-    "kv_cache_usage_ratio_projected": (
-        "pilotfish_scheduler_policy_kv_cache_usage_ratio",
-        1.0,
-        "KV cache use, projected with in-flight requests (0..1)",
-    ),
-    "decode_batch_size": ("pilotfish_scheduler_policy_decode_batch_requests", 1.0, "Requests in the next decode step"),
-    "num_waiting_requests": ("pilotfish_scheduler_policy_waiting_requests", 1.0, "Requests waiting"),
-    "all_prefills_tokens_num": ("pilotfish_scheduler_policy_prefill_tokens", 1.0, "Prompt tokens left to prefill"),
-    "all_decodes_tokens_num": ("pilotfish_scheduler_policy_decode_tokens", 1.0, "Tokens of decoding sequences"),
-    "cache_aware_all_prefills_tokens_num": (
-        "pilotfish_scheduler_policy_cache_aware_prefill_tokens",
-        1.0,
-        "Prompt tokens left to prefill, less prefix hits",
-    ),
-    "kv_cache_hit_len": ("pilotfish_scheduler_policy_kv_cache_hit_tokens", 1.0, "Prefix-cache hit of the request"),
-    "predicted_ttft": ("pilotfish_scheduler_policy_predicted_ttft_seconds", 1e-3, "Predicted time to first token"),
-    "predicted_tpot": ("pilotfish_scheduler_policy_predicted_tpot_seconds", 1e-3, "Predicted time per output token"),
-}
-
-
 def policy_metric_family(name: str) -> tuple[str, float, str]:
-    """(family name, scale, help) of the policy metric `name`."""
-    return POLICY_METRIC_FAMILIES.get(name, (f"pilotfish_scheduler_policy_{name}", 1.0, f"Policy metric {name}"))
+    """(family name, scale, help) of the policy metric `name`: what its class declares (`exported`), or
+    `pilotfish_scheduler_policy_<name>`, unscaled, for one that declares nothing."""
+    from pilotfish.scheduler.policy.registry import METRICS
+
+    exported = METRICS.get(name).exported if name in METRICS.names() else None
+    if exported is None:
+        return f"pilotfish_scheduler_policy_{name}", 1.0, f"Policy metric {name}"
+    return exported.family, exported.scale, exported.help
 
 
 DECISION_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1)

@@ -30,7 +30,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol, TypeVar
 
 from pilotfish.scheduler.errors import NoSchedulableInstanceError
 from pilotfish.scheduler.policy.context import PolicyContext, default_context
@@ -53,6 +53,15 @@ class MissValue:
 
     base: Metric | None
     offset: Callable[[RequestInfo], float]
+
+
+class ExportedFamily(NamedTuple):
+    """How the scheduler exports a metric's per-engine value: its own Prometheus family (so no family
+    mixes units), the scale from the metric's unit to the family's, and the family's help."""
+
+    family: str
+    scale: float
+    help: str
 
 
 class Metric(abc.ABC):
@@ -89,6 +98,8 @@ class Metric(abc.ABC):
     # instance_state, and `lower_bound` + `bound_offset` put a floor under the value: a load index walks
     # the members by the floor when the metric ranks first
     has_floor: ClassVar[bool] = False
+    # its Prometheus family on the scheduler's /metrics; None: pilotfish_scheduler_policy_<name>, unscaled
+    exported: ClassVar[ExportedFamily | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

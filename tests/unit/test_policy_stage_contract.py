@@ -19,6 +19,7 @@ from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.errors import NoSchedulableInstanceError
 from pilotfish.scheduler.policy.base import (
     Candidate,
+    ExportedFamily,
     GlobalFilter,
     InstanceFilter,
     InstanceHealth,
@@ -37,6 +38,7 @@ from pilotfish.scheduler.policy.registry import (
     verify_dispatch_load_metric,
 )
 from pilotfish.scheduler.rescheduler.settings import check_config
+from pilotfish.scheduler.telemetry import policy_metric_family
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InferType, InstanceView, RequestInfo
 
@@ -327,3 +329,22 @@ def test_a_rescheduling_policy_checks_its_own_flags() -> None:
         check_config(SchedulerConfig(enable_full_mode_scheduling=True))  # not named: not asked
     finally:
         RESCHEDULING_POLICIES.unregister(NeedsUnits.name)
+
+
+def test_a_metric_says_how_it_is_exported() -> None:
+    """Its Prometheus family, unit scale and help come from the class: a new metric needs no table
+    elsewhere, and one that declares nothing still gets a family of its own."""
+
+    class Seconds(LrsPrefillTokens):
+        name = "test_prefill_seconds"
+        exported = ExportedFamily("pilotfish_scheduler_policy_test_prefill_seconds", 1e-3, "Prefill ahead")
+
+    METRICS.register(Seconds)
+    try:
+        assert policy_metric_family("test_prefill_seconds") == (
+            "pilotfish_scheduler_policy_test_prefill_seconds", 1e-3, "Prefill ahead")
+    finally:
+        METRICS.unregister(Seconds.name)
+    family, scale, _ = policy_metric_family("test_lrs_prefill_tokens")
+    assert (family, scale) == ("pilotfish_scheduler_policy_test_lrs_prefill_tokens", 1.0)
+    assert policy_metric_family("predicted_ttft")[:2] == ("pilotfish_scheduler_policy_predicted_ttft_seconds", 1e-3)

@@ -6,7 +6,7 @@ matched once per decision. They depend on the request, so they are computed per 
 
 from __future__ import annotations
 
-from pilotfish.scheduler.policy.base import Metric, MissValue
+from pilotfish.scheduler.policy.base import ExportedFamily, Metric, MissValue
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.load import AllPrefillsTokensNum
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
@@ -16,6 +16,7 @@ class KvCacheHitLen(Metric):
     """Prompt tokens of this request whose KV the instance already holds (longest cached prefix)."""
 
     name = "kv_cache_hit_len"
+    exported = ExportedFamily("pilotfish_scheduler_policy_kv_cache_hit_tokens", 1.0, "Prefix-cache hit of the request")
     lower_is_better = False
     indexable = False
     cache_locality = True
@@ -37,6 +38,9 @@ class CacheAwareAllPrefillsTokensNum(Metric):
     the prefill work the instance would have, this request included."""
 
     name = "cache_aware_all_prefills_tokens_num"
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_cache_aware_prefill_tokens", 1.0, "Prompt tokens left to prefill, less prefix hits"
+    )
     indexable = False
     cache_locality = True
     uses_prefix_cache = True

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.base import ExportedFamily, Metric
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
 
@@ -14,6 +14,7 @@ class NumRequests(Metric):
     """
 
     name = "num_requests"
+    exported = ExportedFamily("pilotfish_scheduler_policy_requests", 1.0, "Requests held (LRS num_requests)")
     lower_is_better = True
     lite = True
     balance_band = (4.0, 1.2)
@@ -34,6 +35,7 @@ class NumTokens(Metric):
     """
 
     name = "num_tokens"
+    exported = ExportedFamily("pilotfish_scheduler_policy_tokens", 1.0, "Tokens of held requests (LRS num_tokens)")
     lower_is_better = True
     lite = True
     balance_band = (2048.0, 1.2)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from pilotfish.scheduler.policy.base import Metric
+from pilotfish.scheduler.policy.base import ExportedFamily, Metric
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.load import AllDecodesTokensNum, AllPrefillsTokensNum, DecodeBatchSize
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
@@ -68,6 +68,10 @@ class PredictedTtft(Metric):
     walks the instances by the request-free part and stops where that floor passes what can rank."""
 
     name = "predicted_ttft"
+    # ms in the policy, seconds exported
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_predicted_ttft_seconds", 1e-3, "Predicted time to first token"
+    )
     balance_band = (50.0, 1.1)
     indexable = False
     lite = True  # from the LRS in lite mode
@@ -113,6 +117,10 @@ class PredictedTpot(Metric):
     sequence lengths)."""
 
     name = "predicted_tpot"
+    # ms in the policy, seconds exported
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_predicted_tpot_seconds", 1e-3, "Predicted time per output token"
+    )
     balance_band = (2.0, 1.1)
     indexable = False
     lite = True  # from the LRS in lite mode

@@ -8,7 +8,7 @@ status yet counts as empty plus its in-flight load (schedulability blocks it any
 
 from __future__ import annotations
 
-from pilotfish.scheduler.policy.base import Drain, Metric
+from pilotfish.scheduler.policy.base import Drain, ExportedFamily, Metric
 from pilotfish.scheduler.policy.context import DEFAULT_TOKEN_BUDGET, PolicyContext
 from pilotfish.scheduler.view.predictor import prefill_rate, prefill_tokens_done
 from pilotfish.scheduler.view.types import EngineStatus, InstanceView, RequestInfo
@@ -21,6 +21,9 @@ class KvCacheUsageRatioProjected(Metric):
     + tokens of in-flight decode requests) / total KV tokens."""
 
     name = "kv_cache_usage_ratio_projected"
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_kv_cache_usage_ratio", 1.0, "KV cache use, projected with in-flight requests (0..1)"
+    )
     balance_band = (0.05, 1.1)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
@@ -35,6 +38,9 @@ class DecodeBatchSize(Metric):
     """Requests that will decode in the next steps: waiting (past prefill), loading, running and in-flight."""
 
     name = "decode_batch_size"
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_decode_batch_requests", 1.0, "Requests in the next decode step"
+    )
     balance_band = (4.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
@@ -46,6 +52,7 @@ class NumWaitingRequests(Metric):
     """Queue pressure: waiting requests plus in-flight dispatches."""
 
     name = "num_waiting_requests"
+    exported = ExportedFamily("pilotfish_scheduler_policy_waiting_requests", 1.0, "Requests waiting")
     balance_band = (2.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
@@ -58,6 +65,7 @@ class AllPrefillsTokensNum(Metric):
     minus (predictor-enhanced) the tokens forward-predicted as computed since the status."""
 
     name = "all_prefills_tokens_num"
+    exported = ExportedFamily("pilotfish_scheduler_policy_prefill_tokens", 1.0, "Prompt tokens left to prefill")
     # about one shared system prompt of prefill; no relative slack: a hit saves a fixed number of tokens
     balance_band = (512.0, 1.0)
 
@@ -107,6 +115,7 @@ class AllDecodesTokensNum(Metric):
     """Decode token load: sum of sequence lengths of the running decode batch + tokens of in-flight decode requests."""
 
     name = "all_decodes_tokens_num"
+    exported = ExportedFamily("pilotfish_scheduler_policy_decode_tokens", 1.0, "Tokens of decoding sequences")
     balance_band = (4096.0, 1.2)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:

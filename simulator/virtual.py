@@ -8,14 +8,15 @@ exactly as the real-time driver does, without sleeping.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import msgspec
 
 from pilotfish.simulator.engine.base import EngineCore, StepPlan, TokenOutput
 from pilotfish.simulator.engine.request import SimRequest
 
 
-@dataclass(frozen=True, slots=True)
-class TimedOutput:
+class TimedOutput(msgspec.Struct, frozen=True):
+    """A token output and the virtual time it exists at (a Struct: cheap to make, one per token)."""
+
     time: float
     output: TokenOutput
 

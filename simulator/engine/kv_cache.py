@@ -126,7 +126,7 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return []
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        hashes = _block_hashes(request, self.block_size)
         limit = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in hashes[:limit]:
@@ -176,7 +176,7 @@ class KVCacheManager:
         start = self.num_registered.get(request.request_id, 0)
         if full <= start:
             return
-        hashes = extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        hashes = _block_hashes(request, self.block_size)
         events = self.pool.events
         if events is None:
             for i in range(start, full):
@@ -211,3 +211,11 @@ class KVCacheManager:
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))
+
+
+def _block_hashes(request: SimRequest, block_size: int) -> list[int]:
+    """The request's block hashes, grown to cover every full block of its tokens."""
+    hashes = request.block_hashes
+    if len(hashes) < request.num_tokens // block_size:  # else nothing to add: skip joining the tokens
+        extend_block_hashes(hashes, request.all_token_ids, block_size)
+    return hashes

@@ -14,9 +14,11 @@ goes depends on the request body mode Envoy declares in the first message's prot
 
 Response path, in any of the three modes: SSE chunks are counted and reported as they pass, and
 the request is released exactly once: at the end of the stream, at the response headers of a
-response that is not a stream, or when the stream dies. Nothing a client sends chooses the
-upstream: the request id is the gateway's own, and every fault inside the processor becomes a
-clean answer to that request alone.
+response that is not a stream, or when the stream dies. Once nothing more is owed (the response's
+last byte or its headers, an answer of the gateway's own), the stream ends from this side with OK
+rather than waiting for Envoy's close, whose reset makes grpc.aio leak native memory. Nothing a
+client sends chooses the upstream: the request id is the gateway's own, and every fault inside
+the processor becomes a clean answer to that request alone.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class _Stream:
     __slots__ = (
         "counter",
         "decision",
+        "done",
         "flow",
         "held",
         "observed",
@@ -116,6 +119,7 @@ class _Stream:
         self.rejected = False  # answered by the gateway itself: whatever else comes is not routed
         self.observed = False  # a stream of the observing filter (--response-bodies observe): it releases
         self.trace: tracing.Trace | None = None  # None: this process does not trace (ext_proc/tracing.py)
+        self.done = False  # nothing more to read or answer: the stream ends from this side (Process)
 
 
 class ExtProcServicer:
@@ -160,6 +164,8 @@ class ExtProcServicer:
                 kind = message.WhichOneof("request")
                 if message.observability_mode:  # the filter that only watches response bodies
                     self._observe(s, kind, message)
+                    if s.done:
+                        return
                     continue
                 try:
                     if kind == "response_body":  # first: SSE chunks are most of the messages
@@ -171,6 +177,12 @@ class ExtProcServicer:
                 tracing.stamp(replies, s.trace)  # the routing reply sets traceparent upstream
                 for reply in replies:
                     yield reply
+                if s.done:
+                    # End the stream here, with OK, before Envoy closes it: Envoy's close is a
+                    # half-close and a reset at once, and grpc.aio frees neither a read cancelled
+                    # by that reset nor a status that fails after it (native memory, ~100 bytes
+                    # a request, for good). Envoy takes a server's close as "nothing more to process".
+                    return
         finally:
             self._metrics.active_streams.dec()
             # The stream ended before the response did: the client went away or the upstream reset
@@ -197,6 +209,7 @@ class ExtProcServicer:
             replies = await self._finish_held(s, end_of_stream=False) if s.held is not None else []
             return [*replies, messages.CONTINUE_REQUEST_TRAILERS]
         if kind == "response_trailers":
+            s.done = True
             if s.counter is not None and not s.released:
                 s.counter.finish()
                 self._release(s, FINISHED)
@@ -377,6 +390,9 @@ class ExtProcServicer:
             # Not a stream: an engine sends a whole response's headers only once it is done (or
             # failed), so nothing more can change the request's load.
             self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
+        # Done unless a body comes: none follows an end_of_stream, nor a body this reply turns off
+        # (mode NONE) except in full duplex, where Envoy may refuse the override and every byte is owed.
+        s.done = headers.end_of_stream or (not stream_body and s.response_mode != FULL_DUPLEX)
         if decision is None:
             return messages.response_headers_reply("", "", stream_body=False)
         buffered = s.response_mode == BUFFERED
@@ -384,6 +400,7 @@ class ExtProcServicer:
         return messages.response_headers_reply(served_by, decision.source, stream_body, buffered)
 
     def _on_response_body(self, s: _Stream, body: ep.HttpBody) -> ep.ProcessingResponse:
+        s.done = body.end_of_stream
         counter = s.counter
         full_duplex = s.response_mode == FULL_DUPLEX
         if counter is None or s.decision is None or s.released:
@@ -420,6 +437,7 @@ class ExtProcServicer:
         try:
             if kind == "response_body":
                 counter, body = s.counter, message.response_body
+                s.done = body.end_of_stream
                 if counter is None or s.released or s.decision is None:
                     return
                 counter.feed(body.body)
@@ -452,6 +470,7 @@ class ExtProcServicer:
         if s.status == 200 and not headers.end_of_stream and h.get("content-type", "").startswith("text/event-stream"):
             s.counter = TokenCounter()
         else:  # a whole response: done
+            s.done = True
             self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
 
     # -- ends ------------------------------------------------------------------------------------
@@ -477,6 +496,7 @@ class ExtProcServicer:
 
     def _reject(self, s: _Stream, exc: RequestError) -> ep.ProcessingResponse:
         s.rejected = True
+        s.done = True  # Envoy sends nothing after an immediate response
         s.held = None
         self._metrics.rejected.labels(str(exc.status)).inc()
         return messages.immediate(exc.status, exc.body(), f"pilotfish_{exc.status}", exc.retry_after)

@@ -30,3 +30,12 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
 
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     return extend_block_hashes([], token_ids, block_size)
+
+
+def extend_block_hashes_from(hashes: list[int], tail: Sequence[int], block_size: int) -> list[int]:
+    """`extend_block_hashes` given only the tokens after the blocks `hashes` covers (`tail`)."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for i in range(len(tail) // block_size):
+        parent = hash((parent, tuple(tail[i * block_size:(i + 1) * block_size])))  # hash_block, inlined
+        hashes.append(parent)
+    return hashes

@@ -11,7 +11,7 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from pilotfish.simulator.engine.block_hash import extend_block_hashes
+from pilotfish.simulator.engine.block_hash import extend_block_hashes_from
 from pilotfish.simulator.engine.request import SimRequest
 
 
@@ -55,22 +55,25 @@ class BlockPool:
         """`n` free blocks, each now held once; evicts cached ones when it must."""
         if n > self.num_free:
             raise ValueError(f"asked for {n} blocks, {self.num_free} free")
-        out: list[KVBlock] = []
-        for _ in range(n):
-            if self._fresh < self.num_blocks:
-                if self._fresh == len(self._blocks):
-                    self._blocks.append(KVBlock(self._fresh))
-                block = self._blocks[self._fresh]
-                self._fresh += 1
-            else:
-                _, block = self._free.popitem(last=False)
-                if block.block_hash is not None:
-                    if self.cached.get(block.block_hash) is block:
-                        del self.cached[block.block_hash]
-                        if self.events is not None:
-                            self.events.append(("removed", block.block_hash))
-                    block.block_hash = None
-                    self.num_evictions += 1
+        # never-used blocks first, in id order, taken as one slice (a long prompt takes hundreds)
+        fresh = self._fresh
+        num_fresh = min(n, self.num_blocks - fresh)
+        blocks = self._blocks
+        if len(blocks) < fresh + num_fresh:
+            blocks.extend([KVBlock(i) for i in range(len(blocks), fresh + num_fresh)])
+        out = blocks[fresh:fresh + num_fresh]
+        for block in out:
+            block.ref_cnt = 1
+        self._fresh = fresh + num_fresh
+        for _ in range(n - num_fresh):
+            _, block = self._free.popitem(last=False)
+            if block.block_hash is not None:
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                    if self.events is not None:
+                        self.events.append(("removed", block.block_hash))
+                block.block_hash = None
+                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -179,8 +182,13 @@ class KVCacheManager:
         hashes = _block_hashes(request, self.block_size)
         events = self.pool.events
         if events is None:
+            # BlockPool.register, inlined: a long prompt registers hundreds of blocks at once
+            cached = self.pool.cached
             for i in range(start, full):
-                self.pool.register(blocks[i], hashes[i])
+                block, block_hash = blocks[i], hashes[i]
+                if block.block_hash is None and block_hash not in cached:
+                    block.block_hash = block_hash
+                    cached[block_hash] = block
         else:
             self._register_with_events(request, blocks, hashes, start, full, events)
         self.num_registered[request.request_id] = full
@@ -199,7 +207,7 @@ class KVCacheManager:
                 first, last = run[0], run[-1]
                 parent = hashes[first - 1] if first > 0 else None
                 bs = self.block_size
-                tokens = request.all_token_ids[first * bs:(last + 1) * bs]
+                tokens = request.token_ids_between(first * bs, (last + 1) * bs)
                 events.append(("stored", hashes[first:last + 1], parent, tokens))
                 run = []
 
@@ -216,6 +224,8 @@ class KVCacheManager:
 def _block_hashes(request: SimRequest, block_size: int) -> list[int]:
     """The request's block hashes, grown to cover every full block of its tokens."""
     hashes = request.block_hashes
-    if len(hashes) < request.num_tokens // block_size:  # else nothing to add: skip joining the tokens
-        extend_block_hashes(hashes, request.all_token_ids, block_size)
+    known = len(hashes)
+    if known < request.num_tokens // block_size:
+        # only the tokens after the hashed blocks, not all of them joined (a long prompt each time)
+        extend_block_hashes_from(hashes, request.token_ids_between(known * block_size, request.num_tokens), block_size)
     return hashes

@@ -60,6 +60,15 @@ class SimRequest:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """`all_token_ids[start:stop]` (0 <= start <= stop) without joining prompt and output."""
+        num_prompt = self.num_prompt_tokens
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:stop - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:stop - num_prompt]
+
     def length_limit_reached(self, max_model_len: int) -> FinishReason | None:
         if self.stop_after is not None and self.num_output_tokens >= self.stop_after:
             return FinishReason.STOP

@@ -23,7 +23,8 @@ def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size:
     full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else ROOT_HASH
     for i in range(len(hashes), full):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        # hash_block, inlined: every prompt's blocks are hashed here, a long prompt's by the thousand
+        parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(parent)
     return hashes
 

@@ -60,7 +60,7 @@ class BlockPool:
         num_fresh = min(n, self.num_blocks - fresh)
         blocks = self._blocks
         if len(blocks) < fresh + num_fresh:
-            blocks.extend([KVBlock(i) for i in range(len(blocks), fresh + num_fresh)])
+            blocks.extend(map(KVBlock, range(len(blocks), fresh + num_fresh)))
         out = blocks[fresh:fresh + num_fresh]
         for block in out:
             block.ref_cnt = 1
@@ -215,7 +215,7 @@ class KVCacheManager:
         """Release every block the request holds, tail first; returns the ids that became free."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_registered.pop(request.request_id, None)
-        return self.pool.release(list(reversed(blocks)))
+        return self.pool.release(blocks[::-1])
 
     def num_blocks_held(self, request_id: str) -> int:
         return len(self.req_blocks.get(request_id, ()))

@@ -14,8 +14,9 @@ from pilotfish.simulator.engine.base import EngineCore, StepPlan, TokenOutput
 from pilotfish.simulator.engine.request import SimRequest
 
 
-class TimedOutput(msgspec.Struct, frozen=True):
-    """A token output and the virtual time it exists at (a Struct: cheap to make, one per token)."""
+class TimedOutput(msgspec.Struct, frozen=True, gc=False):
+    """A token output and the virtual time it exists at (a Struct: cheap to make, one per token;
+    untracked by the garbage collector, as it holds a float and an untracked TokenOutput)."""
 
     time: float
     output: TokenOutput

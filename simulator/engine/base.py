@@ -11,11 +11,12 @@ from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
 
 
-class TokenOutput(msgspec.Struct, frozen=True):
+class TokenOutput(msgspec.Struct, frozen=True, gc=False):
     """One generated token, or the end of a request that produced none (finish_reason set).
 
     A msgspec Struct, not a frozen dataclass: one is made per token, and a frozen dataclass's
-    __init__ (object.__setattr__ per field) cost several times as much.
+    __init__ (object.__setattr__ per field) cost several times as much. Untracked by the garbage
+    collector (gc=False): its fields are strings, numbers and an enum, so it is never in a cycle.
     """
 
     request_id: str

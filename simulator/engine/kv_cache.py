@@ -203,10 +203,16 @@ class KVCacheManager:
         # one BlockStored per run of newly cached blocks, as vLLM's cache_full_blocks emits them; a
         # block whose hash another block already holds is not cached, so it is not announced
         run: list[int] = []
+        cached = self.pool.cached
         for i in range(start, full + 1):
-            if i < full and self.pool.register(blocks[i], hashes[i]):
-                run.append(i)
-                continue
+            if i < full:
+                # BlockPool.register, inlined (a long prompt registers hundreds of blocks)
+                block, block_hash = blocks[i], hashes[i]
+                if block.block_hash is None and block_hash not in cached:
+                    block.block_hash = block_hash
+                    cached[block_hash] = block
+                    run.append(i)
+                    continue
             if run:
                 first, last = run[0], run[-1]
                 parent = hashes[first - 1] if first > 0 else None

@@ -32,6 +32,7 @@ the cells, finds the knees and reports.
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import platform
@@ -242,6 +243,15 @@ def find_knee(config: MatrixConfig, workload: str, engines: int, start: float) -
             "light_attainment": light, "mark": mark, "bounded": True}
 
 
+# A cell allocates millions of short-lived objects that never form cycles; with the default threshold
+# (700) the cyclic collector runs so often it costs 4-9% of a cell (measured). Results do not depend on it.
+GC_THRESHOLD = (50_000, 20, 20)
+
+
+def _fewer_collections() -> None:
+    gc.set_threshold(*GC_THRESHOLD)
+
+
 def _call(job: tuple) -> Any:
     fn, args = job
     return fn(*args)
@@ -260,8 +270,13 @@ def _map(config: MatrixConfig, jobs: list[tuple], log: Any = None) -> list[Any]:
         return out
 
     if config.jobs <= 1 or len(jobs) <= 1:
-        return counted(_call(j) for j in jobs)
-    with ProcessPoolExecutor(max_workers=config.jobs) as pool:
+        before = gc.get_threshold()
+        _fewer_collections()
+        try:
+            return counted(_call(j) for j in jobs)
+        finally:
+            gc.set_threshold(*before)
+    with ProcessPoolExecutor(max_workers=config.jobs, initializer=_fewer_collections) as pool:
         return counted(pool.map(_call, jobs, chunksize=1))
 
 

@@ -24,6 +24,7 @@ the processor becomes a clean answer to that request alone.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
 import time
@@ -69,6 +70,12 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _INTERNAL_ERROR = RequestError(500, "the gateway failed on this request; it was not sent to an engine")
 
 
+def _retrieve(read: asyncio.Future[ep.ProcessingRequest]) -> None:
+    """Mark a read-ahead's end (the stream's end, or a call already over) as seen."""
+    if not read.cancelled():
+        read.exception()
+
+
 def gateway_request_id(client_id: str | None) -> str:
     """The id the scheduler and the engine know the request by: minted here, unique per stream."""
     minted = uuid.uuid4().hex
@@ -81,6 +88,7 @@ class _Stream:
     """What one HTTP request's processing remembers between messages."""
 
     __slots__ = (
+        "ahead",
         "counter",
         "decision",
         "done",
@@ -120,6 +128,7 @@ class _Stream:
         self.observed = False  # a stream of the observing filter (--response-bodies observe): it releases
         self.trace: tracing.Trace | None = None  # None: this process does not trace (ext_proc/tracing.py)
         self.done = False  # nothing more to read or answer: the stream ends from this side (Process)
+        self.ahead: asyncio.Future[ep.ProcessingRequest] | None = None  # a read made while scheduling
 
 
 class ExtProcServicer:
@@ -159,8 +168,14 @@ class ExtProcServicer:
     ) -> AsyncIterator[ep.ProcessingResponse]:
         s = _Stream()
         self._metrics.active_streams.inc()
+        incoming = aiter(request_iterator)
         try:
-            async for message in request_iterator:
+            while True:
+                try:
+                    message = await (s.ahead if s.ahead is not None else anext(incoming))
+                except StopAsyncIteration:
+                    break
+                s.ahead = None
                 kind = message.WhichOneof("request")
                 if message.observability_mode:  # the filter that only watches response bodies
                     self._observe(s, kind, message)
@@ -170,6 +185,8 @@ class ExtProcServicer:
                 try:
                     if kind == "response_body":  # first: SSE chunks are most of the messages
                         replies = [self._on_response_body(s, message.response_body)]
+                    elif kind == "request_trailers" or (kind == "request_body" and message.request_body.end_of_stream):
+                        replies = await self._reading_meanwhile(s, kind, message, incoming)
                     else:
                         replies = await self._on_message(s, kind, message)
                 except Exception:
@@ -189,6 +206,29 @@ class ExtProcServicer:
             # (Envoy does not tell the ext_proc which).
             if s.decision is not None and not s.released:
                 self._release(s, UPSTREAM_ERROR if s.status >= 500 else CLIENT_ABORT)
+
+    async def _reading_meanwhile(
+        self, s: _Stream, kind: str, message: ep.ProcessingRequest, incoming: AsyncIterator[ep.ProcessingRequest]
+    ) -> list[ep.ProcessingResponse]:
+        """Handle the message that schedules, reading the stream meanwhile: the scheduler may hold
+        the request for seconds, and with Envoy's graceful close (envoy/sidecar.yaml) a client that
+        leaves shows only as the stream's end (a half-close, no reset that would cancel this task),
+        which must take the request out of the scheduler's queue. The read is kept for the next
+        message, never cancelled: grpc.aio leaks a cancelled read's native op array."""
+        work = asyncio.ensure_future(self._on_message(s, kind, message))
+        read = s.ahead = asyncio.ensure_future(anext(incoming))
+        read.add_done_callback(_retrieve)  # one still pending at the stream's end is never awaited
+        try:
+            await asyncio.wait((work, read), return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        if not work.done() and read.exception() is not None:  # the stream ended: the client left
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work  # the schedule's own cancel path releases it (CLIENT_ABORT)
+            return []
+        return await work
 
     async def _on_message(
         self, s: _Stream, kind: str | None, message: ep.ProcessingRequest

@@ -16,11 +16,13 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.ext_proc.routing import Decision
 from pilotfish.protos import scheduler_pb2
 from tests.unit.test_ext_proc_protocol import (
     COMPLETION,
     SSE,
     STREAMING,
+    FakeBackend,
     Mode,
     body,
     headers,
@@ -57,13 +59,15 @@ def run_to_the_end(
     return asyncio.run(collect()), read
 
 
-STREAM = [response_headers(), response_body(SSE[0]), response_body(SSE[1]), response_body(SSE[2], end=True)]
+def stream() -> list[ep.ProcessingRequest]:
+    """A streamed response, fresh each time (`observed` marks messages in place)."""
+    return [response_headers(), response_body(SSE[0]), response_body(SSE[1]), response_body(SSE[2], end=True)]
 
 
 @pytest.mark.parametrize("response_mode", [Mode.STREAMED, Mode.FULL_DUPLEX_STREAMED])
 def test_a_stream_ends_with_the_reply_to_its_last_body_chunk(response_mode: int) -> None:
     svc, backend, _ = servicer()
-    messages = [headers(response_mode=response_mode), body(STREAMING), *STREAM]
+    messages = [headers(response_mode=response_mode), body(STREAMING), *stream()]
     replies, read = run_to_the_end(svc, messages)
     assert read == len(messages)
     assert replies[-1].HasField("response_body")
@@ -97,8 +101,8 @@ def test_skipped_response_bodies_end_the_stream_at_the_response_headers() -> Non
 
 def test_an_observed_stream_ends_at_its_last_chunk() -> None:
     svc, backend, _ = servicer(response_bodies="observe")
-    _, read = run_to_the_end(svc, [observed(m) for m in STREAM])
-    assert read == len(STREAM) and backend.releases == [("gw-1", FINISHED)]
+    _, read = run_to_the_end(svc, [observed(m) for m in stream()])
+    assert read == 4 and backend.releases == [("gw-1", FINISHED)]
 
 
 def test_a_full_duplex_response_that_is_not_a_stream_is_read_to_its_last_byte() -> None:
@@ -120,3 +124,64 @@ def test_a_stream_whose_response_is_not_over_keeps_reading() -> None:
     with pytest.raises(ReadPastTheEnd):
         run_to_the_end(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0])])
     assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_CLIENT_ABORT]
+
+
+class HeldBackend(FakeBackend):
+    """A scheduler that holds every Schedule until the test lets it go (its flow-control queue)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holding = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.cancelled = 0
+
+    async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
+        self.holding.set()
+        try:
+            await self.let_go.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return await super().schedule(request)
+
+
+def test_a_client_that_leaves_while_the_scheduler_holds_its_request_takes_it_out() -> None:
+    """With Envoy's graceful close the client's leaving is only the stream's end (no reset)."""
+    backend = HeldBackend()
+    svc, _, _ = servicer(backend)
+
+    async def scenario() -> list[ep.ProcessingResponse]:
+        async def feed() -> AsyncIterator[ep.ProcessingRequest]:
+            yield headers()
+            yield body(STREAMING)
+            await backend.holding.wait()  # then Envoy half-closes: the client left
+
+        return [reply async for reply in svc.Process(feed(), None)]
+
+    # the bound only keeps a processor that never notices from hanging the suite
+    replies = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert backend.cancelled == 1 and backend.scheduled == []
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_CLIENT_ABORT]
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers"]
+
+
+def test_a_message_read_while_scheduling_is_handled_next() -> None:
+    backend = HeldBackend()
+    svc, _, _ = servicer(backend)
+
+    async def scenario() -> list[ep.ProcessingResponse]:
+        async def feed() -> AsyncIterator[ep.ProcessingRequest]:
+            yield headers()
+            yield body(STREAMING)
+            await backend.holding.wait()
+            backend.let_go.set()
+            for message in stream():
+                yield message
+
+        return [reply async for reply in svc.Process(feed(), None)]
+
+    replies = asyncio.run(asyncio.wait_for(scenario(), 30))  # a hang guard, as above
+    assert [r.WhichOneof("response") for r in replies] == ["request_headers", "request_body", "response_headers"] + [
+        "response_body"
+    ] * 3
+    assert [r for _, r in backend.releases] == [FINISHED]

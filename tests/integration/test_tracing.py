@@ -8,6 +8,7 @@ engine's a child of the ext_proc's (carried by the traceparent the routing reply
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 
@@ -72,11 +73,21 @@ async def test_one_trace_across_ext_proc_scheduler_and_engine(
         svc = ExtProcServicer(router, lambda text: [1] * len(text.split()), frozenset(), 1 << 20, ExtProcMetrics())
         body = json.dumps({"model": "pilotfish-sim", "prompt": "hello there", "max_tokens": 3}).encode()
 
+        answered = asyncio.Event()
+
         async def feed() -> AsyncIterator[ep.ProcessingRequest]:
             yield headers_message(f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01")
             yield ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True))
+            # Envoy keeps the stream open until the response; a stream that ended while the request was
+            # being scheduled would be a client that left (the gateway cancels its Schedule)
+            await answered.wait()
 
-        replies = [r async for r in svc.Process(feed(), None)]
+        replies = []
+        async for reply in svc.Process(feed(), None):
+            replies.append(reply)
+            if reply.HasField("request_body"):
+                answered.set()
+                break
         upstream = {
             o.header.key: o.header.raw_value.decode()
             for r in replies

@@ -24,28 +24,44 @@ class StartError(RuntimeError):
     """A child could not be started or never became ready; the message says which and why."""
 
 
-_PORT_BLOCK_RANGE = (20000, 32000)  # below Linux's default ephemeral range, 32768-60999
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux's default: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+# Ports handed out are drawn below the ephemeral range: an outgoing connection (a Redis client, a
+# gRPC channel, a test's HTTP client) takes its local port from that range, so one can take a port
+# the kernel picked for a server between the pick and the server's own bind (seen in CI: an
+# ext_proc that found its port in use). Below the range only another deliberate bind can.
+_PORT_RANGE = (20000, max(20000 + 2000, min(_ephemeral_low(), 32768)))
+_handed_out: set[int] = set()  # never hand out the same port twice in one process
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on right now (the kernel's pick)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A TCP port nothing listens on right now, drawn below the kernel's ephemeral range."""
+    return free_port_block(1, host)
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 200) -> int:
     """The first of `count` consecutive ports that are all free right now.
 
     For servers that derive ports from a base (vLLM's KV-events endpoint adds the data-parallel
-    rank). Drawn below the kernel's ephemeral range, so a later bind to port 0 by this or any
-    process cannot take one of them between this check and their own bind.
+    rank). Drawn below the kernel's ephemeral range, so a later bind to port 0 or an outgoing
+    connection by this or any process cannot take one of them between this check and their own
+    bind; a port this process handed out before is never handed out again.
     """
-    low, high = _PORT_BLOCK_RANGE
+    low, high = _PORT_RANGE
+    if len(_handed_out) > (high - low) // 2:
+        _handed_out.clear()  # a long benchmark's old stacks are gone; their ports may be reused
     rng = random.Random()
     for _ in range(attempts):
         base = rng.randrange(low, high - count)
-        if all(port_is_free(base + k, host) for k in range(count)):
+        block = range(base, base + count)
+        if not _handed_out.intersection(block) and all(port_is_free(port, host) for port in block):
+            _handed_out.update(block)
             return base
     raise StartError(f"no {count} consecutive free ports in {low}..{high} after {attempts} tries")
 

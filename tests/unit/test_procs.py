@@ -138,6 +138,17 @@ def test_free_port_block_returns_consecutive_ports_that_bind() -> None:
             s.close()
 
 
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice() -> None:
+    # an outgoing connection takes its local port from the ephemeral range, so a port picked
+    # there could be taken before the server binds it (a CI run saw exactly that)
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert all(port < low for port in ports)
+    assert len(set(ports)) == len(ports)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", ports[-1]))
+
+
 # Starts a grandchild that leaves its tree (its parent exits) and prints its pid, then sleeps.
 _DETACHING = """
 import os, sys, time

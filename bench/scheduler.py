@@ -1,14 +1,18 @@
 """`pilotfish bench scheduler`: decision latency in-process, gRPC round trip, cost of a status update.
 
-Figures (all wall-clock, single thread, this machine):
+Figures (single thread, this machine):
 
-- **decision**: `SchedulerCore.schedule` p50/p99 with 256 and 4,096 instances, lite mode
+- **decision**: `SchedulerCore.schedule` p50/p99 with 256 and 4,096 instances, in wall-clock time and in
+  the thread's CPU time (on a shared machine the wall-clock tail is mostly other processes' time
+  slices; the CPU time is the decision's own work), lite mode
   (num_requests) and full mode (load-balance on all_prefills_tokens_num, health filters and
   failover), in steady state: requests are released as new ones arrive, and in full mode
   every decision is followed by a status update of a random instance (which re-keys it in
   the load index) and a status confirming the request. Cache-aware and predictor-enhanced
   full mode are measured too (the index merges the cached instances in, and orders the forward
-  prediction by drain time; see scheduler/policy/index.py).
+  prediction by drain time; see scheduler/policy/index.py). Each request carries the prefix block
+  hashes its prompt fills (one of 64 shared prefixes, at most 8 blocks of 16 tokens): a prompt is
+  never shorter than its own cached blocks, as a gateway's hashes are of the prompt's tokens.
 - **status update**: one InstanceStatus applied to the core (decoded from bytes + applied,
   and applied alone), 4,096 instances.
 - **gRPC**: Schedule round trip p50/p99 from a client to `pilotfish scheduler` in another
@@ -32,6 +36,8 @@ import msgspec
 from msgspec import Meta
 
 GOALS_US = {256: 200.0, 4096: 1000.0}
+# the requests' prefixes: this many shared prefixes, each this many blocks of this many tokens
+PREFIXES, PREFIX_BLOCKS, BLOCK_SIZE = 64, 8, 16
 # the decision configurations: label, full mode, SchedulerConfig fields
 # the shipped default first (no flags: whatever SchedulerConfig defaults to), then the named policies
 LOAD_BALANCE = {"scheduling_policy": "load-balance"}
@@ -75,7 +81,10 @@ def _pct(samples: list[float], q: float) -> float:
 
 
 def _summary(samples_s: list[float]) -> dict[str, float]:
-    us = [s * 1e6 for s in samples_s]
+    return _summary_us([s * 1e6 for s in samples_s])
+
+
+def _summary_us(us: list[float]) -> dict[str, float]:
     return {
         "mean_us": round(sum(us) / len(us), 1),
         "p50_us": round(_pct(us, 0.50), 1),
@@ -125,10 +134,10 @@ def _status(k: int, update_id: int, rng: random.Random, admitted: list[str] = ()
     )
 
 
-def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> dict[str, float]:
+def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> dict[str, Any]:
+    """Wall-clock and thread-CPU figures of `decisions` timed decisions (after a warm-up) in steady state."""
     from pilotfish.scheduler.config import SchedulerConfig
     from pilotfish.scheduler.core import SchedulerCore
-    from pilotfish.scheduler.view.types import RequestInfo
 
     rng = random.Random(seed)
     if full:
@@ -141,17 +150,22 @@ def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> d
         instances = [f"i{k}=10.0.{k // 256}.{k % 256}:8000" for k in range(n)]
         core = SchedulerCore(SchedulerConfig(instances=instances, model=["m"], **flags))
     in_flight = 2 * n  # steady state: about two requests held per instance
-    hashes = [tuple(rng.getrandbits(64) for _ in range(8)) for _ in range(64)]
-    samples: list[float] = []
+    prefixes = prefix_chains(rng)
+    wall: list[float] = []
+    cpu: list[float] = []
     warmup = min(2000, decisions // 5)
     for i in range(warmup + decisions):
-        prompt = rng.randrange(16, 4096)
-        req = RequestInfo(f"r{i}", "m", prompt_tokens=prompt, prefix_block_hashes=hashes[i % 64], prefix_block_size=16)
-        started = time.perf_counter()
+        req = request(f"r{i}", rng.randrange(16, 4096), prefixes[i % PREFIXES])
+        # the thread's CPU clock as well as the wall clock: on a shared machine the wall-clock tail is
+        # other processes' time slices, the CPU time the decision's own work
+        cpu_started = time.thread_time_ns()
+        started = time.perf_counter_ns()
         decision = core.schedule(req)
-        elapsed = time.perf_counter() - started
+        elapsed = time.perf_counter_ns() - started
+        cpu_elapsed = time.thread_time_ns() - cpu_started
         if i >= warmup:
-            samples.append(elapsed)
+            wall.append(elapsed / 1000)
+            cpu.append(cpu_elapsed / 1000)
         if i >= in_flight:
             core.release(f"r{i - in_flight}")
         if full:
@@ -161,7 +175,23 @@ def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> d
             other = rng.randrange(n)
             updates[other] += 1
             core.apply_status(_status(other, updates[other], rng))
-    return _summary(samples)
+    return {**_summary_us(wall), "cpu": _summary_us(cpu)}
+
+
+def prefix_chains(rng: random.Random) -> list[tuple[int, ...]]:
+    """The shared prefixes, each a chain of PREFIX_BLOCKS block hashes."""
+    return [tuple(rng.getrandbits(64) for _ in range(PREFIX_BLOCKS)) for _ in range(PREFIXES)]
+
+
+def request(request_id: str, prompt_tokens: int, prefix: tuple[int, ...]) -> Any:
+    """A request whose prompt starts with `prefix`: its hashes are the blocks the prompt fills (a prompt
+    shorter than the prefix carries fewer), so no request has more cached tokens than prompt tokens."""
+    from pilotfish.scheduler.view.types import RequestInfo
+
+    hashes = prefix[: prompt_tokens // BLOCK_SIZE]
+    return RequestInfo(
+        request_id, "m", prompt_tokens=prompt_tokens, prefix_block_hashes=hashes, prefix_block_size=BLOCK_SIZE
+    )
 
 
 def _status_cost(n: int, count: int, seed: int) -> dict[str, Any]:
@@ -269,12 +299,17 @@ def _client_schedules(port: int, rpcs: int, session: bool, session_address: str 
 
 
 def _decision_rows(decisions: dict[str, dict[str, Any]]) -> list[str]:
-    rows = ["| configuration | instances | mean µs | p50 µs | p99 µs | goal p99 µs |", "|---|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| configuration | instances | wall mean µs | wall p50 µs | wall p99 µs | CPU mean µs | CPU p50 µs "
+        "| CPU p99 µs | goal p99 µs |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for label, fig in decisions.items():
         n = fig["instances"]
+        cpu = fig.get("cpu", {})  # a result written before the CPU column has none
         rows.append(
             f"| {label.split(' @ ')[0]} | {n} | {fig['mean_us']} | {fig['p50_us']} | {fig['p99_us']} "
-            f"| {GOALS_US.get(n, '')} |"
+            f"| {cpu.get('mean_us', '')} | {cpu.get('p50_us', '')} | {cpu.get('p99_us', '')} | {GOALS_US.get(n, '')} |"
         )
     return rows
 
@@ -321,9 +356,14 @@ def measure(cfg: SchedulerBenchConfig, configs: list[tuple[str, bool, dict[str, 
 
 def command(cfg: SchedulerBenchConfig, out: Path) -> str:
     """The command line that reruns this configuration."""
+    default = SchedulerBenchConfig()
     given = (f" --configs {','.join(cfg.configs)}" if cfg.configs else "") + (
         " --decisions-only" if cfg.decisions_only else ""
     )
+    if cfg.sizes != default.sizes:
+        given += f" --sizes {','.join(map(str, cfg.sizes))}"
+    if cfg.decisions != default.decisions:
+        given += f" --decisions {cfg.decisions}"
     return f"pilotfish bench scheduler{given} --out {out}"
 
 

@@ -1,0 +1,52 @@
+"""`pilotfish bench scheduler`: its requests are ones a gateway could send, and its table has the
+thread's CPU time beside the wall clock (bench/scheduler.py)."""
+
+from __future__ import annotations
+
+import argparse
+import random
+from pathlib import Path
+
+from pilotfish.bench import scheduler as bench
+from pilotfish.config import struct_from_args
+
+
+def parse(*argv: str) -> bench.SchedulerBenchConfig:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return struct_from_args(bench.SchedulerBenchConfig, parser.parse_args(list(argv)))
+
+
+def test_a_request_never_carries_more_prefix_blocks_than_its_prompt_fills() -> None:
+    rng = random.Random(3)
+    prefix = bench.prefix_chains(rng)[0]
+    assert len(prefix) == bench.PREFIX_BLOCKS
+    for prompt in [16, 17, 31, 32, 100, 127, 128, 129, 4095, *(rng.randrange(16, 4096) for _ in range(200))]:
+        req = bench.request("r", prompt, prefix)
+        blocks = len(req.prefix_block_hashes)
+        assert blocks * bench.BLOCK_SIZE <= prompt
+        # every block the prompt fills, up to the prefix's length, and the prefix's own leading hashes
+        assert blocks == min(bench.PREFIX_BLOCKS, prompt // bench.BLOCK_SIZE)
+        assert tuple(req.prefix_block_hashes) == prefix[:blocks]
+
+
+def test_decisions_report_wall_and_thread_cpu_time() -> None:
+    for full in (False, True):
+        fig = bench._decisions(16, full, 50, seed=1)
+        for summary in (fig, fig["cpu"]):
+            assert summary["n"] == 50
+            assert 0 < summary["p50_us"] <= summary["p99_us"]
+
+
+def test_table_has_the_cpu_columns_and_the_command_its_sizes(tmp_path: Path) -> None:
+    cfg = parse("--configs", "default", "--decisions-only", "--sizes", "16", "--decisions", "20")
+    result = bench.measure(cfg, bench.chosen_configs(cfg))
+    result["command"] = bench.command(cfg, tmp_path)
+    md = bench.render_markdown(result)
+    assert "| CPU p50 µs | CPU p99 µs |" in md
+    rows = [line for line in md.splitlines() if line.startswith("| lite default") or line.startswith("| full default")]
+    assert len(rows) == 2 and all(len(r.split("|")) == 11 for r in rows)
+    assert "--sizes 16 --decisions 20" in result["command"]
+    # a result written before the CPU column renders still, its CPU cells empty
+    old = {k: {kk: vv for kk, vv in v.items() if kk != "cpu"} for k, v in result["decisions"].items()}
+    assert "| 16 |" in bench.render_markdown({**result, "decisions": old})

@@ -59,7 +59,7 @@ class PolicyContext:
                 self._hits = {}
             else:
                 size = req.prefix_block_size or self.default_block_size
-                self._hits = {i: blocks * size for i, blocks in index.match(req.prefix_block_hashes).items()}
+                self._hits = index.match(req.prefix_block_hashes, size)
         return self._hits
 
     def elapsed_since(self, timestamp_ms: int) -> float:

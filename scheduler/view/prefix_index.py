@@ -85,26 +85,40 @@ class PrefixIndex:
         self.drop_instance(instance_id)
         self._capacity.pop(instance_id, None)
 
-    def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        """Leading blocks of `hashes` each instance holds; instances with no hit are absent."""
+    def match(self, hashes: Sequence[int], scale: int = 1) -> dict[str, int]:
+        """Leading blocks of `hashes` each instance holds, times `scale` (a block's tokens, say); instances
+        with no hit are absent.
+
+        Every decision of a cache-aware policy matches its prompt over the holders of its first block (dozens
+        to hundreds of a shared prefix), so the work stays in set operations and `dict.fromkeys`, never a
+        Python loop per holder, and the holders' sets are read, never copied: the holders of a block are
+        usually all holders of the one before it too (chained hashes), and then the subset test alone
+        tells who stops there."""
         if not hashes:
             return {}
-        holders = self._holders.get(hashes[0])
-        if not holders:
+        holders_of = self._holders
+        alive = holders_of.get(hashes[0])
+        if not alive:
             return {}
-        alive = set(holders)
         hits: dict[str, int] = {}
-        for depth in range(1, len(hashes)):
-            nxt = self._holders.get(hashes[depth])
-            still = alive & nxt if nxt else set()
+        depth = len(hashes)
+        for d in range(1, depth):
+            nxt = holders_of.get(hashes[d])
+            if not nxt:
+                depth = d
+                break
+            if nxt <= alive:
+                if len(nxt) < len(alive):
+                    hits.update(dict.fromkeys(alive - nxt, d * scale))
+                    alive = nxt
+                continue
+            still = alive & nxt
             if len(still) < len(alive):
-                for gone in alive - still:
-                    hits[gone] = depth
+                hits.update(dict.fromkeys(alive - still, d * scale))
                 if not still:
                     return hits
                 alive = still
-        for inst in alive:
-            hits[inst] = len(hashes)
+        hits.update(dict.fromkeys(alive, depth * scale))
         return hits
 
     def _store(self, instance_id: str, hashes: Iterable[int]) -> None:

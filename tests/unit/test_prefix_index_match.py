@@ -1,0 +1,50 @@
+"""PrefixIndex.match against its plain definition: per instance, the leading hashes it holds (view/prefix_index.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pilotfish.scheduler.view.prefix_index import PrefixIndex
+
+INSTANCES = ["a", "b", "c", "d", "e"]
+# few distinct hashes, so that chains share blocks, holders nest or not, and evictions cut chains
+hashes_st = st.lists(st.integers(0, 7), min_size=0, max_size=6)
+op_st = st.one_of(
+    st.tuples(st.just("dispatch"), st.sampled_from(INSTANCES), hashes_st),
+    st.tuples(st.just("event"), st.sampled_from(INSTANCES), st.tuples(hashes_st, hashes_st, st.booleans())),
+    st.tuples(st.just("capacity"), st.sampled_from(INSTANCES), st.integers(1, 6)),
+    st.tuples(st.just("forget"), st.sampled_from(INSTANCES), st.none()),
+)
+
+
+def plain_match(index: PrefixIndex, hashes: list[int], scale: int) -> dict[str, int]:
+    hits = {}
+    for instance_id in INSTANCES:
+        held = index._blocks.get(instance_id, {})
+        depth = 0
+        while depth < len(hashes) and hashes[depth] in held:
+            depth += 1
+        if depth:
+            hits[instance_id] = depth * scale
+    return hits
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op_st, max_size=25), st.lists(hashes_st, min_size=1, max_size=4), st.sampled_from([1, 16]))
+def test_match_is_the_leading_blocks_each_instance_holds(ops: list, queries: list[list[int]], scale: int) -> None:
+    index = PrefixIndex(default_capacity_blocks=5)
+    for kind, instance_id, arg in ops:
+        if kind == "dispatch":
+            index.record_dispatch(instance_id, arg)
+        elif kind == "event":
+            stored, removed, cleared = arg
+            index.apply_kv_event(instance_id, stored, removed, cleared)
+        elif kind == "capacity":
+            index.set_capacity(instance_id, arg)
+        else:
+            index.forget(instance_id)
+        for hashes in queries:
+            before = {h: set(index._holders[h]) for h in index._holders}
+            assert index.match(hashes, scale) == plain_match(index, hashes, scale)
+            assert index._holders == before  # a match never changes what it reads

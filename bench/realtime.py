@@ -100,6 +100,15 @@ class RealtimeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
             "one (e.g. --agreement --reps 1 --requests 100 --engines 4)"
         ),
     ] = False
+    idle_window: Annotated[
+        bool,
+        Meta(
+            description="after each replay, keep the stack up with no requests for as long as the replay took and "
+            "measure the router side's CPU again: what it spends per second whatever the load (timers, polling, "
+            "statuses), reported beside the replay's figure and taken off it (net); adds one replay's length to "
+            "every run"
+        ),
+    ] = True
     progress: Progress = True
 
 
@@ -286,6 +295,9 @@ class Replayed:
     start_seconds: float
     router_cpu: float  # CPU seconds of the router side over the replay
     parts: dict[str, float]  # the same, by component
+    # CPU seconds over an idle window as long as the replay, right after it (--idle-window); None: not measured
+    idle_cpu: float | None = None
+    idle_parts: dict[str, float] | None = None
 
 
 def run_one(
@@ -321,8 +333,10 @@ def _replay(
     group: Any,
     tmp: Path,
 ) -> Replayed:
-    """Start `name` in `group` (the caller stops it), warm it up, replay `trace` through it."""
+    """Start `name` in `group` (the caller stops it), warm it up, replay `trace` through it, then
+    (--idle-window) leave it idle for as long as the replay took."""
     import asyncio
+    import dataclasses
 
     from pilotfish.bench.realtime_client import replay, warm_up
     from pilotfish.bench.realtime_targets import start_target
@@ -348,9 +362,19 @@ def _replay(
             tick=tick,
         )
     )
-    router_cpu = sum(cpu_seconds(p) for p in running.router_pids) - cpu0
-    parts = {part: cpu_seconds(pid) - parts0[part] for part, pid in running.router_parts.items()}
-    return Replayed(running, warmup, result, start_seconds, router_cpu, parts)
+    cpu1 = sum(cpu_seconds(p) for p in running.router_pids)
+    parts1 = {part: cpu_seconds(pid) for part, pid in running.router_parts.items()}
+    replayed = Replayed(
+        running, warmup, result, start_seconds, cpu1 - cpu0, {part: parts1[part] - parts0[part] for part in parts1}
+    )
+    if not cfg.idle_window:
+        return replayed
+    # The same window length for every target, with nothing sent: what the router side spends per second
+    # anyway. The client is idle too, so nothing else of this run competes with it.
+    time.sleep(result.wall_seconds)
+    idle_cpu = sum(cpu_seconds(p) for p in running.router_pids) - cpu1
+    idle_parts = {part: cpu_seconds(pid) - parts1[part] for part, pid in running.router_parts.items()}
+    return dataclasses.replace(replayed, idle_cpu=idle_cpu, idle_parts=idle_parts)
 
 
 def _run_figures(replayed: Replayed, engines: int, load_avg: float) -> dict[str, Any]:
@@ -368,6 +392,7 @@ def _run_figures(replayed: Replayed, engines: int, load_avg: float) -> dict[str,
             "router_cpu_ms_per_request_parts": {
                 part: cpu * 1000 / requests for part, cpu in replayed.parts.items() if requests
             },
+            **_idle_figures(replayed, requests),
             "replay_seconds": result.wall_seconds,
             "start_seconds": replayed.start_seconds,
             "load_avg_1m": load_avg,
@@ -375,6 +400,22 @@ def _run_figures(replayed: Replayed, engines: int, load_avg: float) -> dict[str,
         }
     )
     return summary
+
+
+def _idle_figures(replayed: Replayed, requests: int) -> dict[str, Any]:
+    """The idle window's CPU per request of the replay (the same divisor, so the two subtract), and the
+    replay's less it: what the requests themselves cost. Empty without an idle window."""
+    if replayed.idle_cpu is None or replayed.idle_parts is None or not requests:
+        return {}
+    idle_ms = replayed.idle_cpu * 1000 / requests
+    return {
+        "router_idle_cpu_seconds": replayed.idle_cpu,
+        "router_idle_cpu_ms_per_request": idle_ms,
+        "router_net_cpu_ms_per_request": replayed.router_cpu * 1000 / requests - idle_ms,
+        "router_idle_cpu_ms_per_request_parts": {
+            part: cpu * 1000 / requests for part, cpu in replayed.idle_parts.items()
+        },
+    }
 
 
 def _add_agreement(summary: dict[str, Any], name: str, trace: Trace, replayed: Replayed, engines: int) -> None:

@@ -37,10 +37,13 @@ FIGURES: dict[str, tuple[tuple[str, ...], float, str, bool]] = {
     "client_cpu_share": (("client_cpu_share",), 1.0, "client CPU", True),
     "router_cpu_seconds": (("router_cpu_seconds",), 1.0, "router CPU s", True),
     "router_cpu_ms_per_request": (("router_cpu_ms_per_request",), 1.0, "router CPU ms/req", True),
+    # --idle-window: the same per-request divisor over an idle window as long as the replay, and the difference
+    "router_idle_cpu_ms_per_request": (("router_idle_cpu_ms_per_request",), 1.0, "idle CPU ms/req", True),
+    "router_net_cpu_ms_per_request": (("router_net_cpu_ms_per_request",), 1.0, "net CPU ms/req", True),
 }
 TABLE = (
     "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p99", "requests_per_s", "failures",
-    "router_cpu_ms_per_request",
+    "router_cpu_ms_per_request", "router_idle_cpu_ms_per_request", "router_net_cpu_ms_per_request",
 )  # fmt: skip
 VERDICT = ("ttft_p50", "ttft_p99", "tpot_p99", "e2e_p99", "failures", "router_cpu_seconds")
 
@@ -158,7 +161,8 @@ def losses(summary: dict[str, dict[str, Any]], families: dict[str, str]) -> list
 
 
 def cpu_ratios(summary: dict[str, dict[str, Any]], families: dict[str, str]) -> list[str]:
-    """Each Pilotfish target's router-side CPU per request against each real router's (medians)."""
+    """Each Pilotfish target's router-side CPU per request against each real router's (medians): over
+    the replay, and net of the idle window where both have one."""
     lines: list[str] = []
     peers = [n for n in summary if families.get(n) == "peer" and summary[n].get("router_cpu_ms_per_request")]
     for name in (n for n in summary if families.get(n) == "pilotfish"):
@@ -167,22 +171,41 @@ def cpu_ratios(summary: dict[str, dict[str, Any]], families: dict[str, str]) -> 
             continue
         for peer in peers:
             theirs = summary[peer]["router_cpu_ms_per_request"]["median"]
-            if theirs:
-                lines.append(
-                    f"- `{name}` / `{peer}`: {mine['median'] / theirs:.1f}x "
-                    f"({mine['median']:.3g} against {theirs:.3g} ms per request)"
+            if not theirs:
+                continue
+            ratio = mine["median"] / theirs
+            line = f"- `{name}` / `{peer}`: {ratio:.1f}x ({mine['median']:.3g} against {theirs:.3g} ms per request)"
+            mine_net, theirs_net = (
+                summary[name].get("router_net_cpu_ms_per_request"),
+                summary[peer].get("router_net_cpu_ms_per_request"),
+            )
+            if mine_net and theirs_net and theirs_net["median"] > 0:
+                line += (
+                    f"; net of the idle window {mine_net['median'] / theirs_net['median']:.1f}x "
+                    f"({mine_net['median']:.3g} against {theirs_net['median']:.3g})"
                 )
+            lines.append(line)
     return lines
 
 
 def cpu_parts(per_target: dict[str, list[dict[str, Any]]]) -> list[str]:
-    """Median router-side CPU per request of each component, for the targets that report them."""
+    """Median router-side CPU per request of each component, for the targets that report them; with
+    --idle-window, each component's idle-window share beside it."""
     lines: list[str] = []
     for name, runs in per_target.items():
         parts = [r["router_cpu_ms_per_request_parts"] for r in runs if r.get("router_cpu_ms_per_request_parts")]
-        if parts:
-            cells = ", ".join(f"{part} {statistics.median(p[part] for p in parts):.3g}" for part in parts[0])
-            lines.append(f"- `{name}`: {cells} ms per request")
+        if not parts:
+            continue
+        idle = [
+            r["router_idle_cpu_ms_per_request_parts"] for r in runs if r.get("router_idle_cpu_ms_per_request_parts")
+        ]
+        cells = []
+        for part in parts[0]:
+            cell = f"{part} {statistics.median(p[part] for p in parts):.3g}"
+            if idle:
+                cell += f" (idle {statistics.median(p[part] for p in idle):.3g})"
+            cells.append(cell)
+        lines.append(f"- `{name}`: {', '.join(cells)} ms per request")
     return lines
 
 
@@ -222,7 +245,10 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}`" if result.get("command") else "",
         "",
         "`router CPU s`: CPU seconds the router side used over one replay (Pilotfish: Envoy + ext_proc + "
-        "scheduler; a peer: its router process; direct-rr: nothing), on the same cores as the engines and client.",
+        "scheduler; a peer: its router process; direct-rr: nothing), on the same cores as the engines and client. "
+        "`idle CPU ms/req` (with --idle-window): the same processes over an idle window as long as the replay, "
+        "right after it, divided by the same request count; `net CPU ms/req`: the replay's less that, the cost "
+        "of the requests themselves.",
         "",
         "Targets (nothing tuned per target; every router on its own defaults):",
         "",

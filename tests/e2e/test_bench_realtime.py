@@ -66,6 +66,12 @@ def test_the_harness_runs_end_to_end_and_every_request_completes(tmp_path: Path,
         for figure in ("ttft_p50", "ttft_p99", "tpot_p99", "e2e_p99", "requests_per_s"):
             assert summary[figure]["median"] > 0, (name, figure)
     assert runs["direct-rr"][0]["engine_requests"] == [3, 3]  # the client's own round-robin
+    # the idle window (on by default): as long as the replay, the same divisor, so the figures subtract
+    lite = runs["pilotfish-lite"][0]
+    assert set(lite["router_idle_cpu_ms_per_request_parts"]) == {"envoy", "ext_proc", "scheduler"}
+    assert lite["router_net_cpu_ms_per_request"] == pytest.approx(
+        lite["router_cpu_ms_per_request"] - lite["router_idle_cpu_ms_per_request"]
+    )
 
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert len(records) == 6 * len(targets)

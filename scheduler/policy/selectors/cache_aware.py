@@ -12,13 +12,12 @@ holder too, so later requests tie on the hit and spread by load.
 
 from __future__ import annotations
 
-import heapq
 import random
 from collections.abc import Sequence
 from typing import Any
 
 from pilotfish.scheduler.policy.base import Candidate, IndexWalk, Metric, Selector
-from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector
+from pilotfish.scheduler.policy.selectors.metric_based import MetricBasedSelector, smallest
 from pilotfish.scheduler.view.types import RequestInfo
 
 
@@ -95,18 +94,26 @@ class CacheAwareSelector(Selector):
         if not hits:  # nothing cached anywhere: the load policy's answer
             return self.load_ranking.select(cands, req, count)
         band = self._band_name
-        limit = self.band_limit(min(c.values[band] for c in cands))
-        in_band = [pos for pos, c in enumerate(cands) if c.values[band] <= limit]
-        if len({hits.get(cands[pos].inst.instance_id, 0) for pos in in_band}) < 2:
+        loads = [c.values[band] for c in cands]
+        limit = self.band_limit(min(loads))
+        in_band = [pos for pos, load in enumerate(loads) if load <= limit]
+        if not _told_apart(hits, [cands[pos].inst.instance_id for pos in in_band]):
             return self.load_ranking.select(cands, req, count)  # the cache tells no in-band instance apart
         signed = self._signed
-        keyed = [(tuple(cands[pos].values[n] * s for n, s in signed), pos) for pos in in_band]
-        head = [cands[pos] for _, pos in heapq.nsmallest(max(self.top_k, count), keyed)]
+        keyed = [(tuple([cands[pos].values[n] * s for n, s in signed]), pos) for pos in in_band]
+        head = [cands[pos] for _, pos in smallest(keyed, max(self.top_k, count))]
         ranked = self.load_ranking.pick(head, len(head))  # the random top-K pick, among in-band candidates only
         if len(ranked) >= count:
             return ranked[:count]
         # the fallbacks after them: the next by load alone
         taken = {id(c) for c in ranked}
-        load = [(m.name, m.sign) for m in self.load_ranking.metrics]
-        rest = [(tuple(c.values[n] * s for n, s in load), pos, c) for pos, c in enumerate(cands) if id(c) not in taken]
-        return [*ranked, *(c for *_, c in heapq.nsmallest(count - len(ranked), rest))]
+        rest = [entry for entry in self.load_ranking.keyed(cands) if id(entry[2]) not in taken]
+        return [*ranked, *(c for *_, c in smallest(rest, count - len(ranked)))]
+
+
+def _told_apart(hits: dict[str, int], instance_ids: list[str]) -> bool:
+    """Whether the instances do not all hold the same cached prefix (0 for none)."""
+    if len(instance_ids) < 2:
+        return False
+    first = hits.get(instance_ids[0], 0)
+    return any(hits.get(i, 0) != first for i in instance_ids)

@@ -42,16 +42,22 @@ class MetricBasedSelector(Selector):
         return {"metrics": [m.name for m in self._metrics], "top_k": self.top_k}
 
     def select(self, cands: Sequence[Candidate], req: RequestInfo, count: int) -> list[Candidate]:
-        # keys built inline (no per-item key function): this runs for every candidate per decision
-        if len(self._signed) == 1:
-            name, sign = self._signed[0]
-            keyed = [(c.values[name] * sign, pos, c) for pos, c in enumerate(cands)]
-        else:
-            signed = self._signed
-            keyed = [(tuple(c.values[n] * s for n, s in signed), pos, c) for pos, c in enumerate(cands)]
-        # only the head of the ranking is needed: O(n log k), not a full sort; the position
-        # breaks ties, so candidates themselves are never compared
-        return self.pick([c for *_, c in heapq.nsmallest(max(self.top_k, count), keyed)], count)
+        return self.pick([c for *_, c in smallest(self.keyed(cands), max(self.top_k, count))], count)
+
+    def keyed(self, cands: Sequence[Candidate]) -> list[tuple[Any, int, Candidate]]:
+        """(sort key, position, candidate) of each: the ranking's order, the position breaking ties so that
+        candidates themselves are never compared."""
+        # keys built inline (no per-item key function or generator): this runs for every candidate per decision
+        signed = self._signed
+        if len(signed) == 1:
+            name, sign = signed[0]
+            return [(c.values[name] * sign, pos, c) for pos, c in enumerate(cands)]
+        if len(signed) == 2:  # the default's (predicted TTFT, predicted TPOT)
+            (first, first_sign), (second, second_sign) = signed
+            return [
+                ((c.values[first] * first_sign, c.values[second] * second_sign), pos, c) for pos, c in enumerate(cands)
+            ]
+        return [(tuple([c.values[n] * s for n, s in signed]), pos, c) for pos, c in enumerate(cands)]
 
     def pick(self, ranked: list[T], count: int) -> list[T]:
         """From the head of the ranking (best first, at least top_k long when there are that
@@ -60,3 +66,16 @@ class MetricBasedSelector(Selector):
             pick = self._rng.randrange(min(self.top_k, len(ranked)))
             ranked.insert(0, ranked.pop(pick))
         return ranked[:count]
+
+
+# up to this many keys a full sort (in C) is cheaper than heapq.nsmallest's heap (in Python); a load index
+# hands a selector a few candidates, a scan every instance
+_SORT_UP_TO = 64
+
+
+def smallest(keyed: list[T], k: int) -> list[T]:
+    """The `k` least of `keyed`: heapq.nsmallest's answer (equal to sorted(keyed)[:k]), by a sort when short."""
+    if len(keyed) <= _SORT_UP_TO:
+        keyed.sort()
+        return keyed[:k]
+    return heapq.nsmallest(k, keyed)

@@ -268,6 +268,9 @@ class DynamoKvRouter(Router):
         self.cores: dict[int, V1Engine] = {}
         self.prefill_tokens: list[int] = []
         self.block_refs: list[dict[int, int]] = []  # per worker: block hash -> active requests holding it
+        # block hash -> the workers whose block_refs hold it: a request's held blocks per worker
+        # in one pass over its hashes, not one per worker (64 x a long prompt's hashes per decision)
+        self.holders: dict[int, set[int]] = {}
         self.partial_blocks: list[int] = []  # per worker: requests whose last block is partial (never shared)
         self.requests: dict[str, tuple[int, int, list[int], bool]] = {}  # id -> (worker, prefill, hashes, partial)
 
@@ -288,12 +291,19 @@ class DynamoKvRouter(Router):
         partial = isl % bs != 0
         costs: list[float] = []
         news: list[int] = []
+        held = [0] * len(self.prefill_tokens)  # per worker: the request's hashes its block_refs hold
+        holders = self.holders
+        for h in hashes:
+            workers = holders.get(h)
+            if workers:
+                for k in workers:
+                    held[k] += 1
         for k in range(len(self.prefill_tokens)):
             overlap = cached_prefix_blocks(self.cores[k], hashes)
             new_tokens = max(isl - overlap * bs, 0)
             prefill_blocks = (self.prefill_tokens[k] + new_tokens) / bs
             refs = self.block_refs[k]
-            new_blocks = sum(1 for h in hashes if h not in refs) + (1 if partial else 0)
+            new_blocks = len(hashes) - held[k] + (1 if partial else 0)  # the hashes refs lacks
             decode_blocks = len(refs) + self.partial_blocks[k] + new_blocks
             costs.append(self.weight * prefill_blocks + decode_blocks)
             news.append(new_tokens)
@@ -312,8 +322,12 @@ class DynamoKvRouter(Router):
         partial = request.prompt_tokens % request.block_size != 0
         self.prefill_tokens[pick] += news[pick]
         refs = self.block_refs[pick]
+        holders = self.holders
         for h in hashes:
-            refs[h] = refs.get(h, 0) + 1
+            count = refs.get(h, 0)
+            if not count:
+                holders.setdefault(h, set()).add(pick)
+            refs[h] = count + 1
         self.partial_blocks[pick] += 1 if partial else 0
         self.requests[request.request_id] = (pick, news[pick], hashes, partial)
         return pick
@@ -331,12 +345,17 @@ class DynamoKvRouter(Router):
         k, prefill, hashes, partial = entry
         self.prefill_tokens[k] -= prefill
         refs = self.block_refs[k]
+        holders = self.holders
         for h in hashes:
             left = refs[h] - 1
             if left:
                 refs[h] = left
             else:
                 del refs[h]
+                workers = holders[h]
+                workers.discard(k)
+                if not workers:
+                    del holders[h]
         self.partial_blocks[k] -= 1 if partial else 0
 
 

@@ -109,6 +109,37 @@ def test_dynamo_cost_is_uncached_prefill_blocks_plus_active_blocks() -> None:
     assert router.prefill_tokens[1] == 0
     router.on_finish("r1", 1, 0.2)
     assert router.block_refs[1] == {} and router.partial_blocks[1] == 0
+    assert router.holders == {h: {0} for h in (7, 8)}
+
+
+def test_dynamo_costs_count_held_blocks_as_the_per_worker_definition() -> None:
+    """The holders map gives each worker's held share of a request's hashes exactly as a scan of that
+    worker's block_refs would, through overlapping, repeated and finished requests."""
+    import random
+
+    rng = random.Random(7)
+    cores = _cores(4)
+    router = DynamoKvRouter(seed=0)
+    for i, core in enumerate(cores):
+        router.observe_engine(i, core)
+    router.bind(["a", "b", "c", "d"])
+    live: list[str] = []
+    for n in range(300):
+        hashes = [rng.randrange(40) for _ in range(rng.randrange(0, 12))]  # repeats and overlaps on purpose
+        request = _req(f"r{n}", hashes, rng.randrange(1, 300))
+        costs, news = router.costs(request)
+        for k in range(4):
+            refs = router.block_refs[k]
+            new_blocks = sum(1 for h in hashes if h not in refs) + (1 if request.prompt_tokens % BS else 0)
+            want = (router.prefill_tokens[k] + news[k]) / BS + len(refs) + router.partial_blocks[k] + new_blocks
+            assert costs[k] == want
+        k = router.route(request, 0.0)
+        live.append(request.request_id)
+        if live and rng.random() < 0.45:
+            gone = live.pop(rng.randrange(len(live)))
+            router.on_finish(gone, router.requests[gone][0], 0.0)
+        assert router.holders == {h: {k for k in range(4) if h in router.block_refs[k]}
+                                  for h in set().union(*router.block_refs)}
 
 
 def test_sglang_balances_when_imbalanced_else_follows_the_prefix() -> None:

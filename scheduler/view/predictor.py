@@ -44,10 +44,12 @@ class StepTimeModel:
         ref = max(profile.base_ms, 0.01)
         # prior covariance: each coefficient uncertain in proportion to its size (relative prior),
         # worth `prior_weight` steps that each coefficient dominates (see observe's weighting)
-        self._p = [
-            [(max(abs(self.theta[i]) / ref, 1.0) ** 2 / prior_weight) if i == j else 0.0 for j in range(4)]
+        # row-major, 16 floats: observe unpacks and rebuilds it in one statement each
+        self._p = tuple(
+            (max(abs(self.theta[i]) / ref, 1.0) ** 2 / prior_weight) if i == j else 0.0
             for i in range(4)
-        ]
+            for j in range(4)
+        )
         self._last_step = -1
         self._floor = max(0.01, profile.base_ms * 0.05)
         self._ref = profile.base_ms
@@ -71,21 +73,31 @@ class StepTimeModel:
         # (scaled by the prior's base step, so a typical step weighs about one and the prior's
         # `prior_weight` pseudo-observations compare with real ones)
         w = self._ref / max(y, self._floor)
-        x = (w, w * prefill_tokens / _SCALE[1], w * decode_batch / _SCALE[2], w * seq_len_sum / _SCALE[3])
-        y = self._ref
-        p = self._p
-        px = [p[i][0] * x[0] + p[i][1] * x[1] + p[i][2] * x[2] + p[i][3] * x[3] for i in range(4)]
-        denom = FORGET + x[0] * px[0] + x[1] * px[1] + x[2] * px[2] + x[3] * px[3]
-        k = [v / denom for v in px]
+        x0, x1, x2, x3 = w, w * prefill_tokens / _SCALE[1], w * decode_batch / _SCALE[2], w * seq_len_sum / _SCALE[3]
+        # The recursive least-squares update written out (once per status applied, so per engine
+        # step): px = P x, k = px / (forget + x.px), theta += k (y - theta.x), P = (P - k px^T) / forget.
+        # Each sum is taken in index order, as the loop form does: the fit is the same to the bit
+        # (tests/unit/test_predictor.py holds the two equal).
+        p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22, p23, p30, p31, p32, p33 = self._p
+        a0 = p00 * x0 + p01 * x1 + p02 * x2 + p03 * x3
+        a1 = p10 * x0 + p11 * x1 + p12 * x2 + p13 * x3
+        a2 = p20 * x0 + p21 * x1 + p22 * x2 + p23 * x3
+        a3 = p30 * x0 + p31 * x1 + p32 * x2 + p33 * x3
+        denom = FORGET + x0 * a0 + x1 * a1 + x2 * a2 + x3 * a3
+        k0, k1, k2, k3 = a0 / denom, a1 / denom, a2 / denom, a3 / denom
         t = self.theta
-        err = y - (t[0] * x[0] + t[1] * x[1] + t[2] * x[2] + t[3] * x[3])
-        for i in range(4):
-            t[i] += k[i] * err
+        err = self._ref - (t[0] * x0 + t[1] * x1 + t[2] * x2 + t[3] * x3)
+        t[0] += k0 * err
+        t[1] += k1 * err
+        t[2] += k2 * err
+        t[3] += k3 * err
         inv = 1.0 / FORGET
-        for i in range(4):
-            row, ki = p[i], k[i]
-            for j in range(4):
-                row[j] = (row[j] - ki * px[j]) * inv
+        self._p = (
+            (p00 - k0 * a0) * inv, (p01 - k0 * a1) * inv, (p02 - k0 * a2) * inv, (p03 - k0 * a3) * inv,
+            (p10 - k1 * a0) * inv, (p11 - k1 * a1) * inv, (p12 - k1 * a2) * inv, (p13 - k1 * a3) * inv,
+            (p20 - k2 * a0) * inv, (p21 - k2 * a1) * inv, (p22 - k2 * a2) * inv, (p23 - k2 * a3) * inv,
+            (p30 - k3 * a0) * inv, (p31 - k3 * a1) * inv, (p32 - k3 * a2) * inv, (p33 - k3 * a3) * inv,
+        )  # fmt: skip
         self.observations += 1
         return True
 

@@ -67,7 +67,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, cast
 
@@ -165,6 +165,62 @@ def _blockers(
     return [g.blocker(marked, members.values()) for g in global_filters]
 
 
+def _candidate(
+    inst: InstanceView,
+    values: dict[str, float],
+    extra: list[Metric],
+    filters: list[InstanceFilter],
+    blockers: list[Blocker],
+    req: RequestInfo,
+) -> Candidate | None:
+    """A member's Candidate, `values` completed with the pipeline's other metrics, when it passes the pass's
+    single-instance filters and no blocker blocks it; None otherwise. Every walk of an index admits so."""
+    for m in extra:
+        values[m.name] = m.value(inst, req)
+    cand = Candidate(inst, values)
+    for flt in filters:
+        if not flt.passes(cand, req):
+            return None
+    for blocker in blockers:
+        if blocker.blocks(inst):
+            return None
+    return cand
+
+
+class _Stages:
+    """The filters of one pass (normal or fallback) of a pipeline: fixed once the pipeline is built, and a
+    decision would otherwise sort them out again."""
+
+    __slots__ = ("filters", "global_filters", "marking", "plain")
+
+    def __init__(self, pipeline: Pipeline, fallback: bool) -> None:
+        self.filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
+        self.marking = [f for f in self.filters if f.marks_failover]
+        self.plain = [f for f in self.filters if not f.marks_failover]
+        self.global_filters = [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback]
+
+
+class _KeyAdmit:
+    """One pass of a walk over `LoadIndex._sorted`-shaped keys (signed values..., instance id): the key's
+    Candidate, or None when the member fails the pass."""
+
+    __slots__ = ("blockers", "extra", "filters", "members", "names", "req")
+
+    def __init__(
+        self, index: LoadIndex, pipeline: Pipeline, ranked: Sequence[Metric], fallback: bool, req: RequestInfo
+    ) -> None:
+        self.filters, self.blockers = index._pass(pipeline, fallback)
+        # (name, sign, position in the key) of each ranked metric
+        self.names = [(m.name, m.sign, i) for i, m in enumerate(ranked)]
+        ranked_names = {m.name for m in ranked}
+        self.extra = [m for m in pipeline.metrics if m.name not in ranked_names]
+        self.members, self.req = index.members, req
+
+    def __call__(self, key: tuple) -> Candidate | None:
+        values = {name: key[i] * sign for name, sign, i in self.names}
+        return _candidate(self.members[key[-1]], values, self.extra, self.filters, self.blockers, self.req)
+
+
 def load_index(pipeline: Pipeline, instances: Iterable[InstanceView]) -> LoadIndex:
     """The index for an indexable pipeline: by value; by drain time for a forward-predicted metric; by a floor
     for a request-dependent one that has a floor."""
@@ -185,7 +241,7 @@ class LoadIndex:
         self._by_ts: list[tuple[int, str]] = []
         # (instance filters, the marking ones, global filters) of each pass (normal, fallback) of
         # `pipeline`: fixed once it is built, and a decision would otherwise sort them out again
-        self._passes: dict[bool, tuple[list[InstanceFilter], list[InstanceFilter], list[GlobalFilter]]] = {}
+        self._passes: dict[bool, _Stages] = {}
         self._build(instances)
 
     def _build(self, instances: Iterable[InstanceView]) -> None:
@@ -200,7 +256,7 @@ class LoadIndex:
             self.members[inst.instance_id] = inst
             self._key[inst.instance_id] = key = self._make_key(inst)
             self._sorted.append(key)
-            self._track_health(inst)
+            self._track_health(inst, inst.instance_id)
         self._sorted.sort()
         self._by_ts.sort()
 
@@ -222,10 +278,9 @@ class LoadIndex:
             del lst[bisect.bisect_left(lst, old)]
             bisect.insort(lst, key)
             self._key[instance_id] = key
-        self._track_health(inst)
+        self._track_health(inst, instance_id)
 
-    def _track_health(self, inst: InstanceView) -> None:
-        instance_id = inst.instance_id
+    def _track_health(self, inst: InstanceView, instance_id: str) -> None:
         s = inst.status
         old_ts = self._ts.get(instance_id)
         new_ts = s.timestamp_ms if s is not None else None
@@ -264,22 +319,33 @@ class LoadIndex:
             bad |= flt.blocked_in(self)  # sets: merged without hashing again
         return bad
 
-    def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[InstanceFilter], list[Blocker]]:
-        """The single-instance filters of this pass and the global filters' blockers."""
+    def _stages(self, pipeline: Pipeline, fallback: bool) -> _Stages:
+        """The filters of one pass, sorted out once for the index's own pipeline."""
         stages = self._passes.get(fallback) if pipeline is self.pipeline else None
         if stages is None:
-            filters = [f for f in pipeline.instance_filters if not fallback or f.not_skip_when_fallback]
-            stages = (
-                filters,
-                [f for f in filters if f.marks_failover],
-                [g for g in pipeline.global_filters if not fallback or g.not_skip_when_fallback],
-            )
+            stages = _Stages(pipeline, fallback)
             if pipeline is self.pipeline:
                 self._passes[fallback] = stages
-        filters, marking, global_filters = stages
-        if not global_filters or not marking:
-            return filters, []
-        return filters, _blockers(global_filters, self._unhealthy(marking), self.members)
+        return stages
+
+    def _pass(self, pipeline: Pipeline, fallback: bool) -> tuple[list[InstanceFilter], list[Blocker]]:
+        """The single-instance filters of this pass and the global filters' blockers."""
+        stages = self._stages(pipeline, fallback)
+        if not stages.global_filters or not stages.marking:
+            return stages.filters, []
+        return stages.filters, _blockers(stages.global_filters, self._unhealthy(stages.marking), self.members)
+
+    def _health_pass(
+        self, pipeline: Pipeline, fallback: bool
+    ) -> tuple[list[InstanceFilter], AbstractSet[str], list[Blocker]]:
+        """This pass as (the filters that do not mark, the members that fail one that does, the blockers): the
+        marking filters answered from the health sets (`health_indexed`), without a call per member."""
+        stages = self._stages(pipeline, fallback)
+        if not stages.marking:
+            return stages.plain, _NONE, []
+        bad = self._unhealthy(stages.marking)
+        blockers = _blockers(stages.global_filters, bad, self.members) if stages.global_filters else []
+        return stages.plain, bad, blockers
 
     def _ranked(self, pipeline: Pipeline, req: RequestInfo) -> Iterator[tuple]:
         """Every member's full selector key (signed values..., instance id), best first."""
@@ -312,22 +378,12 @@ class LoadIndex:
             return self._run_banded(pipeline, cast(BandedSelector, pipeline.selector), req, count)
         selector = cast(RankedSelector, pipeline.selector)
         need = max(selector.top_k, count)
-        names = [m.name for m in selector.metrics]
-        signs = [m.sign for m in selector.metrics]
-        extra = [m for m in pipeline.metrics if m.name not in names]
-        members = self.members
         for fallback in (False, True):
-            filters, blockers = self._pass(pipeline, fallback)
+            admit = _KeyAdmit(self, pipeline, selector.metrics, fallback, req)
             picked: list[Candidate] = []
             for key in self._ranked(pipeline, req):
-                inst = members[key[-1]]
-                values = {name: key[i] * signs[i] for i, name in enumerate(names)}
-                for m in extra:
-                    values[m.name] = m.value(inst, req)
-                cand = Candidate(inst, values)
-                if not all(f.passes(cand, req) for f in filters):
-                    continue
-                if any(b.blocks(inst) for b in blockers):
+                cand = admit(key)
+                if cand is None:
                     continue
                 picked.append(cand)
                 if len(picked) >= need:
@@ -342,25 +398,11 @@ class LoadIndex:
         """The BANDED selector's `select` over the walk: load order, the band from its first passing
         instance, the instances with a hit visited explicitly."""
         cache, *load = selector.metrics
-        names = [m.name for m in load]
-        signs = [m.sign for m in load]
-        extra = [m for m in pipeline.metrics if m.name not in names]
         need = max(selector.top_k, count)
         members = self.members
         hits = {i: h for i, h in cache.ctx.prefix_hits(req).items() if i in members}
         for fallback in (False, True):
-            filters, blockers = self._pass(pipeline, fallback)
-
-            def admit(key: tuple, filters: list = filters, blockers: list = blockers) -> Candidate | None:
-                inst = members[key[-1]]
-                values = {name: key[i] * signs[i] for i, name in enumerate(names)}
-                for m in extra:
-                    values[m.name] = m.value(inst, req)
-                cand = Candidate(inst, values)
-                if not all(f.passes(cand, req) for f in filters) or any(b.blocks(inst) for b in blockers):
-                    return None
-                return cand
-
+            admit = _KeyAdmit(self, pipeline, load, fallback, req)
             walk = iter(self._sorted)
             passing: list[tuple[tuple, Candidate]] = []  # the candidates that pass, in load order, as walked
 
@@ -520,7 +562,7 @@ class PredictedLoadIndex(LoadIndex):
         for inst in instances:
             self.members[inst.instance_id] = inst
             self._place(inst, self._inputs_of(inst))
-            self._track_health(inst)
+            self._track_health(inst, inst.instance_id)
         self._by_ts.sort()
 
     def _inputs_of(self, inst: InstanceView) -> Drain | float:
@@ -619,7 +661,7 @@ class PredictedLoadIndex(LoadIndex):
             self._unplace(instance_id)
             self._settled.discard(instance_id)
             self._place(inst, inputs)
-        self._track_health(inst)
+        self._track_health(inst, inst.instance_id)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = cast(RankedSelector, pipeline.selector)  # a forward-predicted metric: RANKED only
@@ -907,6 +949,7 @@ class BoundedLoadIndex(LoadIndex):
         # what a visit computes, sorted out once: the ranked metrics' names, how each after the first gets
         # its value from its state (evaluate, or None: the state is the value), the filters' other metrics
         self._names = [m.name for m in self._ranked]
+        self._state_of = [m.state if m.instance_state else _request_free(m) for m in self._ranked]
         self._rest = [m.evaluate if m.instance_state else None for m in self._ranked[1:]]
         ranked_names = {m.name for m in self.pipeline.selector.metrics}
         self._extra = [m for m in self.pipeline.metrics if m.name not in ranked_names]
@@ -919,14 +962,37 @@ class BoundedLoadIndex(LoadIndex):
             self.members[inst.instance_id] = inst
             self._key[inst.instance_id] = key = self._make_key(inst)
             self._sorted.append(key)
-            self._track_health(inst)
+            self._track_health(inst, inst.instance_id)
         self._sorted.sort()
+        # `_sorted`'s floors, in its order: bisected in C, without a key function called per step
+        self._floors = [entry[0] for entry in self._sorted]
         self._by_ts.sort()
 
     def _make_key(self, inst: InstanceView) -> tuple:
-        states = tuple(m.state(inst) if m.instance_state else m.value(inst, _KEY_REQUEST) for m in self._ranked)
+        state_of = self._state_of
+        if len(state_of) == 2:  # the default's (TTFT, TPOT), without a loop: the core re-keys on every change
+            states: tuple = (state_of[0](inst), state_of[1](inst))
+        else:
+            states = tuple([state(inst) for state in state_of])
         instance_id = inst.instance_id
         return (self._first.lower_bound(states[0]), states, self._position[instance_id], instance_id)
+
+    def rekey(self, inst: InstanceView) -> None:
+        """`inst` changed: move it to its new place (and its floor in `_floors`) when its key moved."""
+        instance_id = inst.instance_id
+        old = self._key.get(instance_id)
+        if old is None or self.members.get(instance_id) is not inst:
+            return
+        key = self._make_key(inst)
+        if key != old:
+            entries, floors = self._sorted, self._floors
+            at = bisect.bisect_left(entries, old)
+            del entries[at], floors[at]
+            at = bisect.bisect_right(entries, key)
+            entries.insert(at, key)
+            floors.insert(at, key[0])
+            self._key[instance_id] = key
+        self._track_health(inst, instance_id)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = pipeline.selector
@@ -936,15 +1002,14 @@ class BoundedLoadIndex(LoadIndex):
         hits = first.ctx.prefix_hits(req)
         offset = first.bound_offset(req, 0)
         for fallback in (False, True):
-            filters, blockers = self._pass(pipeline, fallback)
-            visit = _Visit(self, filters, blockers, req)
+            visit = _Visit(self, *self._health_pass(pipeline, fallback), req)
             best = self._walk_misses(visit, hits, need, offset)
             if hits:
                 self._visit_hits(visit, hits, need, best)
-            if visit.cands:
-                position = self._position
-                cands = sorted(visit.cands, key=lambda c: position[c.inst.instance_id])
-                return [c.inst for c in selector.select(cands, req, count)]
+            cands = visit.cands
+            if cands:
+                cands.sort()  # by position (each member's own): the scan's order
+                return [c.inst for c in selector.select([c for _, c in cands], req, count)]
         return None
 
     def _values(self, states: tuple, inst: InstanceView, req: RequestInfo, first: float) -> tuple:
@@ -960,6 +1025,10 @@ class BoundedLoadIndex(LoadIndex):
         """Step 1; returns the best `need` passing members without a hit as (values, position)."""
         entries, members, req = self._sorted, self.members, visit.req
         evaluate = self._first.evaluate
+        admit = visit.admit
+        # the second ranked metric's evaluate when there are exactly two with a state each (the default's TTFT
+        # and TPOT): the values made here, without `_values`, for the members the walk evaluates
+        second = self._rest[0] if len(self._rest) == 1 else None
         best: list[tuple] = []
         worst = math.inf  # the `need`-th best first value, once there are `need`
         limit = math.inf  # the same with slack, for the floors
@@ -974,16 +1043,19 @@ class BoundedLoadIndex(LoadIndex):
             inst = members[instance_id]
             first = evaluate(states[0], inst, req)
             if first <= worst:
-                values = self._values(states, inst, req, first)
+                if second is not None:
+                    values = (first, second(states[1], inst, req))
+                else:
+                    values = self._values(states, inst, req, first)
                 if len(best) < need or (values, pos) < best[-1]:
-                    if not visit.admit(inst, values):
+                    if not admit(inst, instance_id, pos, values):
                         continue
                     bisect.insort(best, (values, pos))
                     if len(best) > need:
                         best.pop()
                     if len(best) >= need:
                         worst = best[-1][0][0]
-                        limit = worst + abs(worst) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+                        limit = _with_slack(worst)
                     continue
             # outranked by the `need` best: so are the members with the same states after it (same values,
             # later in the stable order), skipped at once
@@ -995,6 +1067,7 @@ class BoundedLoadIndex(LoadIndex):
         first, key, members, req = self._first, self._key, self.members, visit.req
         selector = self.pipeline.selector
         banded = selector.index_walk is IndexWalk.BANDED
+        band_limit = cast(BandedSelector, selector).band_limit if banded else None
         # a ranked selector with a cache head ranks every hit before every miss: all of them matter
         prune = banded or self._head is None
         # the first values of the passing candidates, the `need` least so far (the `need`-th best: the last)
@@ -1003,87 +1076,93 @@ class BoundedLoadIndex(LoadIndex):
         threshold = math.inf
         if prune and len(firsts) >= need:
             threshold = firsts[need - 1]
-            if banded:
-                threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
+            if band_limit is not None:
+                threshold = max(threshold, band_limit(least))
         # the threshold only falls as hits are visited: a floor above it now is above it for good
-        cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+        cut = _with_slack(threshold)
         offsets = {hit: first.bound_offset(req, hit) for hit in set(hits.values())}
-        floors = []
         # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
         # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
         # order up to there are fewer to look at than the hits (a bisect tells how many)
-        reach = len(self._sorted)
+        entries = self._sorted
+        reach = len(entries)
         if cut < math.inf:
-            reach = bisect.bisect_right(self._sorted, cut - min(offsets.values()), key=_floor_of)
+            reach = bisect.bisect_right(self._floors, cut - min(offsets.values()))
+        # (floor, id) of each member with a hit whose floor is within the cut, sorted
         if reach < len(hits):
-            for entry in itertools.islice(self._sorted, reach):
-                hit = hits.get(entry[3])
-                if hit is not None:
-                    floor = entry[0] + offsets[hit]
-                    if floor <= cut:
-                        floors.append((floor, entry[3]))
+            floors = [
+                (floor, entry[3])
+                for entry in itertools.islice(entries, reach)
+                if (hit := hits.get(entry[3])) is not None and (floor := entry[0] + offsets[hit]) <= cut
+            ]
         else:
-            for instance_id, hit in hits.items():
-                entry = key.get(instance_id)
-                if entry is None:
-                    continue  # not a member
-                floor = entry[0] + offsets[hit]
-                if floor <= cut:
-                    floors.append((floor, instance_id))
+            floors = [(floor, i) for i, hit in hits.items() if i in key and (floor := key[i][0] + offsets[hit]) <= cut]
         floors.sort()
-        evaluate = first.evaluate
+        evaluate, admit = first.evaluate, visit.admit
         for floor, instance_id in floors:
-            if floor > threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK:
+            if floor > cut:
                 break
             inst = members[instance_id]
-            states = key[instance_id][1]
+            _, states, pos, _ = key[instance_id]
             value = evaluate(states[0], inst, req)
             if value > threshold:
                 # past the band and the `need` best: it cannot matter (a hit without a floor, its prompt all
                 # cached, comes here, and most such are out of reach)
                 continue
-            if not visit.admit(inst, self._values(states, inst, req, value)):
+            if not admit(inst, instance_id, pos, self._values(states, inst, req, value)):
                 continue
             bisect.insort(firsts, value)
-            least = min(least, value)
+            if value < least:
+                least = value
             if prune and len(firsts) >= need:
                 threshold = firsts[need - 1]
-                if banded:
-                    threshold = max(threshold, cast(BandedSelector, selector).band_limit(least))
+                if band_limit is not None:
+                    threshold = max(threshold, band_limit(least))
+                cut = _with_slack(threshold)
 
 
-def _floor_of(entry: tuple) -> float:
-    return entry[0]
+def _with_slack(bound: float) -> float:
+    """`bound` raised by the slack that keeps rounding from stopping a walk by floors one member early."""
+    return bound + abs(bound) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+
+
+def _request_free(metric: Metric) -> Callable[[InstanceView], float]:
+    """A ranked metric without a state: its value on a request-free request is what the index keeps."""
+
+    def value(inst: InstanceView) -> float:
+        return metric.value(inst, _KEY_REQUEST)
+
+    return value
 
 
 class _Visit:
-    """One pass's visits of a BoundedLoadIndex: the filters run on each member visited, and the candidates
-    that pass kept."""
+    """One pass's visits of a BoundedLoadIndex: the pass's filters run on each member visited (the marking
+    ones answered by the index's health sets), and the candidates that pass kept with their positions."""
 
-    __slots__ = ("blockers", "cands", "extra", "filters", "head", "names", "req")
+    __slots__ = ("bad", "blockers", "cands", "extra", "filters", "head", "names", "req")
 
     def __init__(
-        self, index: BoundedLoadIndex, filters: list[InstanceFilter], blockers: list[Blocker], req: RequestInfo
+        self,
+        index: BoundedLoadIndex,
+        filters: list[InstanceFilter],
+        bad: AbstractSet[str],
+        blockers: list[Blocker],
+        req: RequestInfo,
     ) -> None:
-        self.filters, self.blockers, self.req = filters, blockers, req
+        self.filters, self.bad, self.blockers, self.req = filters, bad, blockers, req
         self.head, self.names, self.extra = index._head, index._names, index._extra
-        self.cands: list[Candidate] = []
+        self.cands: list[tuple[int, Candidate]] = []
 
-    def admit(self, inst: InstanceView, values: tuple) -> bool:
-        """Run the filters on the member, its Candidate holding every metric the pipeline names; keep it
-        when it passes."""
+    def admit(self, inst: InstanceView, instance_id: str, position: int, values: tuple) -> bool:
+        """Keep the member when it passes, its Candidate holding every metric the pipeline names."""
+        if instance_id in self.bad:
+            return False
         req = self.req
         named = dict(zip(self.names, values, strict=True))
         if self.head is not None:
             named[self.head.name] = self.head.value(inst, req)
-        for m in self.extra:
-            named[m.name] = m.value(inst, req)
-        cand = Candidate(inst, named)
-        for flt in self.filters:
-            if not flt.passes(cand, req):
-                return False
-        for blocker in self.blockers:
-            if blocker.blocks(inst):
-                return False
-        self.cands.append(cand)
+        cand = _candidate(inst, named, self.extra, self.filters, self.blockers, req)
+        if cand is None:
+            return False
+        self.cands.append((position, cand))
         return True

@@ -587,6 +587,17 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "share (--flow-fair-share): lower isolates the other flows better and leaves engines idler",
         ),
     ] = 0.5
+    flow_under_share_bound: Annotated[
+        float,
+        Meta(
+            ge=1,
+            le=16,
+            description="full mode: --flow-max-queued-prefill-tokens times this for a flow within its fair "
+            "share while another flow is over it (--flow-fair-share), so the light tenant's requests find room "
+            "beside a held-back flood instead of waiting for its prefill to drain; the KV and batch bounds stay "
+            "(1: the plain bound)",
+        ),
+    ] = 4.0
     flow_fair_share_window_ms: Annotated[
         float,
         Meta(

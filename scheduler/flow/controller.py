@@ -27,7 +27,11 @@ arriving lately (a rate decayed over --flow-fair-share-window-ms), is judged aga
 saturation bounds times --flow-over-share-bound: it waits while an engine is past that, and the
 headroom above it is left to the flows within their share. The arrival test keeps the flag on the
 flood: held back and shed, a flood's work in flight can fall below a lighter flow's, but what it
-asks for does not. One flow alone is never judged so, so a single tenant pays nothing.
+asks for does not. While a flow is over its share, the flows within theirs are judged against the
+queued-prefill bound times --flow-under-share-bound (above 1; the KV and batch bounds stay): the
+flood keeps every engine near its own bound, so at the plain bound a light tenant's request would
+wait in the queue for the flood's prefill to drain, though it is the next to leave whatever the
+order. One flow alone is never judged either way, so a single tenant pays nothing.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class FlowSettings:
     recheck_s: float = 0.05
     fair_share: bool = True
     over_share_bound: float = 0.5
+    under_share_bound: float = 1.0
     share_window_s: float = 5.0
 
     @classmethod
@@ -104,6 +109,7 @@ class FlowSettings:
             recheck_s=config.flow_recheck_ms / 1000,
             fair_share=config.flow_fair_share,
             over_share_bound=config.flow_over_share_bound,
+            under_share_bound=config.flow_under_share_bound,
             share_window_s=config.flow_fair_share_window_ms / 1000,
         )
 
@@ -231,10 +237,23 @@ class FlowController:
 
     def has_room(self, model: str, flow: str | None = None) -> bool:
         """An eligible engine has room for `model`, judged for `flow` (tighter bounds while it is
-        over its fair share)."""
-        scale = self.settings.over_share_bound if flow is not None and self.over_share(flow) else 1.0
+        over its fair share, more queued prefill while another flow is); without a flow, for a flow
+        within its share (the loosest bounds in use)."""
+        scale, prefill_scale = self.scales(flow)
         saturated = self.saturation.saturated
-        return any(not saturated(i, scale) for i in self._eligible(model))
+        return any(not saturated(i, scale, prefill_scale) for i in self._eligible(model))
+
+    def scales(self, flow: str | None) -> tuple[float, float]:
+        """What `flow`'s saturation bounds are multiplied by: every bound, and the queued-prefill bound
+        on top. --flow-over-share-bound (every bound) while it is over its fair share;
+        --flow-under-share-bound (queued prefill) while another flow is over its share and it is
+        not; else 1. `None`: a flow within its share (one is, whenever another is over)."""
+        over = self.over_share_flows()
+        if not over:
+            return 1.0, 1.0
+        if flow is not None and flow in over:
+            return self.settings.over_share_bound, 1.0
+        return 1.0, self.settings.under_share_bound
 
     # -- the fair-share account ---------------------------------------------------------------------
 
@@ -243,23 +262,36 @@ class FlowController:
         self._prune()
         return {f: n for f, n in self._flow_tokens.items() if n}
 
-    def over_share(self, flow: str) -> bool:
-        """More than one flow is active and `flow` holds more than 1/active of the work in flight
-        and waiting (tokens). Its waiting requests count: a flow held back keeps its demand, so the
-        flood stays the one over its share instead of the lighter flow in turn."""
-        if not self.settings.fair_share:
-            return False
+    def _active(self) -> Counter[str]:
+        """Tokens in flight and waiting per flow with any."""
         self._prune()
         demand = Counter({f: n for f, n in self._flow_tokens.items() if n})
         for queue in self._queues.values():
             demand.update(queue.flow_tokens)
-        mine = demand.get(flow, 0)
-        if not mine or len(demand) < 2:
-            return False
-        if mine * len(demand) <= sum(demand.values()):
-            return False
+        return demand
+
+    def over_share_flows(self) -> set[str]:
+        """The flows over their fair share: more than one flow is active and each of these holds more
+        than 1/active of the work in flight and waiting (tokens) and asks for more than 1/active of
+        the tokens arriving lately. Waiting requests count: a flow held back keeps its demand, so the
+        flood stays the one over its share instead of the lighter flow in turn."""
+        if not self.settings.fair_share:
+            return set()
+        demand = self._active()
+        n = len(demand)
+        if n < 2:
+            return set()
+        total = sum(demand.values())
+        heavy = [f for f, mine in demand.items() if mine * n > total]
+        if not heavy:
+            return set()
         rates = self.arrivals.rates(self._clock())
-        return rates.get(flow, 0.0) * len(demand) > sum(rates.values())
+        arriving = sum(rates.values())
+        return {f for f in heavy if rates.get(f, 0.0) * n > arriving}
+
+    def over_share(self, flow: str) -> bool:
+        """`flow` is over its fair share (over_share_flows)."""
+        return flow in self.over_share_flows()
 
     def _account(self, req: RequestInfo, flow: str) -> None:
         if not self.settings.fair_share:

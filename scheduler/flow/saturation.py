@@ -12,6 +12,9 @@ A bound of 0 is not judged. An engine with no status yet, or an unschedulable on
 
 `scale` (below 1) tightens every bound at once: a flow over its fair share of the work in flight
 is judged against the scaled bounds (controller.py), so engines keep headroom for the others.
+`prefill_scale` multiplies the queued-prefill bound on top: above 1 for a flow within its share
+while another is over it, which may queue prefill beyond the plain bound but never passes the
+KV or batch bounds (those protect the engine, not the queue's order).
 """
 
 from __future__ import annotations
@@ -52,8 +55,9 @@ class Saturation:
             )
         return sat
 
-    def reason(self, inst: InstanceView, scale: float = 1.0) -> str:
-        """Why `inst` is saturated ("" when it has room), every bound times `scale`."""
+    def reason(self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0) -> str:
+        """Why `inst` is saturated ("" when it has room), every bound times `scale`, the queued-prefill
+        bound times `prefill_scale` too."""
         if not self.full_mode:
             lrs = inst.lrs
             if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens * scale:
@@ -64,9 +68,8 @@ class Saturation:
         s, inflight = inst.status, inst.inflight
         if s is None or not s.schedulable:
             return NO_STATUS
-        if self.max_queued_prefill_tokens and (
-            s.uncomputed_prefill_tokens + inflight.prefill_tokens >= self.max_queued_prefill_tokens * scale
-        ):
+        queued_bound = self.max_queued_prefill_tokens * scale * prefill_scale
+        if queued_bound and s.uncomputed_prefill_tokens + inflight.prefill_tokens >= queued_bound:
             return PREFILL
         if self.max_kv_usage:
             projected = s.used_kv_tokens + s.unallocated_tokens + inflight.decode_tokens
@@ -77,5 +80,5 @@ class Saturation:
             return BATCH
         return ""
 
-    def saturated(self, inst: InstanceView, scale: float = 1.0) -> bool:
-        return bool(self.reason(inst, scale))
+    def saturated(self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0) -> bool:
+        return bool(self.reason(inst, scale, prefill_scale))

@@ -308,6 +308,62 @@ def test_a_flow_over_its_share_of_the_work_in_flight_waits_while_the_others_stil
     assert flow.flow_tokens() == {"A": 20, "B": 30}
 
 
+def full_engine(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowController]:
+    """Full mode, one engine with a fresh status (nothing queued, KV of 10,000 tokens), a queued-prefill
+    bound of 100 tokens."""
+    values: dict[str, object] = {"enable_full_mode_scheduling": True, "enable_flow_control": True,
+                                 "flow_max_queued_prefill_tokens": 100}
+    values.update(overrides)
+    config = SchedulerConfig(**values)  # type: ignore[arg-type]
+    core = SchedulerCore(config, clock=clock, wall_clock=clock, rng=random.Random(0))
+    core.apply_metadata(cms_pb2.InstanceMetadata(instance_id="e0", host="10.0.0.1", http_port=8000, model="m",
+                                                 update_id=1, num_gpu_blocks=625, block_size=16))
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=1, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=10_000))
+    return core, FlowController(core, config, clock=clock, wall_clock=clock)
+
+
+@pytest.mark.parametrize(
+    ("under_share_bound", "used_kv_tokens", "a_dispatched_at_once"),
+    [
+        (1.0, 0, False),  # the plain bound: A waits for the flood's 120 queued tokens to drain below 100
+        (2.0, 0, True),  # A is judged against 200 queued tokens
+        (4.0, 9_500, False),  # the KV bound (0.95) is never relaxed
+    ],
+)
+def test_a_flow_within_its_share_may_queue_more_prefill_while_another_is_over_it(
+    under_share_bound: float, used_kv_tokens: int, a_dispatched_at_once: bool
+) -> None:
+    clock = Clock()
+    _, flow = full_engine(clock, flow_under_share_bound=under_share_bound)
+    replies = Replies()
+    for i in range(2):  # the flood alone, at the plain bound: 120 tokens in flight
+        assert isinstance(flow.submit(treq(f"b{i}", 60), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    assert flow.submit(treq("b2", 60), STD, "B", 5.0, replies.to("b2")) is None
+    assert flow.scales("B") == (1.0, 1.0)  # one flow alone: the plain bounds
+    if used_kv_tokens:  # the engine's KV fills before A arrives
+        flow.core.apply_status(cms_pb2.InstanceStatus(  # type: ignore[attr-defined]
+            instance_id="e0", update_id=2, timestamp_ms=int(clock.now * 1000), schedulable=True,
+            total_kv_tokens=10_000, used_kv_tokens=used_kv_tokens))
+    outcome = flow.submit(treq("a0", 10), STD, "A", 5.0, replies.to("a0"))
+    assert flow.over_share_flows() == {"B"}
+    assert flow.scales("B") == (0.5, 1.0) and flow.scales("A") == (1.0, under_share_bound)
+    assert isinstance(outcome, Decision) is a_dispatched_at_once
+    assert flow.queued("b2")  # the flood still waits
+
+
+def test_one_flow_alone_is_never_relaxed() -> None:
+    """--flow-under-share-bound applies only beside a flow over its share: a single flow's
+    saturation is the plain bounds' (what a lone tenant gets below and past the knee)."""
+    clock = Clock()
+    _, flow = full_engine(clock, flow_under_share_bound=4.0)
+    replies = Replies()
+    for i in range(2):
+        assert isinstance(flow.submit(treq(f"a{i}", 60), STD, "A", 5.0, replies.to(f"a{i}")), Decision)
+    assert flow.submit(treq("a2", 60), STD, "A", 5.0, replies.to("a2")) is None
+    assert flow.scales("A") == flow.scales(None) == (1.0, 1.0) and not flow.has_room("m")
+
+
 def test_fair_share_off_or_one_flow_alone_is_judged_against_the_full_bounds() -> None:
     for overrides, flows in (({"flow_fair_share": False}, ("B", "A")), ({}, ("B", "B"))):
         clock = Clock()

@@ -22,7 +22,7 @@ from pilotfish.simulator.engine.step_time import StepTimeProfile
 from pilotfish.simulator.llumlet_adapter import attach_llumlet
 from pilotfish.vllm_plugin.config import LlumletConfig, config_from_env
 from pilotfish.vllm_plugin.core.llumlet import Llumlet
-from pilotfish.vllm_plugin.core.state import LoadState, counter_values
+from pilotfish.vllm_plugin.core.state import COUNTER_FIELDS, LoadState, counter_values, status_record
 
 # fields that identify a record rather than describe load
 _VOLATILE = ("update_id", "timestamp_ms")
@@ -214,10 +214,25 @@ def run_simulation(seed: int, num_requests: int, num_blocks: int) -> None:
         got = {field: getattr(status, field) for field in expected_from_engine(engine)}
         assert got == expected_from_engine(engine), f"step {steps}"
         assert status.step_id == steps
+        # the snapshot names every counter itself: the same record status_record makes of them
+        state = llumlet.state
+        counters = dict(zip(COUNTER_FIELDS, counter_values(state), strict=True))
+        ids = [rid for _, rid in state.admitted]
+        assert state.snapshot(7, 1234) == status_record("sim-0", 7, counters, ids, 1234)
     assert llumlet.state.requests == {}
     final = llumlet.export_once()
     assert (final.num_waiting, final.num_running, final.uncomputed_prefill_tokens, final.used_kv_tokens) == (0, 0, 0, 0)
     assert writer.statuses[-1].update_id == final.update_id
+
+
+def test_snapshot_carries_every_counter_as_status_record_does():
+    s = LoadState("sim-0", clock_ns=lambda: 0)
+    s.added("r1", 10)
+    for i, name in enumerate(COUNTER_FIELDS):  # a distinct value each, so a field left out shows
+        setattr(s, name, (i + 1) if name != "schedulable" else False)
+    counters = dict(zip(COUNTER_FIELDS, counter_values(s), strict=True))
+    assert s.snapshot(3, 99) == status_record("sim-0", 3, counters, ["r1"], 99)
+    assert s.snapshot(3, 99).num_waiting_prefill == s.num_waiting
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

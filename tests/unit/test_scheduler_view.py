@@ -326,3 +326,14 @@ def test_core_feeds_kv_events_to_the_prefix_index() -> None:
     c.apply_kv_event("b", stored=hashes)
     decision = c.schedule(RequestInfo("r", "m", prompt_tokens=64, prefix_block_hashes=hashes, prefix_block_size=16))
     assert decision.target.instance_id == "b"
+
+
+def test_engine_status_from_proto_puts_every_field_in_its_own() -> None:
+    import dataclasses
+
+    from pilotfish.scheduler.view.types import EngineStatus
+
+    names = [f.name for f in dataclasses.fields(EngineStatus)]
+    values = {name: (i + 2 if name != "schedulable" else False) for i, name in enumerate(names)}  # distinct
+    got = EngineStatus.from_proto(cms_pb2.InstanceStatus(instance_id="a", **values))
+    assert {name: getattr(got, name) for name in names} == values

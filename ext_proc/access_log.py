@@ -6,7 +6,9 @@ say when the request ended. Envoy's gRPC access log can: one entry per request o
 buffered and sent in batches on one stream, with the flags that say how it ended (the client went
 away, the engine reset, no connection). The entry carries the gateway's request id (the
 x-request-id the ext_proc set) and the `pilotfish` metadata the ext_proc wrote, so only requests
-the scheduler placed are released, each exactly once (Envoy logs a request once).
+the scheduler placed are released, each exactly once (Envoy logs a request once). It also says
+where the request was served (`envoy.lb`), so a retry on a fallback engine is reported as served
+elsewhere, just before the release: no response message reaches the ext_proc in this mode.
 """
 
 from __future__ import annotations
@@ -18,7 +20,16 @@ import grpc
 from envoy.data.accesslog.v3 import accesslog_pb2
 from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
 
-from pilotfish.ext_proc.messages import REQUEST_ID_HEADER, ROUTE_METADATA_NAMESPACE, ROUTE_SOURCE_KEY
+from pilotfish.ext_proc.messages import (
+    DESTINATION_METADATA_NAMESPACE,
+    MAX_ADDRESS_CHARS,
+    PREFILL_HEADER,
+    REQUEST_ID_HEADER,
+    ROUTE_METADATA_KEY,
+    ROUTE_METADATA_NAMESPACE,
+    ROUTE_SOURCE_KEY,
+    SERVED_METADATA_KEY,
+)
 from pilotfish.ext_proc.routing import SCHEDULER
 from pilotfish.protos import scheduler_pb2
 
@@ -53,10 +64,25 @@ def placed_by_scheduler(entry: accesslog_pb2.HTTPAccessLogEntry) -> bool:
     return ns.fields[ROUTE_SOURCE_KEY].string_value == SCHEDULER
 
 
-class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
-    """Envoy's AccessLogService: each finished request the scheduler placed is released once."""
+def served_elsewhere(entry: accesslog_pb2.HTTPAccessLogEntry) -> str:
+    """The engine that served the request when Envoy retried it away from the one the scheduler picked
+    (the override_host policy's served key against the ext_proc's destination); "" otherwise, and for
+    a prefill/decode pair, whose decode engine has no fallback to retry on."""
+    metadata = entry.common_properties.metadata.filter_metadata
+    lb, route = metadata.get(DESTINATION_METADATA_NAMESPACE), metadata.get(ROUTE_METADATA_NAMESPACE)
+    if lb is None or route is None or SERVED_METADATA_KEY not in lb.fields or ROUTE_METADATA_KEY not in route.fields:
+        return ""
+    if PREFILL_HEADER in entry.request.request_headers:
+        return ""
+    served = lb.fields[SERVED_METADATA_KEY].string_value[:MAX_ADDRESS_CHARS]
+    return served if served != route.fields[ROUTE_METADATA_KEY].string_value else ""
 
-    def __init__(self, release: Callable[[str, int], None]) -> None:
+
+class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
+    """Envoy's AccessLogService: each finished request the scheduler placed is released once, after
+    a served-elsewhere report where Envoy retried it on another engine."""
+
+    def __init__(self, release: Callable[[str, int, str], None]) -> None:
         self._release = release
         self.streams = 0  # Envoy's open access-log streams; >0 means releases come from here
 
@@ -77,4 +103,4 @@ class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
             return
         request_id = entry.request.request_headers.get(REQUEST_ID_HEADER, "")
         if request_id:
-            self._release(request_id, release_reason(entry))
+            self._release(request_id, release_reason(entry), served_elsewhere(entry))

@@ -24,6 +24,10 @@ ROUTE_METADATA_KEY = "destination"
 ROUTE_SOURCE_KEY = "source"
 # The gateway's request id, for the filter that observes response bodies (--response-bodies observe).
 ROUTE_REQUEST_ID_KEY = "request_id"
+# The instance the scheduler named: envoy/sidecar.yaml tags each response with it (x-pilotfish-instance)
+# and with the source (x-pilotfish-route) from this metadata, so no response message needs to reach the
+# ext_proc for them.
+ROUTE_INSTANCE_KEY = "instance"
 # The gateway's subset hint: the pick must come from these endpoints.
 SUBSET_METADATA_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_METADATA_KEY = "x-gateway-destination-endpoint-subset"
@@ -93,7 +97,7 @@ def destination_list(address: str, fallbacks: tuple[str, ...] = ()) -> str:
 
 
 def _destination_metadata(
-    address: str, fallbacks: tuple[str, ...] = (), source: str = "", request_id: str = ""
+    address: str, fallbacks: tuple[str, ...] = (), source: str = "", request_id: str = "", instance: str = ""
 ) -> struct_pb2.Struct:
     """envoy.lb metadata (the Inference Extension's), and Pilotfish's own route key: the primary alone.
 
@@ -108,6 +112,8 @@ def _destination_metadata(
         route.fields[ROUTE_SOURCE_KEY].string_value = source
     if request_id:
         route.fields[ROUTE_REQUEST_ID_KEY].string_value = request_id
+    if instance:
+        route.fields[ROUTE_INSTANCE_KEY].string_value = instance
     return metadata
 
 
@@ -149,6 +155,7 @@ def route_on_headers(
     content_length: int | None = None,
     prefill: str = "",
     source: str = "",
+    instance: str = "",
 ) -> ep.ProcessingResponse:
     """Route by answering the request headers: a bodiless request, or a streamed one whose headers
     reply was held back until its body was read (`content_length` when the body was rewritten)."""
@@ -158,7 +165,7 @@ def route_on_headers(
     )
     return ep.ProcessingResponse(
         request_headers=ep.HeadersResponse(response=common),
-        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id),
+        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id, instance),
     )
 
 
@@ -191,6 +198,7 @@ def route_on_body(
     fallbacks: tuple[str, ...] = (),
     prefill: str = "",
     source: str = "",
+    instance: str = "",
 ) -> ep.ProcessingResponse:
     """Route a request after its buffered body was read: the header mutation rides on the body reply."""
     content_length = None if new_body is None else len(new_body)
@@ -202,7 +210,7 @@ def route_on_body(
         common.body_mutation.body = new_body
     return ep.ProcessingResponse(
         request_body=ep.BodyResponse(response=common),
-        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id),
+        dynamic_metadata=_destination_metadata(address, fallbacks, source, request_id, instance),
     )
 
 

@@ -151,8 +151,10 @@ class ExtProcServicer:
         self._flow_headers = flow_headers or FlowHeaders()
         # --response-bodies: "count" reads them on this stream; "skip" (full mode: the llumlets count
         # tokens) asks Envoy for none, and every release comes from Envoy's access log once Envoy has
-        # really finished the request (this stream ends at the headers); "observe" leaves counting and
-        # releasing to the sidecar's observing filter (_observe)
+        # really finished the request; the sidecar then sends no response message either (Envoy tags the
+        # response from the routing metadata) and this stream ends with Envoy's graceful close at the
+        # request's end, never with an early OK, which Envoy answers with a reset; "observe" leaves
+        # counting and releasing to the sidecar's observing filter (_observe)
         self._count_tokens = response_bodies == "count"
         self._access_log_releases = response_bodies == "skip"  # "observe": the observing filter releases
         self._destination_fallbacks = destination_fallbacks
@@ -283,7 +285,7 @@ class ExtProcServicer:
             inst = self._router.pick_round_robin(s.subset or frozenset())
         except RequestError as exc:
             return self._reject(s, exc)
-        return messages.route_on_headers(inst.address, s.request_id, source=FALLBACK)
+        return messages.route_on_headers(inst.address, s.request_id, source=FALLBACK, instance=inst.instance_id)
 
     async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if s.rejected:
@@ -316,7 +318,12 @@ class ExtProcServicer:
         assert decision is not None
         destination, prefill = self._destination(decision), self._prefill_of(decision)
         fallbacks = self._fallbacks(decision)
-        return [messages.route_on_body(destination, s.request_id, new_body, fallbacks, prefill, decision.source)]
+        instance = decision.decode_instance_id or decision.instance_id
+        return [
+            messages.route_on_body(
+                destination, s.request_id, new_body, fallbacks, prefill, decision.source, instance=instance
+            )
+        ]
 
     async def _finish_held(self, s: _Stream, end_of_stream: bool) -> list[ep.ProcessingResponse]:
         """The whole body is here: the held headers reply routes, then the body goes on."""
@@ -332,7 +339,7 @@ class ExtProcServicer:
         routed = messages.route_on_headers(
             self._destination(decision), s.request_id, self._fallbacks(decision),
             content_length=None if new_body is None else len(new_body), prefill=self._prefill_of(decision),
-            source=decision.source,
+            source=decision.source, instance=decision.decode_instance_id or decision.instance_id,
         )  # fmt: skip
         if s.request_mode == FULL_DUPLEX:
             return [routed, messages.streamed_request_body(whole if new_body is None else new_body, end_of_stream)]
@@ -404,7 +411,8 @@ class ExtProcServicer:
     ) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
         decision = s.decision
-        served = messages.served_endpoint(metadata)
+        # with releases from the access log, the access log reports where it was served (once)
+        served = "" if self._access_log_releases else messages.served_endpoint(metadata)
         if served and decision is not None and served != self._destination(decision):
             # The gateway retried elsewhere: the load moves to where it is served.
             self._metrics.served_elsewhere.inc()
@@ -524,11 +532,18 @@ class ExtProcServicer:
         if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):
             self._send_release(s.request_id, reason)
 
-    def release_from_access_log(self, request_id: str, reason: int) -> None:
+    def release_from_access_log(self, request_id: str, reason: int, served_elsewhere: str = "") -> None:
         """Envoy finished a request the scheduler placed (access_log.py); the release path when
-        response bodies are skipped, ignored when the streams themselves release."""
-        if self._access_log_releases:
-            self._send_release(request_id, reason)
+        response bodies are skipped, ignored when the streams themselves release. `served_elsewhere`:
+        the engine Envoy's retry served it on instead of the scheduler's pick, reported first (the
+        scheduler counts it against the engine it picked; the release then goes where it is held)."""
+        if not self._access_log_releases:
+            return
+        if served_elsewhere:
+            self._metrics.served_elsewhere.inc()
+            log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)
+            self._router.report(request_id, 0, False, served_address=served_elsewhere)
+        self._send_release(request_id, reason)
 
     def _send_release(self, request_id: str, reason: int) -> None:
         self._metrics.releases.labels(_REASON_LABELS[reason]).inc()

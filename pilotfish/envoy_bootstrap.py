@@ -38,7 +38,8 @@ _ACCESS_LOG = {
             "grpc_service": {"envoy_grpc": {"cluster_name": "pilotfish_ext_proc"}},
             "buffer_flush_interval": "0.05s",
         },
-        "additional_request_headers_to_log": ["x-request-id"],
+        # the id releases by; the prefill header marks a prefill/decode pair, never reported served elsewhere
+        "additional_request_headers_to_log": ["x-request-id", "x-prefiller-host-port"],
     },
 }
 
@@ -129,6 +130,7 @@ def render_sidecar(
         members = "load_assignment: " + json.dumps(
             {"cluster_name": PICKED_POOL, "endpoints": [{"lb_endpoints": _endpoint_list(engines or default_endpoints)}]}
         )
+    access_log_releases = response_body_mode == "NONE" and not observe_response_bodies
     template = Template(config_path("sidecar.yaml").read_text())
     text = template.substitute(
         listen_host=listen_host,
@@ -139,7 +141,9 @@ def render_sidecar(
         request_body_mode=request_body_mode,
         response_body_mode=response_body_mode,
         # response bodies skipped: requests are released from Envoy's access log (ext_proc/access_log.py)
-        access_log=json.dumps([_ACCESS_LOG] if response_body_mode == "NONE" and not observe_response_bodies else []),
+        access_log=json.dumps([_ACCESS_LOG] if access_log_releases else []),
+        # ...and then the response needs nothing from the ext_proc: the stream ends with the routing reply
+        response_header_mode="SKIP" if access_log_releases else "SEND",
         observer_filter=f"- {json.dumps(_observer_filter(ext_proc_timeout_s))}" if observe_response_bodies else "",
         send_body_early="true" if request_body_mode == "STREAMED" else "false",
         # In full duplex a body that ends in trailers has no end_of_stream chunk: the ext_proc must

@@ -55,3 +55,14 @@ def test_envoy_resets_no_ext_proc_stream(stack: Stack) -> None:
     # Envoy counts a stream once it is over, which a graceful close may leave a moment after the response
     wait_until(lambda: envoy_stat(stack, COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
     assert envoy_stat(stack, RESETS) - before_resets == 0
+
+
+def test_full_mode_streams_end_with_the_routing_reply_and_none_is_reset(make_stack, redis_service) -> None:
+    """Response bodies skipped: the ext_proc ends each stream with its routing reply, long before the
+    response ends, and Envoy sends nothing more on it and resets none."""
+    stack = make_stack(engines=2, cms_url=redis_service.url)
+    before_resets, before_completed = envoy_stat(stack, RESETS), envoy_stat(stack, COMPLETED)
+    statuses = send(stack, 40)
+    assert statuses == [200] * 40
+    wait_until(lambda: envoy_stat(stack, COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
+    assert envoy_stat(stack, RESETS) - before_resets == 0

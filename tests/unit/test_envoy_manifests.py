@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pilotfish.cli import build_parser
@@ -90,3 +91,44 @@ def test_sidecar_bootstrap_renders_to_valid_yaml():
     assert picked["type"] == "ORIGINAL_DST"
     # the address comes from the metadata only the ext_proc writes, never from a header
     assert picked["original_dst_lb_config"] == {"metadata_key": {"key": "pilotfish", "path": [{"key": "destination"}]}}
+
+
+def _hcm_and_ext_proc(text: str) -> tuple[dict, dict]:
+    listener = yaml.safe_load(text)["static_resources"]["listeners"][0]
+    hcm = listener["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    return hcm, ext_proc["typed_config"]
+
+
+@pytest.mark.parametrize(
+    ("response_body_mode", "observe", "header_mode", "access_log"),
+    [("NONE", False, "SKIP", True), ("STREAMED", False, "SEND", False), ("NONE", True, "SEND", False)],
+)
+def test_skipped_response_bodies_send_the_ext_proc_no_response_message(
+    response_body_mode: str, observe: bool, header_mode: str, access_log: bool
+) -> None:
+    """Response bodies skipped (full mode): releases come from the access log, and the response's
+    headers are not sent either; the instance and route tags come from the routing metadata."""
+    from pilotfish.ext_proc import messages
+
+    hcm, ext_proc = _hcm_and_ext_proc(
+        render_sidecar(
+            listen_port=1,
+            admin_port=2,
+            ext_proc_ports=[3],
+            default_endpoints=[("127.0.0.1", 5)],
+            response_body_mode=response_body_mode,
+            observe_response_bodies=observe,
+        )
+    )
+    assert ext_proc["processing_mode"]["response_header_mode"] == header_mode
+    assert bool(hcm["access_log"]) == access_log
+    tags = {
+        h["header"]["key"]: h["header"]["value"]
+        for h in hcm["route_config"]["virtual_hosts"][0]["response_headers_to_add"]
+    }
+    namespace, key = messages.ROUTE_METADATA_NAMESPACE, messages.ROUTE_INSTANCE_KEY
+    assert tags == {
+        messages.INSTANCE_HEADER: f"%DYNAMIC_METADATA({namespace}:{key})%",
+        messages.ROUTE_SOURCE_HEADER: f"%DYNAMIC_METADATA({namespace}:{messages.ROUTE_SOURCE_KEY})%",
+    }

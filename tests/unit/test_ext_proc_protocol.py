@@ -368,14 +368,22 @@ def test_subset_hint_entries_are_bounded() -> None:
 
 def test_skipping_bodies_adds_no_usage_reads_no_body_and_leaves_the_release_to_the_access_log() -> None:
     svc, backend, metrics = servicer(response_bodies="skip")
-    replies = run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0])])
+    replies = run(svc, [headers(), body(STREAMING)])  # the sidecar sends no response message in this mode
     # the body went on unchanged: no usage asked for, since nothing counts it here
     assert not any(r.request_body.response.body_mutation.body for r in replies if r.HasField("request_body"))
-    assert replies[2].mode_override.response_body_mode == Mode.NONE  # Envoy is asked for no body
-    assert backend.releases == []  # not at the headers, not when the ext_proc stream ends
+    route = replies[1].dynamic_metadata.fields["pilotfish"].struct_value.fields
+    assert route["instance"].string_value == "e0" and route["source"].string_value == "scheduler"  # Envoy's tags
+    assert backend.releases == []  # not at the routing reply, not when the ext_proc stream ends
     svc.release_from_access_log(backend.scheduled[0].request_id, scheduler_pb2.RELEASE_REASON_FINISHED)
     assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
     assert metrics.releases.labels("finished")._value.get() == 1
+
+
+def test_skipping_bodies_leaves_served_elsewhere_to_the_access_log() -> None:
+    """An Envoy that still sends response headers gets its tags, but the move is reported once, from the log."""
+    svc, backend, _ = servicer(response_bodies="skip")
+    replies = run(svc, [headers(), body(STREAMING), response_headers(served=E1)])
+    assert replies[-1].mode_override.response_body_mode == Mode.NONE and backend.reports == []
 
 
 def test_counting_streams_ignore_the_access_log() -> None:
@@ -415,8 +423,59 @@ def test_the_access_log_says_how_a_request_ended(flags: tuple[str, ...], status:
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int]] = []
-    AccessLogReleaser(lambda rid, why: released.append((rid, why))).entry(log_entry(flags, status))
+    AccessLogReleaser(lambda rid, why, _: released.append((rid, why))).entry(log_entry(flags, status))
     assert released == [("rid", reason)]
+
+
+def served_entry(served: str, picked: str = E0, prefill: str = ""):
+    entry = log_entry()
+    entry.common_properties.metadata.filter_metadata["pilotfish"].fields["destination"].string_value = picked
+    lb = entry.common_properties.metadata.filter_metadata["envoy.lb"]
+    lb.fields["x-gateway-destination-endpoint-served"].string_value = served
+    if prefill:
+        entry.request.request_headers["x-prefiller-host-port"] = prefill
+    return entry
+
+
+@pytest.mark.parametrize(
+    ("entry", "elsewhere"),
+    [
+        (served_entry(E1), E1),  # Envoy's retry went to the fallback
+        (served_entry(E0), ""),  # served where it was picked
+        (log_entry(), ""),  # no served key (ORIGINAL_DST, no fallbacks)
+        (served_entry(E1, prefill=E0), ""),  # a prefill/decode pair is never moved
+    ],
+)
+def test_the_access_log_says_where_a_request_was_served(entry, elsewhere: str) -> None:
+    from pilotfish.ext_proc.access_log import AccessLogReleaser
+
+    released: list[tuple[str, int, str]] = []
+    AccessLogReleaser(lambda *args: released.append(args)).entry(entry)
+    assert released == [("rid", scheduler_pb2.RELEASE_REASON_FINISHED, elsewhere)]
+
+
+class OrderedBackend(FakeBackend):
+    """Records reports and releases in one list, in the order they came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[str, ...]] = []
+
+    def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
+        self.events.append(("report", request_id, served_address))
+
+    def release(self, request_id: str, reason: int) -> None:
+        self.events.append(("release", request_id))
+
+
+def test_a_request_served_elsewhere_is_reported_moved_before_its_release() -> None:
+    backend = OrderedBackend()
+    svc, _, metrics = servicer(backend, response_bodies="skip")
+    run(svc, [headers(), body(STREAMING)])
+    rid = backend.scheduled[0].request_id
+    svc.release_from_access_log(rid, scheduler_pb2.RELEASE_REASON_FINISHED, E1)
+    assert backend.events == [("report", rid, E1), ("release", rid)]
+    assert metrics.served_elsewhere._value.get() == 1
 
 
 @pytest.mark.parametrize("source", ["fallback", None])
@@ -424,7 +483,7 @@ def test_the_access_log_releases_only_what_the_scheduler_placed(source: str | No
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int]] = []
-    AccessLogReleaser(lambda rid, why: released.append((rid, why))).entry(log_entry(source=source))
+    AccessLogReleaser(lambda rid, why, _: released.append((rid, why))).entry(log_entry(source=source))
     assert released == []
 
 

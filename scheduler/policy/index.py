@@ -254,7 +254,7 @@ class LoadIndex:
         self._sorted: list[tuple] = []
         for inst in instances:
             self.members[inst.instance_id] = inst
-            self._key[inst.instance_id] = key = self._make_key(inst)
+            self._key[inst.instance_id] = key = self._make_key(inst, inst.instance_id)
             self._sorted.append(key)
             self._track_health(inst, inst.instance_id)
         self._sorted.sort()
@@ -263,8 +263,8 @@ class LoadIndex:
     def __len__(self) -> int:
         return len(self.members)
 
-    def _make_key(self, inst: InstanceView) -> tuple:
-        return (*(value(inst, _KEY_REQUEST) * sign for _, value, sign in self._metrics), inst.instance_id)
+    def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
+        return (*(value(inst, _KEY_REQUEST) * sign for _, value, sign in self._metrics), instance_id)
 
     def rekey(self, inst: InstanceView) -> None:
         """`inst` changed (load or status): move it to its new place."""
@@ -272,7 +272,7 @@ class LoadIndex:
         old = self._key.get(instance_id)
         if old is None or self.members.get(instance_id) is not inst:
             return
-        key = self._make_key(inst)
+        key = self._make_key(inst, instance_id)
         if key != old:
             lst = self._sorted
             del lst[bisect.bisect_left(lst, old)]
@@ -960,7 +960,7 @@ class BoundedLoadIndex(LoadIndex):
         for inst in instances:
             self._position[inst.instance_id] = len(self._position)
             self.members[inst.instance_id] = inst
-            self._key[inst.instance_id] = key = self._make_key(inst)
+            self._key[inst.instance_id] = key = self._make_key(inst, inst.instance_id)
             self._sorted.append(key)
             self._track_health(inst, inst.instance_id)
         self._sorted.sort()
@@ -968,13 +968,12 @@ class BoundedLoadIndex(LoadIndex):
         self._floors = [entry[0] for entry in self._sorted]
         self._by_ts.sort()
 
-    def _make_key(self, inst: InstanceView) -> tuple:
+    def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
         state_of = self._state_of
         if len(state_of) == 2:  # the default's (TTFT, TPOT), without a loop: the core re-keys on every change
             states: tuple = (state_of[0](inst), state_of[1](inst))
         else:
             states = tuple([state(inst) for state in state_of])
-        instance_id = inst.instance_id
         return (self._first.lower_bound(states[0]), states, self._position[instance_id], instance_id)
 
     def rekey(self, inst: InstanceView) -> None:
@@ -983,7 +982,7 @@ class BoundedLoadIndex(LoadIndex):
         old = self._key.get(instance_id)
         if old is None or self.members.get(instance_id) is not inst:
             return
-        key = self._make_key(inst)
+        key = self._make_key(inst, instance_id)
         if key != old:
             entries, floors = self._sorted, self._floors
             at = bisect.bisect_left(entries, old)

@@ -118,6 +118,8 @@ class PrefixIndex:
                 if not still:
                     return hits
                 alive = still
+        if not hits:  # the usual answer: every holder of the first block holds them all
+            return dict.fromkeys(alive, depth * scale)
         hits.update(dict.fromkeys(alive, depth * scale))
         return hits
 

@@ -101,13 +101,17 @@ class PredictedTtft(Metric):
         ahead, batch, share = state
         if not ahead >= 0:  # (NaN too) the floor assumes a queue of zero or more tokens
             return -math.inf
+        tables = self.ctx.tables
         if batch <= 0:
-            return self.ctx.tables.prefill_slope * ahead
-        steps = max(1, math.ceil(ahead / max(1.0, self.ctx.tables.token_budget - batch)))
-        return self.ctx.tables.prefill_slope * ahead + steps * share
+            return tables.prefill_slope * ahead
+        # max(1, ceil(ahead / max(1.0, budget - batch))) without the calls to max: a load index computes this
+        # at every change of an instance
+        room = tables.token_budget - batch
+        steps = math.ceil(ahead / (room if room > 1.0 else 1.0))
+        return tables.prefill_slope * ahead + (steps if steps > 1 else 1) * share
 
     def bound_offset(self, req: RequestInfo, hit: int) -> float:
-        own = max(0, req.prompt_tokens - hit)
+        own = req.prompt_tokens - hit
         # no own token: an idle instance's TTFT is 0, below the one step the floor counts
         return self.ctx.tables.prefill_floor(own) if own >= 1 else -math.inf
 

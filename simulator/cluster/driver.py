@@ -51,7 +51,7 @@ from pilotfish.simulator.engine.block_hash import block_hashes
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
-from pilotfish.simulator.engine.step_time import StepTimeProfile
+from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for
 from pilotfish.simulator.traces.model import TraceRequest
 from pilotfish.simulator.traces.prompts import prompt_token_ids
 from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
@@ -135,8 +135,10 @@ class ClusterSim:
         self.prompt_builder = prompt_builder
         self.engine_ids = [f"{config.engine_id_prefix}-{i}" for i in range(config.engines)]
         self.records: dict[str, RequestRecord] = {}
-        self.cores = [V1Engine(config.engine, config.profile, [_Recorder(self.records)])
-                      for _ in range(config.engines)]
+        # the profile read once for the fleet, not once per engine (a YAML file: 64 engines' reads
+        # cost a bench matrix cell more than its router)
+        profile = config.profile or profile_for(config.engine)
+        self.cores = [V1Engine(config.engine, profile, [_Recorder(self.records)]) for _ in range(config.engines)]
         for attach in observers:  # e.g. a test's event recorder, per engine
             for i, core in enumerate(self.cores):
                 attach(i, core)

@@ -33,13 +33,16 @@ from __future__ import annotations
 
 import argparse
 import gc
+import heapq
+import itertools
 import math
 import os
 import platform
 import statistics
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Any
@@ -252,32 +255,52 @@ def _fewer_collections() -> None:
     gc.set_threshold(*GC_THRESHOLD)
 
 
-def _call(job: tuple) -> Any:
-    fn, args = job
-    return fn(*args)
+# A job: (priority, key, function, arguments); lower priorities start first (knees, which unlock runs).
+Job = tuple[int, Any, Callable[..., Any], tuple]
 
 
-def _map(config: MatrixConfig, jobs: list[tuple], log: Any = None) -> list[Any]:
-    """Every job's result, in order; `log` gets a line at every tenth of the jobs done."""
-    started = time.monotonic()
+def _run_graph(config: MatrixConfig, first: list[Job], then: Callable[[Any, Any], list[Job]]) -> dict[Any, Any]:
+    """Run `first`, and each job `then(key, result)` returns as a job finishes; every result by key.
 
-    def counted(results: Any) -> list[Any]:
-        out = []
-        for done, result in enumerate(results, 1):
-            out.append(result)
-            if log is not None and (done * 10 // len(jobs)) != ((done - 1) * 10 // len(jobs)):
-                print(f"{done}/{len(jobs)} runs, {time.monotonic() - started:.0f} s", file=log, flush=True)
-        return out
+    Jobs start as soon as what they need is known, not phase by phase: a workload's cells start
+    once its knee is found, while other knees are still searched, so no worker waits at a barrier
+    for the slowest search (each job is a pure function of its arguments, so the results are the
+    same in any order)."""
+    results: dict[Any, Any] = {}
+    waiting: list[tuple[int, int, Any, Callable[..., Any], tuple]] = []
+    order = itertools.count()
 
-    if config.jobs <= 1 or len(jobs) <= 1:
+    def push(jobs: list[Job]) -> None:
+        for priority, key, fn, args in jobs:
+            heapq.heappush(waiting, (priority, next(order), key, fn, args))
+
+    def finished(key: Any, result: Any) -> None:
+        results[key] = result
+        push(then(key, result))
+
+    push(first)
+    if config.jobs <= 1:
         before = gc.get_threshold()
         _fewer_collections()
         try:
-            return counted(_call(j) for j in jobs)
+            while waiting:
+                _, _, key, fn, args = heapq.heappop(waiting)
+                finished(key, fn(*args))
         finally:
             gc.set_threshold(*before)
+        return results
     with ProcessPoolExecutor(max_workers=config.jobs, initializer=_fewer_collections) as pool:
-        return counted(pool.map(_call, jobs, chunksize=1))
+        running: dict[Future[Any], Any] = {}
+        while waiting or running:
+            # one job queued beyond the workers, so none waits on this process between two jobs;
+            # no more, so a knee found later still goes ahead of the runs waiting
+            while waiting and len(running) <= config.jobs:
+                _, _, key, fn, args = heapq.heappop(waiting)
+                running[pool.submit(fn, *args)] = key
+            done, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in done:
+                finished(running.pop(future), future.result())
+    return results
 
 
 # ---- measure ------------------------------------------------------------------------------------------------
@@ -288,27 +311,39 @@ def measure(config: MatrixConfig, log: Any = sys.stderr) -> dict[str, Any]:
 
     specs, skipped = resolve_policies(config.policies)
     policies = [s.name for s in specs]
-    fleets = sorted(config.fleets)
-    knees: dict[str, dict[str, Any]] = {}
-    # the smallest fleet first, from the workload's own rate; the others start from it, scaled
-    first = _map(config, [(find_knee, (config, w, fleets[0], 1.0)) for w in config.workloads])
-    for w, k in zip(config.workloads, first, strict=True):
-        knees[f"{w}|{fleets[0]}"] = k
-        print(f"knee {w} x {fleets[0]}: {k['rate_rps']:.1f} req/s", file=log)
-    rest = [(w, n) for n in fleets[1:] for w in config.workloads]
-    for (w, n), k in zip(rest, _map(config, [(find_knee, (config, w, n, knees[f"{w}|{fleets[0]}"]["factor"]
-                                                        * n / fleets[0] / 2)) for w, n in rest]), strict=True):
-        knees[f"{w}|{n}"] = k
-        print(f"knee {w} x {n}: {k['rate_rps']:.1f} req/s", file=log)
+    fleets = sorted(set(config.fleets))
     plan = [(w, n, ld, s, p) for w in config.workloads for n in fleets for ld in config.loads for s in config.seeds
             for p in policies]
     print(f"{len(plan)} runs", file=log)
-    jobs = [(run_cell, (config, w, n, s, knees[f"{w}|{n}"]["factor"] * ld, p)) for w, n, ld, s, p in plan]
-    results = _map(config, jobs, log)
+    runs_of: dict[tuple[str, int], list[int]] = {}
+    for i, (w, n, *_) in enumerate(plan):
+        runs_of.setdefault((w, n), []).append(i)
+    started = time.monotonic()
+    done = [0]
+
+    def then(key: tuple, result: Any) -> list[Job]:
+        if key[0] == "run":
+            done[0] += 1
+            if (done[0] * 10 // len(plan)) != ((done[0] - 1) * 10 // len(plan)):
+                print(f"{done[0]}/{len(plan)} runs, {time.monotonic() - started:.0f} s", file=log, flush=True)
+            return []
+        _, w, n = key
+        print(f"knee {w} x {n}: {result['rate_rps']:.1f} req/s", file=log, flush=True)
+        # the smallest fleet's knee, from the workload's own rate, is where the others' searches start, scaled
+        jobs: list[Job] = [(0, ("knee", w, m), find_knee, (config, w, m, result["factor"] * m / fleets[0] / 2))
+                           for m in fleets[1:] if n == fleets[0]]
+        for i in runs_of.get((w, n), []):
+            _, _, ld, s, p = plan[i]
+            jobs.append((1, ("run", i), run_cell, (config, w, n, s, result["factor"] * ld, p)))
+        return jobs
+
+    results = _run_graph(config, [(0, ("knee", w, fleets[0]), find_knee, (config, w, fleets[0], 1.0))
+                                  for w in config.workloads], then)
+    knees = {f"{w}|{n}": results[("knee", w, n)] for n in fleets for w in config.workloads}
     cells: dict[str, dict[str, Any]] = {}
-    for (w, n, ld, s, p), m in zip(plan, results, strict=True):
+    for i, (w, n, ld, s, p) in enumerate(plan):
         cell = cells.setdefault(cell_key(w, n, ld), {"workload": w, "engines": n, "load": ld, "runs": {}})
-        cell["runs"].setdefault(p, {})[str(s)] = m
+        cell["runs"].setdefault(p, {})[str(s)] = results[("run", i)]
     return {"policies": policies, "skipped": skipped, "knees": knees, "cells": cells}
 
 

@@ -101,3 +101,26 @@ def test_shared_trace_windows_differ_by_seed_and_start_at_zero() -> None:
     b = matrix.base_trace("trace:azure_code_2023.csv", 50, 1, None)
     assert len(a) == len(b) == 50 and a != b
     assert 0 < min(r.arrival for r in a) < 0.01 and 0 < min(r.arrival for r in b) < 0.01
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_jobs_start_when_what_they_need_is_known_and_knees_go_first(jobs: int) -> None:
+    import operator
+
+    config = matrix.MatrixConfig(jobs=jobs)
+    seen: list[object] = []
+
+    def then(key: object, result: object) -> list[matrix.Job]:
+        seen.append(key)
+        if key == "knee-a":  # unlocks a run, and a knee that must start before the runs still waiting
+            return [(1, "run-a", operator.mul, (result, 10)), (0, "knee-b", operator.add, (result, 100))]
+        if key == "knee-b":
+            return [(1, "run-b", operator.neg, (result,))]
+        return []
+
+    results = matrix._run_graph(config, [(0, "knee-a", operator.add, (1, 2)), (1, "run-0", operator.add, (0, 0))],
+                                then)
+    assert results == {"knee-a": 3, "run-0": 0, "run-a": 30, "knee-b": 103, "run-b": -103}
+    assert seen.index("knee-a") < seen.index("run-a") and seen.index("knee-b") < seen.index("run-b")
+    if jobs == 1:  # one at a time, by priority then by when it was added
+        assert seen == ["knee-a", "knee-b", "run-0", "run-a", "run-b"]

@@ -1054,7 +1054,7 @@ class BoundedLoadIndex(LoadIndex):
                         best.pop()
                     if len(best) >= need:
                         worst = best[-1][0][0]
-                        limit = _with_slack(worst)
+                        limit = worst + abs(worst) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
                     continue
             # outranked by the `need` best: so are the members with the same states after it (same values,
             # later in the stable order), skipped at once
@@ -1078,7 +1078,7 @@ class BoundedLoadIndex(LoadIndex):
             if band_limit is not None:
                 threshold = max(threshold, band_limit(least))
         # the threshold only falls as hits are visited: a floor above it now is above it for good
-        cut = _with_slack(threshold)
+        cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
         offsets = {hit: first.bound_offset(req, hit) for hit in set(hits.values())}
         # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
         # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
@@ -1117,12 +1117,7 @@ class BoundedLoadIndex(LoadIndex):
                 threshold = firsts[need - 1]
                 if band_limit is not None:
                     threshold = max(threshold, band_limit(least))
-                cut = _with_slack(threshold)
-
-
-def _with_slack(bound: float) -> float:
-    """`bound` raised by the slack that keeps rounding from stopping a walk by floors one member early."""
-    return bound + abs(bound) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+                cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
 
 
 def _request_free(metric: Metric) -> Callable[[InstanceView], float]:
@@ -1138,7 +1133,7 @@ class _Visit:
     """One pass's visits of a BoundedLoadIndex: the pass's filters run on each member visited (the marking
     ones answered by the index's health sets), and the candidates that pass kept with their positions."""
 
-    __slots__ = ("bad", "blockers", "cands", "extra", "filters", "head", "names", "req")
+    __slots__ = ("bad", "blockers", "cands", "checks", "extra", "filters", "head", "names", "req")
 
     def __init__(
         self,
@@ -1150,6 +1145,8 @@ class _Visit:
     ) -> None:
         self.filters, self.bad, self.blockers, self.req = filters, bad, blockers, req
         self.head, self.names, self.extra = index._head, index._names, index._extra
+        # whether `_candidate` has anything to do beyond making the Candidate
+        self.checks = bool(self.extra or filters or blockers)
         self.cands: list[tuple[int, Candidate]] = []
 
     def admit(self, inst: InstanceView, instance_id: str, position: int, values: tuple) -> bool:
@@ -1160,8 +1157,11 @@ class _Visit:
         named = dict(zip(self.names, values, strict=True))
         if self.head is not None:
             named[self.head.name] = self.head.value(inst, req)
-        cand = _candidate(inst, named, self.extra, self.filters, self.blockers, req)
-        if cand is None:
-            return False
+        if self.checks:
+            cand = _candidate(inst, named, self.extra, self.filters, self.blockers, req)
+            if cand is None:
+                return False
+        else:  # no other metric, filter or blocker (the default policy's usual pass): nothing can fail it
+            cand = Candidate(inst, named)
         self.cands.append((position, cand))
         return True

@@ -25,7 +25,8 @@ class KvCacheHitLen(Metric):
     lite = True
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
-        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
+        # the endpoint's id, not the view's property: one call less for every candidate of every decision
+        hit = self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         return min(hit, req.prompt_tokens) if req.prompt_tokens else hit
 
     def miss_value(self) -> MissValue:
@@ -50,7 +51,7 @@ class CacheAwareAllPrefillsTokensNum(Metric):
         self._prefills = AllPrefillsTokensNum(self.ctx)
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
-        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0)
+        hit = self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         return self._prefills.value(inst, req) + max(0, req.prompt_tokens - hit)
 
     def miss_value(self) -> MissValue:

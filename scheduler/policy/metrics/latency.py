@@ -90,7 +90,8 @@ class PredictedTtft(Metric):
 
     def evaluate(self, state: tuple[float, float, float], inst: InstanceView, req: RequestInfo) -> float:
         ahead, batch, share = state
-        own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.instance_id, 0)
+        # the endpoint's id, not the view's property: one call less for every candidate of every decision
+        own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         # max(0, own) without the call (a load index evaluates this for every member it visits)
         return self.ctx.tables.ttft_with_share(ahead + own if own > 0 else ahead + 0, batch, share)
 

@@ -97,7 +97,7 @@ class CacheAwareSelector(Selector):
         loads = [c.values[band] for c in cands]
         limit = self.band_limit(min(loads))
         in_band = [pos for pos, load in enumerate(loads) if load <= limit]
-        if not _told_apart(hits, [cands[pos].inst.instance_id for pos in in_band]):
+        if not _told_apart(hits, [cands[pos].inst.endpoint.instance_id for pos in in_band]):
             return self.load_ranking.select(cands, req, count)  # the cache tells no in-band instance apart
         signed = self._signed
         keyed = [(tuple([cands[pos].values[n] * s for n, s in signed]), pos) for pos in in_band]

@@ -27,7 +27,8 @@ arriving lately (a rate decayed over --flow-fair-share-window-ms), is judged aga
 saturation bounds times --flow-over-share-bound: it waits while an engine is past that, and the
 headroom above it is left to the flows within their share. The arrival test keeps the flag on the
 flood: held back and shed, a flood's work in flight can fall below a lighter flow's, but what it
-asks for does not. While a flow is over its share, the flows within theirs are judged against the
+asks for does not, and a flow over its share stays so while its requests wait and it still asks for
+more than 1/active. While a flow is over its share, the flows within theirs are judged against the
 queued-prefill bound times --flow-under-share-bound (above 1; the KV and batch bounds stay): the
 flood keeps every engine near its own bound, so at the plain bound a light tenant's request would
 wait in the queue for the flood's prefill to drain, though it is the next to leave whatever the
@@ -196,6 +197,7 @@ class FlowController:
         self._flow_tokens: Counter[str] = Counter()
         self._pruned_at = -math.inf
         self.arrivals = ArrivalRates(self.settings.share_window_s)
+        self._over: set[str] = set()  # the flows over their share when last judged
 
     # -- what waits ---------------------------------------------------------------------------------
 
@@ -274,7 +276,11 @@ class FlowController:
         """The flows over their fair share: more than one flow is active and each of these holds more
         than 1/active of the work in flight and waiting (tokens) and asks for more than 1/active of
         the tokens arriving lately. Waiting requests count: a flow held back keeps its demand, so the
-        flood stays the one over its share instead of the lighter flow in turn."""
+        flood stays the one over its share instead of the lighter flow in turn. A flow already over
+        its share stays so while it has requests waiting and still asks for more than 1/active,
+        though it holds less: held at the tighter bounds, a flood's work in flight falls below a
+        steady light flow's (whose requests decode for as long as ever), and without this it took
+        the engines back at the plain bounds at once, flipping in and out of its share."""
         if not self.settings.fair_share:
             return set()
         demand = self._active()
@@ -282,12 +288,17 @@ class FlowController:
         if n < 2:
             return set()
         total = sum(demand.values())
-        heavy = [f for f, mine in demand.items() if mine * n > total]
+        waiting: set[str] = set()
+        for queue in self._queues.values():
+            waiting.update(queue.flow_tokens)
+        heavy = [f for f, mine in demand.items() if mine * n > total or (f in self._over and f in waiting)]
         if not heavy:
+            self._over = set()
             return set()
         rates = self.arrivals.rates(self._clock())
         arriving = sum(rates.values())
-        return {f for f in heavy if rates.get(f, 0.0) * n > arriving}
+        self._over = {f for f in heavy if rates.get(f, 0.0) * n > arriving}
+        return self._over
 
     def over_share(self, flow: str) -> bool:
         """`flow` is over its fair share (over_share_flows)."""

@@ -395,6 +395,29 @@ def test_waiting_work_counts_toward_a_flows_share() -> None:
     assert flow.over_share("B") and not flow.over_share("A")
 
 
+def test_a_flood_stays_over_its_share_while_its_requests_wait_though_it_holds_less() -> None:
+    """Held back hard, a flood's work in flight falls below the light flow's; while it still asks for
+    more than its share and has requests waiting it stays flagged, so it cannot take the engines back
+    at the plain bounds the moment its own requests finish."""
+    clock = Clock()
+    core, flow = fair(clock)
+    replies = Replies()
+    for i in range(4):  # the flood alone: 60 tokens per engine
+        assert isinstance(flow.submit(treq(f"b{i}", 30), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    assert isinstance(flow.submit(treq("a0", 10), STD, "A", 5.0, replies.to("a0")), Decision)
+    assert flow.submit(treq("b4", 30), STD, "B", 5.0, replies.to("b4")) is None  # past its 50
+    assert isinstance(flow.submit(treq("a1", 40), STD, "A", 5.0, replies.to("a1")), Decision)
+    assert flow.over_share_flows() == {"B"}
+    for i in range(4):
+        core.release(f"b{i}")
+    clock.now += 1
+    # B: 30 waiting against A's 50 in flight, but 150 of the 200 tokens asked lately, and waiting
+    assert flow.flow_tokens() == {"A": 50}
+    assert flow.over_share_flows() == {"B"} and flow.scales("B") == (0.5, 1.0)
+    assert flow.drain() == 1 and isinstance(replies.got["b4"], Decision)  # room below 50 again
+    assert flow.over_share_flows() == set()  # nothing waiting, 30 in flight against 50
+
+
 def test_scale_tightens_every_bound() -> None:
     inst = InstanceView(Endpoint("e", "e:1"))
     inst.lrs.num_tokens, inst.lrs.num_requests = 500, 2

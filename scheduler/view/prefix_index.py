@@ -13,12 +13,24 @@ the request that the instance holds. Two feeds:
 
 Per-instance memory is bounded: each instance keeps its most recently used `capacity` blocks
 (its KV cache cannot hold more), the oldest dropped first.
+
+Matches are kept, so that the next request with the same chain (a shared prefix's requests, all of
+whose holders hold it) costs a lookup rather than a pass over every holder: a change of a block's
+holders marks the instance in each kept match that read the block, and the next match of that chain
+re-counts just those instances. At most `MATCHES_KEPT` holder entries in all, the least recently
+matched chain dropped first.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+
+# holder entries the kept matches may hold in all (each match is a dict of its holders)
+MATCHES_KEPT = 1 << 16
+
+# a kept match: (block hashes, scale)
+Chain = tuple[tuple[int, ...], int]
 
 
 class PrefixIndex:
@@ -27,6 +39,13 @@ class PrefixIndex:
         self._holders: dict[int, set[str]] = {}
         self._blocks: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
+        # chain -> its match, least recently matched first; block hash -> the kept chains that contain it;
+        # chain -> the instances whose holding of one of its blocks changed since (re-counted at its next
+        # match); the kept matches' entries in all (one more per match: an empty match is kept too)
+        self._matches: dict[Chain, dict[str, int]] = {}
+        self._readers: dict[int, set[Chain]] = {}
+        self._pending: dict[Chain, set[str]] = {}
+        self._kept = 0
 
     def __len__(self) -> int:
         """Distinct block hashes held by any instance."""
@@ -87,15 +106,30 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[int], scale: int = 1) -> dict[str, int]:
         """Leading blocks of `hashes` each instance holds, times `scale` (a block's tokens, say); instances
-        with no hit are absent.
-
-        Every decision of a cache-aware policy matches its prompt over the holders of its first block (dozens
-        to hundreds of a shared prefix), so the work stays in set operations and `dict.fromkeys`, never a
-        Python loop per holder, and the holders' sets are read, never copied: the holders of a block are
-        usually all holders of the one before it too (chained hashes), and then the subset test alone
-        tells who stops there."""
+        with no hit are absent. The dict is kept for the next match of the same chain, and brought up to
+        date then: read it before the index changes, never change it."""
         if not hashes:
             return {}
+        chain = (hashes if isinstance(hashes, tuple) else tuple(hashes), scale)
+        hits = self._matches.pop(chain, None)
+        if hits is None:
+            hits = self._match(chain[0], scale)
+            self._keep(chain, hits)
+            return hits
+        self._matches[chain] = hits  # the most recently matched last
+        pending = self._pending.pop(chain, None)
+        if pending:
+            self._recount(chain, hits, pending)
+            while self._kept > MATCHES_KEPT:  # it grew: the least recently matched go (this one last)
+                self._forget_match(next(iter(self._matches)))
+        return hits
+
+    def _match(self, hashes: tuple[int, ...], scale: int) -> dict[str, int]:
+        """`match` computed. A match passes over the holders of the chain's first block (dozens to hundreds
+        of a shared prefix), so the work stays in set operations and `dict.fromkeys`, never a Python loop
+        per holder, and the holders' sets are read, never copied: the holders of a block are usually all
+        holders of the one before it too (chained hashes), and then the subset test alone tells who stops
+        there."""
         holders_of = self._holders
         alive = holders_of.get(hashes[0])
         if not alive:
@@ -123,6 +157,63 @@ class PrefixIndex:
         hits.update(dict.fromkeys(alive, depth * scale))
         return hits
 
+    def _recount(self, chain: Chain, hits: dict[str, int], instance_ids: set[str]) -> None:
+        """Bring a kept match up to date for the instances whose holding of its blocks changed."""
+        hashes, scale = chain
+        blocks = self._blocks
+        for instance_id in instance_ids:
+            held = blocks.get(instance_id)
+            depth = 0
+            if held:
+                for h in hashes:
+                    if h not in held:
+                        break
+                    depth += 1
+            if depth:
+                if instance_id not in hits:
+                    self._kept += 1
+                hits[instance_id] = depth * scale
+            elif hits.pop(instance_id, None) is not None:
+                self._kept -= 1
+
+    def _keep(self, chain: Chain, hits: dict[str, int]) -> None:
+        """Keep a match; drop the least recently matched past MATCHES_KEPT entries."""
+        size = len(hits) + 1
+        if size > MATCHES_KEPT:
+            return
+        while self._kept + size > MATCHES_KEPT:
+            self._forget_match(next(iter(self._matches)))
+        self._matches[chain] = hits
+        self._kept += size
+        readers = self._readers
+        for h in chain[0]:
+            chains = readers.get(h)
+            if chains is None:
+                readers[h] = {chain}
+            else:
+                chains.add(chain)
+
+    def _forget_match(self, chain: Chain) -> None:
+        self._kept -= len(self._matches.pop(chain)) + 1
+        self._pending.pop(chain, None)
+        readers = self._readers
+        for h in chain[0]:
+            chains = readers.get(h)
+            if chains is not None:
+                chains.discard(chain)
+                if not chains:
+                    del readers[h]
+
+    def _holding_changed(self, h: int, instance_id: str) -> None:
+        """`instance_id` began or stopped holding block `h`: the kept matches that read it re-count it."""
+        pending = self._pending
+        for chain in self._readers[h]:
+            instances = pending.get(chain)
+            if instances is None:
+                pending[chain] = {instance_id}
+            else:
+                instances.add(instance_id)
+
     def _store(self, instance_id: str, hashes: Iterable[int]) -> None:
         held = self._blocks.get(instance_id)
         if held is None:
@@ -137,6 +228,8 @@ class PrefixIndex:
                     self._holders[h] = {instance_id}
                 else:
                     holders.add(instance_id)
+                if h in self._readers:
+                    self._holding_changed(h, instance_id)
         self._trim(instance_id)
 
     def _trim(self, instance_id: str) -> None:
@@ -154,3 +247,5 @@ class PrefixIndex:
             holders.discard(instance_id)
             if not holders:
                 del self._holders[h]
+        if h in self._readers:
+            self._holding_changed(h, instance_id)

@@ -9,6 +9,7 @@ import pytest
 
 from pilotfish.bench import flow
 from pilotfish.config import struct_from_args
+from pilotfish.scheduler.config import SchedulerConfig
 
 
 def parse(*argv: str) -> flow.FlowBenchConfig:
@@ -26,7 +27,7 @@ def test_flags_come_from_the_config_struct() -> None:
     assert cfg.seeds == [3] and cfg.fair_bounds == [1.0, 0.5]
     assert flow.flow_settings(cfg) == {"flow_max_kv_usage": 0.9, "flow_over_share_bound": 0.25}
     assert flow.over_share_bound(cfg) == 0.25
-    assert flow.over_share_bound(parse()) == 0.5  # the scheduler's default
+    assert flow.over_share_bound(parse()) == SchedulerConfig().flow_over_share_bound
 
 
 @pytest.mark.parametrize("spec", [*flow.FAMILIES, "family:system-prompt:turn=32-64;output=16"])
@@ -73,7 +74,7 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
     workload = "family:system-prompt:turn=1024-2048"  # long turns: 150 requests load one engine past the SLO
     cfg = parse("--workloads", workload, "--seeds", "0", "--requests", "150", "--instances", "1",
                 "--loads", "1.2", "--peers", "dynamo", "--fair-bounds", "1,0.5", "--knee-steps", "0",
-                "--no-progress")
+                "--flow", "flow_max_queued_prefill_tokens=2048,flow_over_share_bound=0.5", "--no-progress")
     cell = flow.measure(cfg, workload, 0)
     assert cell["problems"] == []
     assert cell["knee"] is not None and cell["knee_bounded"]

@@ -279,7 +279,7 @@ def test_metrics_per_band_flow_and_engine() -> None:
 
 def fair(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowController]:
     """Two engines of 100 tokens each (lite mode); over its share a flow may fill them to 50."""
-    values: dict[str, object] = {"flow_lite_max_requests": 0, "flow_lite_max_tokens": 100}
+    values: dict[str, object] = {"flow_lite_max_requests": 0, "flow_lite_max_tokens": 100, "flow_over_share_bound": 0.5}
     values.update(overrides)
     return make(clock, **values)
 
@@ -312,7 +312,7 @@ def full_engine(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowC
     """Full mode, one engine with a fresh status (nothing queued, KV of 10,000 tokens), a queued-prefill
     bound of 100 tokens."""
     values: dict[str, object] = {"enable_full_mode_scheduling": True, "enable_flow_control": True,
-                                 "flow_max_queued_prefill_tokens": 100}
+                                 "flow_max_queued_prefill_tokens": 100, "flow_over_share_bound": 0.5}
     values.update(overrides)
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
     core = SchedulerCore(config, clock=clock, wall_clock=clock, rng=random.Random(0))

@@ -9,7 +9,7 @@ metrics then compute once and share.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,13 @@ class PolicyContext:
                 size = req.prefix_block_size or self.default_block_size
                 self._hits = index.match(req.prefix_block_hashes, size)
         return self._hits
+
+    def prefix_hit_lengths(self, req: RequestInfo) -> Collection[int]:
+        """The distinct values of `prefix_hits(req)`, which the prefix index keeps with its match."""
+        index = self.prefix_index
+        if index is None or not req.prefix_block_hashes:
+            return ()
+        return index.hit_lengths(req.prefix_block_hashes, req.prefix_block_size or self.default_block_size)
 
     def elapsed_since(self, timestamp_ms: int) -> float:
         """Seconds from a status's timestamp to this decision, within [0, staleness window]."""

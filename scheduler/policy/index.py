@@ -1079,7 +1079,8 @@ class BoundedLoadIndex(LoadIndex):
                 threshold = max(threshold, band_limit(least))
         # the threshold only falls as hits are visited: a floor above it now is above it for good
         cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
-        offsets = {hit: first.bound_offset(req, hit) for hit in set(hits.values())}
+        # per distinct hit, as the prefix index counts them (not a pass over the hits)
+        offsets = {hit: first.bound_offset(req, hit) for hit in first.ctx.prefix_hit_lengths(req)}
         # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
         # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
         # order up to there are fewer to look at than the hits (a bisect tells how many)

@@ -24,7 +24,7 @@ matched chain dropped first.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 # holder entries the kept matches may hold in all (each match is a dict of its holders)
 MATCHES_KEPT = 1 << 16
@@ -45,6 +45,8 @@ class PrefixIndex:
         self._matches: dict[Chain, dict[str, int]] = {}
         self._readers: dict[int, set[Chain]] = {}
         self._pending: dict[Chain, set[str]] = {}
+        # chain -> how many of its match's instances have each hit (`hit_lengths`)
+        self._lengths: dict[Chain, dict[int, int]] = {}
         self._kept = 0
 
     def __len__(self) -> int:
@@ -113,8 +115,8 @@ class PrefixIndex:
         chain = (hashes if isinstance(hashes, tuple) else tuple(hashes), scale)
         hits = self._matches.pop(chain, None)
         if hits is None:
-            hits = self._match(chain[0], scale)
-            self._keep(chain, hits)
+            hits, lengths = self._match(chain[0], scale)
+            self._keep(chain, hits, lengths)
             return hits
         self._matches[chain] = hits  # the most recently matched last
         pending = self._pending.pop(chain, None)
@@ -124,7 +126,14 @@ class PrefixIndex:
                 self._forget_match(next(iter(self._matches)))
         return hits
 
-    def _match(self, hashes: tuple[int, ...], scale: int) -> dict[str, int]:
+    def hit_lengths(self, hashes: Sequence[int], scale: int = 1) -> Collection[int]:
+        """The distinct values of `match(hashes, scale)`, without a pass over its instances (counted as the
+        match is made and re-counted)."""
+        hits = self.match(hashes, scale)
+        lengths = self._lengths.get((hashes if isinstance(hashes, tuple) else tuple(hashes), scale))
+        return lengths.keys() if lengths is not None else set(hits.values())
+
+    def _match(self, hashes: tuple[int, ...], scale: int) -> tuple[dict[str, int], dict[int, int]]:
         """`match` computed. A match passes over the holders of the chain's first block (dozens to hundreds
         of a shared prefix), so the work stays in set operations and `dict.fromkeys`, never a Python loop
         per holder, and the holders' sets are read, never copied: the holders of a block are usually all
@@ -133,8 +142,9 @@ class PrefixIndex:
         holders_of = self._holders
         alive = holders_of.get(hashes[0])
         if not alive:
-            return {}
+            return {}, {}
         hits: dict[str, int] = {}
+        lengths: dict[int, int] = {}  # hit -> instances with it
         depth = len(hashes)
         for d in range(1, depth):
             nxt = holders_of.get(hashes[d])
@@ -144,23 +154,26 @@ class PrefixIndex:
             if nxt <= alive:
                 if len(nxt) < len(alive):
                     hits.update(dict.fromkeys(alive - nxt, d * scale))
+                    lengths[d * scale] = len(alive) - len(nxt)
                     alive = nxt
                 continue
             still = alive & nxt
             if len(still) < len(alive):
                 hits.update(dict.fromkeys(alive - still, d * scale))
+                lengths[d * scale] = len(alive) - len(still)
                 if not still:
-                    return hits
+                    return hits, lengths
                 alive = still
+        lengths[depth * scale] = len(alive)
         if not hits:  # the usual answer: every holder of the first block holds them all
-            return dict.fromkeys(alive, depth * scale)
+            return dict.fromkeys(alive, depth * scale), lengths
         hits.update(dict.fromkeys(alive, depth * scale))
-        return hits
+        return hits, lengths
 
     def _recount(self, chain: Chain, hits: dict[str, int], instance_ids: set[str]) -> None:
         """Bring a kept match up to date for the instances whose holding of its blocks changed."""
         hashes, scale = chain
-        blocks = self._blocks
+        blocks, lengths = self._blocks, self._lengths[chain]
         for instance_id in instance_ids:
             held = blocks.get(instance_id)
             depth = 0
@@ -169,14 +182,19 @@ class PrefixIndex:
                     if h not in held:
                         break
                     depth += 1
-            if depth:
-                if instance_id not in hits:
-                    self._kept += 1
-                hits[instance_id] = depth * scale
-            elif hits.pop(instance_id, None) is not None:
+            old = hits.pop(instance_id, 0)
+            if old:
                 self._kept -= 1
+                if lengths[old] == 1:
+                    del lengths[old]
+                else:
+                    lengths[old] -= 1
+            if depth:
+                hit = hits[instance_id] = depth * scale
+                self._kept += 1
+                lengths[hit] = lengths.get(hit, 0) + 1
 
-    def _keep(self, chain: Chain, hits: dict[str, int]) -> None:
+    def _keep(self, chain: Chain, hits: dict[str, int], lengths: dict[int, int]) -> None:
         """Keep a match; drop the least recently matched past MATCHES_KEPT entries."""
         size = len(hits) + 1
         if size > MATCHES_KEPT:
@@ -184,6 +202,7 @@ class PrefixIndex:
         while self._kept + size > MATCHES_KEPT:
             self._forget_match(next(iter(self._matches)))
         self._matches[chain] = hits
+        self._lengths[chain] = lengths
         self._kept += size
         readers = self._readers
         for h in chain[0]:
@@ -196,6 +215,7 @@ class PrefixIndex:
     def _forget_match(self, chain: Chain) -> None:
         self._kept -= len(self._matches.pop(chain)) + 1
         self._pending.pop(chain, None)
+        del self._lengths[chain]
         readers = self._readers
         for h in chain[0]:
             chains = readers.get(h)

@@ -63,12 +63,16 @@ def _replay(ops: list, queries: list[list[int]], scale: int) -> None:
             index.forget(instance_id)
         for hashes in queries:
             before = {h: set(index._holders[h]) for h in index._holders}
-            assert index.match(hashes, scale) == plain_match(index, hashes, scale)
+            plain = plain_match(index, hashes, scale)
+            assert index.match(hashes, scale) == plain
+            assert sorted(index.hit_lengths(hashes, scale)) == sorted(set(plain.values()))
             assert index._holders == before  # a match never changes what it reads
             # the kept matches within their bound, and every one registered with each block it read
             assert index._kept == sum(len(hits) + 1 for hits in index._matches.values()) <= prefix_index.MATCHES_KEPT
             assert all(chain in index._readers[h] for chain in index._matches for h in chain[0])
-            assert set(index._pending) <= set(index._matches)
+            assert set(index._pending) <= set(index._matches) == set(index._lengths)
+            for chain, hits in index._matches.items():  # each kept match's lengths, counted
+                assert index._lengths[chain] == {v: list(hits.values()).count(v) for v in set(hits.values())}
 
 
 def test_a_kept_match_is_brought_up_to_date_when_holders_of_its_blocks_change() -> None:

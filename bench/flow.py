@@ -145,6 +145,7 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
                 attach(self.engines)
             self.flow: FlowController | None = None
             self.shed: dict[str, str] = {}  # request id -> reason
+            self.placed: dict[str, float] = {}  # request id -> when it reached an engine (out of the queue)
             self.arrived: dict[str, float] = {}
             self._held: dict[str, tuple[Any, list[int], list[int]]] = {}  # waiting: what to place
             self._drain_at: float | None = None
@@ -187,6 +188,7 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
             k = router._index[decision.target.instance_id]  # type: ignore[attr-defined]
             max_tokens = min(request.output_length, self.config.engine.max_model_len - len(tokens))
             self.records[rid] = RequestRecord(rid, k, request.arrival, len(tokens), max_tokens)
+            self.placed[rid] = self.now
             sim_request = SimRequest(rid, tokens, max_tokens, block_hashes=list(hashes))
             for out in self.engines[k].add_request(sim_request, self.now):
                 self._output(k, out)
@@ -294,11 +296,13 @@ def run_arm(cfg: FlowBenchConfig, name: str, trace: Trace, labels: Labels, seed:
     if core is not None and name.startswith("pilotfish") and core.account_size:
         problems.append(f"the account holds {core.account_size} requests at the end")
     return {"wall_seconds": wall, "problems": problems,
-            **figures(trace, records, sim.shed, labels, cfg.slo_ttft, cfg.slo_tpot)}
+            **figures(trace, records, sim.shed, labels, cfg.slo_ttft, cfg.slo_tpot, getattr(sim, "placed", {}))}
 
 
 def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels: Labels, slo_ttft: float,
-            slo_tpot: float) -> dict[str, Any]:
+            slo_tpot: float, placed: dict[str, float] | None = None) -> dict[str, Any]:
+    """The run's figures; `placed` (request id -> when it reached an engine) splits each tenant's
+    TTFT into the wait in the scheduler's queue and the rest (no entry: never queued)."""
     from pilotfish.simulator.cluster.metrics import percentile
 
     arrivals = [r.arrival for r in trace]
@@ -340,6 +344,11 @@ def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels:
             "slo_attainment": sum(1 for r in served if good(r)) / len(ids) if ids else math.nan,
             "goodput_rps": sum(1 for r in served if good(r)) / span if span > 0 else math.nan,
             "p99_ttft": percentile([r.ttft for r in served if r.ttft is not None], 99),
+            # what of the TTFT is the scheduler's queue, and what the engine (its queue, prefill, batch)
+            "p99_queue_wait": percentile([(placed or {}).get(r.request_id, r.arrival) - r.arrival for r in served
+                                          if r.ttft is not None], 99),
+            "p99_engine_ttft": percentile([r.first_token - (placed or {}).get(r.request_id, r.arrival)
+                                           for r in served if r.ttft is not None], 99),
         }
     return out
 
@@ -586,12 +595,22 @@ def summarise(cfg: FlowBenchConfig, cells: list[dict[str, Any]]) -> dict[str, An
                 "on_x_off_p99_ttft": spread([a[ON]["p99_ttft"] / a[OFF]["p99_ttft"] for a in arms]),
             }
         fair = [c["fairness"] for c in mine]
+
+        def split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+            """A's P99 TTFT and its parts: the wait in the scheduler's queue, engine to first token."""
+            a = [r["tenants"]["A"] for r in runs]
+            return {k: spread([x.get(k, math.nan) for x in a]) for k in ("p99_ttft", "p99_queue_wait",
+                                                                         "p99_engine_ttft")}
+
         s["fairness"] = {
+            "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
             "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
+                    "a_split": split([f[OFF]["flood"] for f in fair]),
                     "a_slo": spread([f[OFF]["flood"]["tenants"]["A"]["slo_attainment"] for f in fair]),
                     "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
                     "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
             "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
+                       "a_split": split([f[ON]["floods"][b] for f in fair]),
                        "a_slo": spread([f[ON]["floods"][b]["tenants"]["A"]["slo_attainment"] for f in fair]),
                        "b_slo": spread([f[ON]["floods"][b]["tenants"]["B"]["slo_attainment"] for f in fair]),
                        "b_shed": spread([f[ON]["floods"][b]["tenants"]["B"]["shed"] for f in fair]),
@@ -708,6 +727,22 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
             mark = " (the on arm)" if b == f["bound"] else ""
             md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
                       f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} |")
+    md += [
+        "",
+        "Where A's P99 TTFT goes (seconds, P99 of each part on its own): the wait in the scheduler's queue, and "
+        "from reaching an engine to the first token (the engine's queue, prefill, a batch shared with B's decodes).",
+        "",
+        "| workload | arm | A's P99 TTFT | queue wait | engine to first token |",
+        "|---|---|---|---|---|",
+    ]
+    for w, s in summary.items():
+        f = s["fairness"]
+        rows = [("off, A alone", f["alone"]["off"]), ("on, A alone", f["alone"]["on"]),
+                ("off, flood", f["off"]["a_split"]),
+                *((f"on, flood, bound {b}", x["a_split"]) for b, x in f["on"].items())]
+        for name, x in rows:
+            md.append(f"| {w} | {name} | {_r(x['p99_ttft'], '{:.3f}')} | {_r(x['p99_queue_wait'], '{:.3f}')} | "
+                      f"{_r(x['p99_engine_ttft'], '{:.3f}')} |")
     md += ["", "## Plots", "", *plots_section(plots, why), ""]
     problems = result["problems"]
     md.append("Lost or leaked requests: " + ("; ".join(problems) if problems else

@@ -88,6 +88,12 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
     summary = flow.summarise(cfg, [cell])
     md = flow.render_markdown(cfg, {"summary": summary, "problems": [], "wall_seconds": 1.0, "host": "h"}, [], "none")
     assert f"| {workload} | 1.2 |" in md and "on, bound 0.5 (the on arm)" in md
+    # A's TTFT split: off never queues; on, each part is at most the whole
+    assert fair[flow.OFF]["flood"]["tenants"]["A"]["p99_queue_wait"] == 0.0
+    for run in (fair[flow.ON]["alone"], *fair[flow.ON]["floods"].values()):
+        a = run["tenants"]["A"]
+        assert 0.0 <= a["p99_queue_wait"] <= a["p99_ttft"] + 1e-9 and 0.0 < a["p99_engine_ttft"] <= a["p99_ttft"] + 1e-9
+    assert f"| {workload} | on, flood, bound 0.5 |" in md
     # --loads "" (fairness only): the fairness part is still summarised
     import msgspec
 

@@ -196,18 +196,22 @@ def run_cell(config: MatrixConfig, workload: str, engines: int, seed: int, facto
     return out
 
 
-def find_knee(config: MatrixConfig, workload: str, engines: int, start: float) -> dict:
+def find_knee(config: MatrixConfig, workload: str, engines: int, start: float,
+              runs: dict[float, dict] | None = None) -> dict:
     """Round-robin's knee on this workload and fleet (the first seed): see the module docstring.
 
     `bounded` is False when round-robin still met the mark at the highest rate tried (the cell's
-    requests arrive almost at once there): the loads are then fractions of that rate."""
+    requests arrive almost at once there): the loads are then fractions of that rate. `runs`, if
+    given, gets each probe's run by its compression."""
     seed = config.seeds[0]
     probes: list[tuple[float, float]] = []
 
     def met(factor: float) -> float:
-        value = run_cell(config, workload, engines, seed, factor, "round-robin")["slo_attainment"]
-        probes.append((factor, value))
-        return value
+        run = run_cell(config, workload, engines, seed, factor, "round-robin")
+        if runs is not None:
+            runs[factor] = run
+        probes.append((factor, run["slo_attainment"]))
+        return run["slo_attainment"]
 
     # the mark: a share of what round-robin reaches lightly loaded (a trace whose longest prompts miss
     # the TTFT SLO even alone, as Mooncake's do, never reaches 90% outright)
@@ -253,6 +257,18 @@ GC_THRESHOLD = (50_000, 20, 20)
 
 def _fewer_collections() -> None:
     gc.set_threshold(*GC_THRESHOLD)
+
+
+def _knee_and_probes(config: MatrixConfig, workload: str, engines: int, start: float) -> tuple[dict, dict[float, dict]]:
+    """find_knee, and its probes' runs by compression: round-robin's run of a cell whose compression
+    a probe ran (load 1 is the knee itself; load 0.5 of an unbounded knee, the doubling before) is
+    that probe's, the same pure function of the same arguments, so it is not run twice."""
+    runs: dict[float, dict] = {}
+    return find_knee(config, workload, engines, start, runs), runs
+
+
+def _given(result: Any) -> Any:
+    return result
 
 
 # A job: (priority, key, function, arguments); lower priorities start first (knees, which unlock runs).
@@ -328,18 +344,23 @@ def measure(config: MatrixConfig, log: Any = sys.stderr) -> dict[str, Any]:
                 print(f"{done[0]}/{len(plan)} runs, {time.monotonic() - started:.0f} s", file=log, flush=True)
             return []
         _, w, n = key
-        print(f"knee {w} x {n}: {result['rate_rps']:.1f} req/s", file=log, flush=True)
+        knee, probed = result
+        print(f"knee {w} x {n}: {knee['rate_rps']:.1f} req/s", file=log, flush=True)
         # the smallest fleet's knee, from the workload's own rate, is where the others' searches start, scaled
-        jobs: list[Job] = [(0, ("knee", w, m), find_knee, (config, w, m, result["factor"] * m / fleets[0] / 2))
+        jobs: list[Job] = [(0, ("knee", w, m), _knee_and_probes, (config, w, m, knee["factor"] * m / fleets[0] / 2))
                            for m in fleets[1:] if n == fleets[0]]
         for i in runs_of.get((w, n), []):
             _, _, ld, s, p = plan[i]
-            jobs.append((1, ("run", i), run_cell, (config, w, n, s, result["factor"] * ld, p)))
+            factor = knee["factor"] * ld
+            if p == "round-robin" and s == config.seeds[0] and factor in probed:
+                jobs.append((1, ("run", i), _given, (probed[factor],)))
+            else:
+                jobs.append((1, ("run", i), run_cell, (config, w, n, s, factor, p)))
         return jobs
 
-    results = _run_graph(config, [(0, ("knee", w, fleets[0]), find_knee, (config, w, fleets[0], 1.0))
+    results = _run_graph(config, [(0, ("knee", w, fleets[0]), _knee_and_probes, (config, w, fleets[0], 1.0))
                                   for w in config.workloads], then)
-    knees = {f"{w}|{n}": results[("knee", w, n)] for n in fleets for w in config.workloads}
+    knees = {f"{w}|{n}": results[("knee", w, n)][0] for n in fleets for w in config.workloads}
     cells: dict[str, dict[str, Any]] = {}
     for i, (w, n, ld, s, p) in enumerate(plan):
         cell = cells.setdefault(cell_key(w, n, ld), {"workload": w, "engines": n, "load": ld, "runs": {}})

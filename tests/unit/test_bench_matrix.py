@@ -23,14 +23,22 @@ def _args(out: Path, **overrides: object) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def test_a_tiny_matrix_end_to_end(tmp_path: Path) -> None:
+def test_a_tiny_matrix_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("matplotlib")
+    calls: list[tuple] = []
+    run_cell = matrix.run_cell
+
+    def counted(*args: object) -> dict:
+        calls.append(args[1:])
+        return run_cell(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(matrix, "run_cell", counted)
     args = _args(
         tmp_path,
         workloads="family:rag:context=1024-2048,family:system-prompt:turn=256-2048",
         policies="pilotfish,pilotfish-full,round-robin,sglang,oracle",
         fleets="4",
-        loads="0.5,1.2",
+        loads="0.5,1,1.2",
         seeds="0,1",
         requests_per_cell=48,
         knee_steps=1,
@@ -47,7 +55,17 @@ def test_a_tiny_matrix_end_to_end(tmp_path: Path) -> None:
         if knee["bounded"]:  # the knee passed the mark, the rate above it did not
             lo, hi = knee["bracket"]
             assert lo < hi and dict(knee["probes"])[lo] >= knee["mark"] > dict(knee["probes"])[hi]
-    assert len(result["cells"]) == 2 * 1 * 2
+    assert len(result["cells"]) == 2 * 1 * 3
+    # round-robin at load 1 (seed 0) is the knee's own probe, taken from the search, not run again:
+    # the same figures a fresh run gives
+    config = matrix.config_from_args(args)
+    for key, knee in result["knees"].items():
+        workload, engines = key.split("|")
+        assert calls.count((workload, int(engines), 0, knee["factor"], "round-robin")) == 1
+        reused = result["cells"][matrix.cell_key(workload, int(engines), 1.0)]["runs"]["round-robin"]["0"]
+        fresh = matrix.run_cell(config, workload, int(engines), 0, knee["factor"], "round-robin")
+        assert {k: v for k, v in reused.items() if k != "wall_seconds"} == \
+            {k: v for k, v in json.loads(json.dumps(fresh)).items() if k != "wall_seconds"}
     for cell in result["cells"].values():
         assert set(cell["runs"]) == set(result["policies"])
         assert all(set(by_seed) == {"0", "1"} for by_seed in cell["runs"].values())

@@ -1099,10 +1099,27 @@ class BoundedLoadIndex(LoadIndex):
             floors = [(floor, i) for i, hit in hits.items() if i in key and (floor := key[i][0] + offsets[hit]) <= cut]
         floors.sort()
         evaluate, admit = first.evaluate, visit.admit
+        # a banded selector's band, once no member left can be below the least value (the hits come by floor):
+        # the in-band candidates' (signed cache value, load) and their hits
+        head = self._head if band_limit is not None else None
+        band: list[tuple[float, float]] | None = None
+        told: set[int] = set()
+        limit = math.inf
         for floor, instance_id in floors:
             if floor > cut:
                 break
             inst = members[instance_id]
+            if head is not None and floor - abs(floor) * _BOUND_REL_SLACK - _BOUND_ABS_SLACK >= least:
+                if band is None:
+                    assert band_limit is not None
+                    limit = band_limit(least)
+                    band, told = self._band(visit, hits, head, limit)
+                # the hits tell the band apart already, and `need` in-band candidates outrank this one whatever
+                # its load (its value is at least its floor): it cannot change the selector's answer
+                if len(told) > 1 and len(band) >= need:
+                    low = floor - abs(floor) * _BOUND_REL_SLACK - _BOUND_ABS_SLACK
+                    if band[need - 1] < (head.value(inst, req) * head.sign, low):
+                        continue
             _, states, pos, _ = key[instance_id]
             value = evaluate(states[0], inst, req)
             if value > threshold:
@@ -1114,11 +1131,31 @@ class BoundedLoadIndex(LoadIndex):
             bisect.insort(firsts, value)
             if value < least:
                 least = value
+                band = None  # (a floor a hair above its value) the band is made again from the new least
+            elif band is not None and value <= limit:
+                assert head is not None
+                bisect.insort(band, (visit.cands[-1][1].values[head.name] * head.sign, value))
+                told.add(hits.get(instance_id, 0))
             if prune and len(firsts) >= need:
                 threshold = firsts[need - 1]
                 if band_limit is not None:
                     threshold = max(threshold, band_limit(least))
                 cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+
+    def _band(
+        self, visit: _Visit, hits: dict[str, int], head: Metric, limit: float
+    ) -> tuple[list[tuple[float, float]], set[int]]:
+        """The in-band candidates visited so far (load <= limit): their (signed cache value, load), sorted as the
+        banded selector ranks them, and their hits (0 for none), as it tells the band apart."""
+        band, told = [], set()
+        name, sign, load = head.name, head.sign, self._first.name
+        for _, cand in visit.cands:
+            value = cand.values[load]
+            if value <= limit:
+                band.append((cand.values[name] * sign, value))
+                told.add(hits.get(cand.inst.endpoint.instance_id, 0))
+        band.sort()
+        return band, told
 
 
 def _request_free(metric: Metric) -> Callable[[InstanceView], float]:

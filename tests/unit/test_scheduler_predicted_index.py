@@ -172,6 +172,58 @@ def test_bounded_index_equals_scan(
     cached: list[tuple[int, int]],
     steps: list[tuple],
 ) -> None:
+    _replay_against_scan(full, profile, ranking, states, filters, top_k, count, cached, steps)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    full=st.booleans(),
+    profile=st.sampled_from(sorted(PROFILES)),
+    ranking=st.sampled_from(["default", "narrow-band"]),
+    # each instance's state and how much of the prefix it holds: most hold some, many all of it
+    fleet=st.lists(st.tuples(instance_state, st.sampled_from([0, 1, 3, 3, 6, 6, 6])), min_size=4, max_size=40),
+    filters=st.sampled_from(FILTER_SETS),
+    top_k=st.integers(1, 3),
+    count=st.integers(1, 4),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from([1, 16, 40, 96, 700, 5000]),
+            st.integers(1, len(BLOCKS)),
+            st.integers(-1, 39),
+            instance_state,
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+)
+def test_bounded_index_equals_scan_with_a_widely_held_prefix(
+    full: bool,
+    profile: str,
+    ranking: str,
+    fleet: list[tuple],
+    filters: list[str],
+    top_k: int,
+    count: int,
+    steps: list[tuple],
+) -> None:
+    """Many holders, many of them in the band: the walk stops visiting hits once the band is told apart and
+    enough in-band candidates outrank the rest, and still decides as the scan does."""
+    states = [state for state, _ in fleet]
+    cached = [(k, depth) for k, (_, depth) in enumerate(fleet) if depth]
+    _replay_against_scan(full, profile, ranking, states, filters, top_k, count, cached, steps)
+
+
+def _replay_against_scan(
+    full: bool,
+    profile: str,
+    ranking: str,
+    states: list[tuple],
+    filters: list[str],
+    top_k: int,
+    count: int,
+    cached: list[tuple[int, int]],
+    steps: list[tuple],
+) -> None:
     if not full:
         filters = [f for f in filters if f in ("ttft-slo", "tpot-slo")]  # lite mode has no statuses
     hits = PrefixIndex()

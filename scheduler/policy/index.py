@@ -964,8 +964,9 @@ class BoundedLoadIndex(LoadIndex):
             self._sorted.append(key)
             self._track_health(inst, inst.instance_id)
         self._sorted.sort()
-        # `_sorted`'s floors, in its order: bisected in C, without a key function called per step
+        # `_sorted`'s floors and ids, in its order: bisected, sliced and intersected in C
         self._floors = [entry[0] for entry in self._sorted]
+        self._ids = [entry[3] for entry in self._sorted]
         self._by_ts.sort()
 
     def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
@@ -977,19 +978,20 @@ class BoundedLoadIndex(LoadIndex):
         return (self._first.lower_bound(states[0]), states, self._position[instance_id], instance_id)
 
     def rekey(self, inst: InstanceView) -> None:
-        """`inst` changed: move it to its new place (and its floor in `_floors`) when its key moved."""
+        """`inst` changed: move it to its new place (and its floor and id in `_floors`, `_ids`) when its key moved."""
         instance_id = inst.instance_id
         old = self._key.get(instance_id)
         if old is None or self.members.get(instance_id) is not inst:
             return
         key = self._make_key(inst, instance_id)
         if key != old:
-            entries, floors = self._sorted, self._floors
+            entries, floors, ids = self._sorted, self._floors, self._ids
             at = bisect.bisect_left(entries, old)
-            del entries[at], floors[at]
+            del entries[at], floors[at], ids[at]
             at = bisect.bisect_right(entries, key)
             entries.insert(at, key)
             floors.insert(at, key[0])
+            ids.insert(at, instance_id)
             self._key[instance_id] = key
         self._track_health(inst, instance_id)
 
@@ -1090,11 +1092,9 @@ class BoundedLoadIndex(LoadIndex):
             reach = bisect.bisect_right(self._floors, cut - min(offsets.values()))
         # (floor, id) of each member with a hit whose floor is within the cut, sorted
         if reach < len(hits):
-            floors = [
-                (floor, entry[3])
-                for entry in itertools.islice(entries, reach)
-                if (hit := hits.get(entry[3])) is not None and (floor := entry[0] + offsets[hit]) <= cut
-            ]
+            # the members in reach that hold the prefix, found in C (a widespread prefix: half of them or more)
+            near = hits.keys() & set(itertools.islice(self._ids, reach))
+            floors = [(floor, i) for i in near if (floor := key[i][0] + offsets[hits[i]]) <= cut]
         else:
             floors = [(floor, i) for i, hit in hits.items() if i in key and (floor := key[i][0] + offsets[hit]) <= cut]
         floors.sort()

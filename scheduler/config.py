@@ -586,7 +586,7 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             description="the saturation bounds (every --flow-* bound) times this, for a flow over its fair "
             "share (--flow-fair-share): lower isolates the other flows better and leaves engines idler",
         ),
-    ] = 0.25
+    ] = 0.5
     flow_under_share_bound: Annotated[
         float,
         Meta(

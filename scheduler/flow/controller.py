@@ -93,7 +93,7 @@ class FlowSettings:
     by_model: dict[str, Band] | None = None
     recheck_s: float = 0.05
     fair_share: bool = True
-    over_share_bound: float = 0.25
+    over_share_bound: float = 0.5
     under_share_bound: float = 4.0
     share_window_s: float = 5.0
 

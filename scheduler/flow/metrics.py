@@ -96,8 +96,9 @@ class FlowCollector(Collector):
             "over_share is 1 while the flow is judged against the tighter bounds (--flow-fair-share).",
             labels=["flow", "over_share"],
         )
+        over = flow.over_share_flows()  # judged once per scrape, not once per flow
         for key, n in sorted(flow.flow_tokens().items(), key=lambda kv: -kv[1])[:TOP_FLOWS]:
-            inflight.add_metric([key, "1" if flow.over_share(key) else "0"], n)
+            inflight.add_metric([key, "1" if key in over else "0"], n)
         judge = flow.saturation.reason
         for inst in flow.core.instances():  # type: ignore[attr-defined]
             reason = judge(inst)

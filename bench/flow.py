@@ -23,7 +23,8 @@ For every workload (`--workloads`, the families of simulator/traces/families.py)
 3. fairness: tenant A alone at `--tenant-load` x knee, then with tenant B flooding on top (the
    total at `--flood-load` x knee), both standard: A's P99 TTFT with the flood over without it,
    flow control off, and on at every over-share bound of `--fair-bounds` (1: fairness by queue
-   order only), with B's SLO attainment, the price of the isolation.
+   order only), with B's SLO attainment, the price of the isolation, and where A's P99 TTFT goes:
+   the wait in the scheduler's queue, and engine to first token.
 
 The report gives each figure as the mean over seeds and its min-max spread.
 

@@ -98,6 +98,16 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "of this many tokens (cms/prefix_hash.py) to match the hashes the gateway sends",
         ),
     ] = _GATEWAY_PREFIX_BLOCK_SIZE
+    default_max_num_batched_tokens: Annotated[
+        int,
+        Meta(
+            ge=1,
+            le=1 << 20,
+            description="an engine's token budget per step (vLLM's --max-num-batched-tokens) when its CMS "
+            "metadata does not say (lite mode, or an older llumlet): forward prediction of prefill progress "
+            "assumes a step takes at most this many prompt tokens",
+        ),
+    ] = 8192
     enable_predictor_enhanced_scheduling: Annotated[
         bool,
         Meta(

@@ -20,8 +20,6 @@ from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.profile import LatencyProfile, LatencyTables
 from pilotfish.scheduler.view.types import RequestInfo
 
-DEFAULT_TOKEN_BUDGET = 8192
-
 
 def _config_default(name: str) -> Any:
     """SchedulerConfig's default for `name`: a context built without a config (tests, ad-hoc use) agrees
@@ -41,6 +39,8 @@ class PolicyContext:
     instance_staleness_seconds: float = field(default_factory=lambda: _config_default("instance_staleness_seconds"))
     # block size the prefix hashes cover when the request does not say: the gateway's
     default_block_size: int = field(default_factory=lambda: _config_default("kv_events_prefix_block_size"))
+    # an engine's token budget per step when its metadata does not say
+    default_token_budget: int = field(default_factory=lambda: _config_default("default_max_num_batched_tokens"))
     now: float = 0.0
     _req: RequestInfo | None = None
     _hits: dict[str, int] | None = None

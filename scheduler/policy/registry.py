@@ -429,6 +429,7 @@ def context_from_config(config: SchedulerConfig, **overrides: Any) -> PolicyCont
         "predictor_enhanced": config.enable_predictor_enhanced_scheduling,
         "instance_staleness_seconds": config.instance_staleness_seconds,
         "default_block_size": config.kv_events_prefix_block_size,
+        "default_token_budget": config.default_max_num_batched_tokens,
     }
     values.update(overrides)
     return PolicyContext(**values)

@@ -38,3 +38,5 @@ def test_a_bare_context_has_the_default_configs_values() -> None:
     bare, configured = PolicyContext(), context_from_config(SchedulerConfig())
     assert bare.instance_staleness_seconds == configured.instance_staleness_seconds == 10.0
     assert bare.default_block_size == configured.default_block_size == DEFAULT_BLOCK_SIZE
+    assert bare.default_token_budget == configured.default_token_budget == 8192
+    assert context_from_config(SchedulerConfig(default_max_num_batched_tokens=2048)).default_token_budget == 2048

@@ -9,7 +9,7 @@ status yet counts as empty plus its in-flight load (schedulability blocks it any
 from __future__ import annotations
 
 from pilotfish.scheduler.policy.base import Drain, ExportedFamily, Metric
-from pilotfish.scheduler.policy.context import DEFAULT_TOKEN_BUDGET, PolicyContext
+from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.view.predictor import prefill_rate, prefill_tokens_done
 from pilotfish.scheduler.view.types import EngineStatus, InstanceView, RequestInfo
 
@@ -87,7 +87,7 @@ class AllPrefillsTokensNum(Metric):
                 s.uncomputed_prefill_tokens,
                 s.num_running_decode,
                 s.running_decode_seq_len_sum,
-                inst.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
+                inst.max_num_batched_tokens or self.ctx.default_token_budget,
                 self.ctx.elapsed_since(s.timestamp_ms),
             )
         return tokens
@@ -105,7 +105,7 @@ class AllPrefillsTokensNum(Metric):
             s.uncomputed_prefill_tokens,
             s.num_running_decode,
             s.running_decode_seq_len_sum,
-            inst.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET,
+            inst.max_num_batched_tokens or self.ctx.default_token_budget,
         )
         floor = float(inst.inflight.prefill_tokens)
         return floor + s.uncomputed_prefill_tokens, floor, rate, s.timestamp_ms / 1000.0

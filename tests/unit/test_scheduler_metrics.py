@@ -1,4 +1,4 @@
-"""The eleven scheduling metrics, table-driven: one row per metric and situation, with the formula's value."""
+"""The twelve scheduling metrics, table-driven: one row per metric and situation, with the formula's value."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ SPEC_METRICS = [
     "all_decodes_tokens_num",
     "num_tokens",
     "predicted_ttft",
+    "predicted_delay",
     "predicted_tpot",
 ]
 NOW = 1_000_000.0
@@ -152,6 +153,59 @@ def test_predicted_ttft_from_tables() -> None:
     assert value("predicted_ttft", view("c")) > value("predicted_ttft", view("a"))
 
 
+@pytest.mark.parametrize(
+    ("inst", "batch", "own"),
+    [
+        (view("a"), 6, 100 - 48),  # decode batch: waiting decode 1 + loading 1 + running decode 4
+        (view("c", inflight=INFLIGHT), 8, 100),  # + in-flight decode 2; nothing cached on c
+        (view("c", status=None), 0, 100),  # no batch: the delay is the TTFT
+    ],
+)
+def test_predicted_delay_adds_the_batch_stall_to_the_ttft(inst: InstanceView, batch: int, own: int) -> None:
+    # every request decoding there waits out this prompt's (uncached) prefill once
+    expected = value("predicted_ttft", inst) + batch * LatencyTables(FLAT).prefill_ms(own)
+    assert value("predicted_delay", inst) == pytest.approx(expected)
+
+
+def _loaded(name: str, prefill: int, batch: int, full: bool) -> InstanceView:
+    """An instance with `prefill` tokens ahead and `batch` requests decoding 3000-token sequences, in the
+    mode's view (a status in full mode, the LRS in lite mode)."""
+    if full:
+        status = EngineStatus(
+            update_id=1,
+            timestamp_ms=int(NOW * 1000),
+            schedulable=True,
+            num_running_decode=batch,
+            running_decode_seq_len_sum=batch * 3000,
+            uncomputed_prefill_tokens=prefill,
+        )
+        return view(name, status=status)
+    lrs = LrsLoad(
+        num_requests=batch + (prefill > 0),
+        num_tokens=batch * 3000 + prefill,
+        num_decode_requests=batch,
+        prefill_tokens=prefill,
+    )
+    return view(name, status=None, lrs=lrs)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+def test_predicted_delay_sends_a_long_prompt_behind_a_short_prefill_not_onto_a_decode_batch(full: bool) -> None:
+    """A 6000-token prompt: `batchy` has no prefill ahead but 4 requests decoding; `queued` has a
+    200-token prefill ahead and none decoding. TTFT alone prefers `batchy` (and so stalls its four
+    answers for the whole prefill); the delay prefers `queued`, and an idle instance beats both."""
+    req = RequestInfo("long", "m", prompt_tokens=6000)
+    c = ctx(full=full, tables=LatencyTables(LatencyProfile()))
+    batchy, queued, idle = (
+        _loaded(n, prefill, batch, full) for n, prefill, batch in (("batchy", 0, 4), ("queued", 200, 0), ("idle", 0, 0))
+    )
+    ttft = {n: value("predicted_ttft", v, c, req) for n, v in (("batchy", batchy), ("queued", queued))}
+    assert ttft["batchy"] < ttft["queued"]
+    views = (("batchy", batchy), ("queued", queued), ("idle", idle))
+    delay = {n: value("predicted_delay", v, c, req) for n, v in views}
+    assert delay["idle"] < delay["queued"] < delay["batchy"]
+
+
 def test_predicted_tpot_from_tables() -> None:
     profile = LatencyProfile(base_ms=10.0, decode_ms_per_token=1.0, context_ms_per_token=0.001)
     c = ctx(tables=LatencyTables(profile))
@@ -193,6 +247,7 @@ def test_every_spec_metric_is_registered_with_the_uniform_interface(name: str) -
         ("all_prefills_tokens_num", True, False),
         # lite mode reads the LRS (held prompt tokens before their prefill, the decode batch)
         ("predicted_ttft", True, True),
+        ("predicted_delay", True, True),
         ("predicted_tpot", True, True),
     ],
 )

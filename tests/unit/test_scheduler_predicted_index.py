@@ -55,8 +55,11 @@ def _context(full: bool, profile: str, hits: PrefixIndex) -> PolicyContext:
     )
 
 
-def _pipeline(ranking: str, filters: list[str], top_k: int, c: PolicyContext) -> Pipeline:
-    ttft, tpot, hit = (METRICS.get(n)(c) for n in ("predicted_ttft", "predicted_tpot", "kv_cache_hit_len"))
+def _pipeline(
+    ranking: str, filters: list[str], top_k: int, c: PolicyContext, first: str = "predicted_ttft"
+) -> Pipeline:
+    """`first`: the ranking's first load metric (predicted_ttft, or predicted_delay, which ranks the default)."""
+    ttft, tpot, hit = (METRICS.get(n)(c) for n in (first, "predicted_tpot", "kv_cache_hit_len"))
     stages: list = []
     for name in filters:
         if name == "schedulability":
@@ -143,6 +146,7 @@ def _views(states: list[tuple], full: bool) -> list[InstanceView]:
     full=st.booleans(),
     profile=st.sampled_from(sorted(PROFILES)),
     ranking=st.sampled_from(["default", "default", "narrow-band", "hit-first", "load"]),
+    first=st.sampled_from(["predicted_ttft", "predicted_delay"]),
     states=st.lists(instance_state, min_size=1, max_size=40),
     filters=st.sampled_from(FILTER_SETS),
     top_k=st.integers(1, 3),
@@ -165,6 +169,7 @@ def test_bounded_index_equals_scan(
     full: bool,
     profile: str,
     ranking: str,
+    first: str,
     states: list[tuple],
     filters: list[str],
     top_k: int,
@@ -231,8 +236,8 @@ def _replay_against_scan(
         hits.record_dispatch(f"i{k:02d}", BLOCKS[:depth])
     c = _context(full, profile, hits)
     views = _views(states, full)
-    scan = _pipeline(ranking, filters, top_k, c)
-    walk = _pipeline(ranking, filters, top_k, c)
+    scan = _pipeline(ranking, filters, top_k, c, first)
+    walk = _pipeline(ranking, filters, top_k, c, first)
     assert indexable_pipeline(walk)
     index = load_index(walk, views)
     assert isinstance(index, BoundedLoadIndex)
@@ -251,13 +256,14 @@ def _replay_against_scan(
         assert [i.instance_id for i in walk.run(views, req, count, index)] == expected
 
 
+@pytest.mark.parametrize("name", ["predicted_ttft", "predicted_delay"])
 @pytest.mark.parametrize("full", [False, True])
-def test_predicted_ttft_floor_holds(full: bool) -> None:
+def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
     """lower_bound(state) + bound_offset(req, 0) never exceeds the value, over a grid of loads and prompts (and
     a tight floor is no use: it often equals the value, to the last few bits)."""
     for profile in PROFILES:
         c = _context(full, profile, PrefixIndex())
-        ttft = METRICS.get("predicted_ttft")(c)
+        ttft = METRICS.get(name)(c)
         for ahead in (0, 1, 300, 511, 512, 513, 1500, 9000):
             for batch in (0, 1, 7, 511, 512, 2000):
                 for seq in (0, 10, 4000, 300_000):

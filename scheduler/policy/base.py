@@ -135,6 +135,16 @@ class Metric(abc.ABC):
         """The request's part of `lower_bound`'s floor; -inf where no floor holds."""
         return -math.inf
 
+    # has_floor: prompt sizes at which `lower_bound_at` gives a tighter floor than `lower_bound`, ascending;
+    # a load index keeps its members sorted by each, and walks a request without a hit by the largest at or
+    # under its prompt (for a floor with a request-by-instance product, as predicted_delay's)
+    floor_levels: ClassVar[tuple[int, ...]] = ()
+
+    def lower_bound_at(self, state: Any, own_at_least: int) -> float:
+        """has_floor: `lower_bound` for a request whose uncached prompt is at least `own_at_least` tokens:
+        value >= lower_bound_at(state, n) + bound_offset(req, hit) wherever that prompt is n tokens or more."""
+        return self.lower_bound(state)
+
     def drain(self, inst: InstanceView) -> Drain | None:
         """forward_predicted: how `value` moves with the clock until `inst` changes; None while it does not move."""
         return None

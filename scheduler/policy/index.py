@@ -967,7 +967,14 @@ class BoundedLoadIndex(LoadIndex):
         # `_sorted`'s floors and ids, in its order: bisected, sliced and intersected in C
         self._floors = [entry[0] for entry in self._sorted]
         self._ids = [entry[3] for entry in self._sorted]
+        # the members sorted again by the first metric's floor at each of its prompt levels (base.py,
+        # `floor_levels`): a walk of the members without a hit uses the largest at or under the prompt
+        self._levels = self._first.floor_levels
+        self._by_level = [sorted(self._level_key(key, level) for key in self._sorted) for level in self._levels]
         self._by_ts.sort()
+
+    def _level_key(self, key: tuple, level: int) -> tuple:
+        return (self._first.lower_bound_at(key[1][0], level), *key[1:])
 
     def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
         state_of = self._state_of
@@ -993,6 +1000,10 @@ class BoundedLoadIndex(LoadIndex):
             floors.insert(at, key[0])
             ids.insert(at, instance_id)
             self._key[instance_id] = key
+            for level, level_entries in zip(self._levels, self._by_level, strict=True):
+                # the old entry's floor made again from its states: the same float, so bisect finds it
+                del level_entries[bisect.bisect_left(level_entries, self._level_key(old, level))]
+                bisect.insort(level_entries, self._level_key(key, level))
         self._track_health(inst, instance_id)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
@@ -1002,9 +1013,15 @@ class BoundedLoadIndex(LoadIndex):
         # every instance with a hit (some may not be members: the walk never meets those, step 2 skips them)
         hits = first.ctx.prefix_hits(req)
         offset = first.bound_offset(req, 0)
+        # a member without a hit computes the whole prompt: the tightest floor is the largest level under it
+        entries = self._sorted
+        for level, by_level in zip(self._levels, self._by_level, strict=True):
+            if level > req.prompt_tokens:
+                break
+            entries = by_level
         for fallback in (False, True):
             visit = _Visit(self, *self._health_pass(pipeline, fallback), req)
-            best = self._walk_misses(visit, hits, need, offset)
+            best = self._walk_misses(visit, hits, need, offset, entries)
             if hits:
                 self._visit_hits(visit, hits, need, best)
             cands = visit.cands
@@ -1022,9 +1039,12 @@ class BoundedLoadIndex(LoadIndex):
         later = [s if e is None else e(s, inst, req) for e, s in zip(rest, states[1:], strict=True)]
         return (first, *later)
 
-    def _walk_misses(self, visit: _Visit, hits: dict[str, int], need: int, offset: float) -> list[tuple]:
-        """Step 1; returns the best `need` passing members without a hit as (values, position)."""
-        entries, members, req = self._sorted, self.members, visit.req
+    def _walk_misses(
+        self, visit: _Visit, hits: dict[str, int], need: int, offset: float, entries: list[tuple]
+    ) -> list[tuple]:
+        """Step 1, over `entries` (the members sorted by a floor valid for this request without a hit); returns
+        the best `need` passing members without a hit as (values, position)."""
+        members, req = self.members, visit.req
         evaluate = self._first.evaluate
         admit = visit.admit
         # the second ranked metric's evaluate when there are exactly two with a state each (the default's TTFT

@@ -177,7 +177,7 @@ def test_bounded_index_equals_scan(
     cached: list[tuple[int, int]],
     steps: list[tuple],
 ) -> None:
-    _replay_against_scan(full, profile, ranking, states, filters, top_k, count, cached, steps)
+    _replay_against_scan(full, profile, ranking, states, filters, top_k, count, cached, steps, first)
 
 
 @settings(max_examples=400, deadline=None)
@@ -228,6 +228,7 @@ def _replay_against_scan(
     count: int,
     cached: list[tuple[int, int]],
     steps: list[tuple],
+    first: str = "predicted_ttft",
 ) -> None:
     if not full:
         filters = [f for f in filters if f in ("ttft-slo", "tpot-slo")]  # lite mode has no statuses

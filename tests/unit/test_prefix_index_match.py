@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from unittest import mock
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pilotfish.scheduler.view import prefix_index
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 
 INSTANCES = ["a", "b", "c", "d", "e"]
@@ -38,15 +35,10 @@ def plain_match(index: PrefixIndex, hashes: list[int], scale: int) -> dict[str, 
     st.lists(op_st, max_size=25),
     st.lists(hashes_st, min_size=1, max_size=4),
     st.sampled_from([1, 16]),
-    st.sampled_from([4, 12, prefix_index.MATCHES_KEPT]),
 )
-def test_match_is_the_leading_blocks_each_instance_holds(
-    ops: list, queries: list[list[int]], scale: int, kept: int
-) -> None:
-    """Kept matches included: each query is asked again after every change, and a small bound makes the
-    oldest kept matches go."""
-    with mock.patch.object(prefix_index, "MATCHES_KEPT", kept):
-        _replay(ops, queries, scale)
+def test_match_is_the_leading_blocks_each_instance_holds(ops: list, queries: list[list[int]], scale: int) -> None:
+    """The last match kept included: each query is asked again (twice) after every change."""
+    _replay(ops, queries, scale)
 
 
 def _replay(ops: list, queries: list[list[int]], scale: int) -> None:
@@ -67,23 +59,21 @@ def _replay(ops: list, queries: list[list[int]], scale: int) -> None:
             assert index.match(hashes, scale) == plain
             assert sorted(index.hit_lengths(hashes, scale)) == sorted(set(plain.values()))
             assert index._holders == before  # a match never changes what it reads
-            # the kept matches within their bound, and every one registered with each block it read
-            assert index._kept == sum(len(hits) + 1 for hits in index._matches.values()) <= prefix_index.MATCHES_KEPT
-            assert all(chain in index._readers[h] for chain in index._matches for h in chain[0])
-            assert set(index._pending) <= set(index._matches) == set(index._lengths)
-            for chain, hits in index._matches.items():  # each kept match's lengths, counted
-                assert index._lengths[chain] == {v: list(hits.values()).count(v) for v in set(hits.values())}
+            assert index.match(hashes, scale) == plain  # asked again: the kept one, still right
 
 
-def test_a_kept_match_is_brought_up_to_date_when_holders_of_its_blocks_change() -> None:
+def test_the_last_match_is_reused_only_while_no_holder_changed() -> None:
     index = PrefixIndex()
     index.record_dispatch("a", [1, 2, 3])
     first = index.match([1, 2, 3])
     assert first == {"a": 3} and index.match((1, 2, 3)) is first  # kept: the same dict, list or tuple
+    assert index.match([1, 2, 3], 16) == {"a": 48}  # another scale is another match
     index.record_dispatch("b", [1, 2])
     assert index.match([1, 2, 3]) == {"a": 3, "b": 2}
+    index.record_dispatch("a", [1, 2])  # holds them already: nothing changed, the match stands
+    again = index.match([1, 2, 3])
+    assert index.match([1, 2, 3]) is again
     index.apply_kv_event("a", removed=[2])
     assert index.match([1, 2, 3]) == {"a": 1, "b": 2}
     index.forget("b")
-    assert index.match([1, 2, 3]) is first and first == {"a": 1}
-    assert index._kept == len(first) + 1
+    assert index.match([1, 2, 3]) == {"a": 1}

@@ -274,11 +274,16 @@ class LoadIndex:
             return
         key = self._make_key(inst, instance_id)
         if key != old:
-            lst = self._sorted
-            del lst[bisect.bisect_left(lst, old)]
-            bisect.insort(lst, key)
+            self._move(instance_id, old, key)
             self._key[instance_id] = key
         self._track_health(inst, instance_id)
+
+    def _move(self, instance_id: str, old: tuple, key: tuple) -> None:
+        """The member's key changed from `old` to `key`: its place in the sorted members (and whatever a
+        subclass keeps in the same order)."""
+        lst = self._sorted
+        del lst[bisect.bisect_left(lst, old)]
+        bisect.insort(lst, key)
 
     def _track_health(self, inst: InstanceView, instance_id: str) -> None:
         s = inst.status
@@ -984,27 +989,19 @@ class BoundedLoadIndex(LoadIndex):
             states = tuple([state(inst) for state in state_of])
         return (self._first.lower_bound(states[0]), states, self._position[instance_id], instance_id)
 
-    def rekey(self, inst: InstanceView) -> None:
-        """`inst` changed: move it to its new place (and its floor and id in `_floors`, `_ids`) when its key moved."""
-        instance_id = inst.instance_id
-        old = self._key.get(instance_id)
-        if old is None or self.members.get(instance_id) is not inst:
-            return
-        key = self._make_key(inst, instance_id)
-        if key != old:
-            entries, floors, ids = self._sorted, self._floors, self._ids
-            at = bisect.bisect_left(entries, old)
-            del entries[at], floors[at], ids[at]
-            at = bisect.bisect_right(entries, key)
-            entries.insert(at, key)
-            floors.insert(at, key[0])
-            ids.insert(at, instance_id)
-            self._key[instance_id] = key
-            for level, level_entries in zip(self._levels, self._by_level, strict=True):
-                # the old entry's floor made again from its states: the same float, so bisect finds it
-                del level_entries[bisect.bisect_left(level_entries, self._level_key(old, level))]
-                bisect.insort(level_entries, self._level_key(key, level))
-        self._track_health(inst, instance_id)
+    def _move(self, instance_id: str, old: tuple, key: tuple) -> None:
+        """The member's new place, with its floor and id in `_floors`, `_ids` and its entries per prompt level."""
+        entries, floors, ids = self._sorted, self._floors, self._ids
+        at = bisect.bisect_left(entries, old)
+        del entries[at], floors[at], ids[at]
+        at = bisect.bisect_right(entries, key)
+        entries.insert(at, key)
+        floors.insert(at, key[0])
+        ids.insert(at, instance_id)
+        for level, level_entries in zip(self._levels, self._by_level, strict=True):
+            # the old entry's floor made again from its states: the same float, so bisect finds it
+            del level_entries[bisect.bisect_left(level_entries, self._level_key(old, level))]
+            bisect.insort(level_entries, self._level_key(key, level))
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = pipeline.selector

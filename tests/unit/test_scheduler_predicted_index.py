@@ -141,6 +141,14 @@ def _views(states: list[tuple], full: bool) -> list[InstanceView]:
     return views
 
 
+def decisions_st(prompts: list[int], least_blocks: int) -> st.SearchStrategy[list[tuple]]:
+    """(prompt tokens, blocks of it the request names; 0: none) of each decision, and an instance that
+    changes before it with its new state (-1: none)."""
+    blocks = st.integers(least_blocks, len(BLOCKS))
+    step = st.tuples(st.sampled_from(prompts), blocks, st.integers(-1, 39), instance_state)
+    return st.lists(step, min_size=1, max_size=8)
+
+
 @settings(max_examples=500, deadline=None)
 @given(
     full=st.booleans(),
@@ -152,18 +160,7 @@ def _views(states: list[tuple], full: bool) -> list[InstanceView]:
     top_k=st.integers(1, 3),
     count=st.integers(1, 4),
     cached=st.lists(st.tuples(st.integers(0, 39), st.integers(1, len(BLOCKS))), max_size=10),
-    # (prompt tokens, blocks of it the request names; 0: none) of each decision, and an instance that
-    # changes before it with its new state (-1: none)
-    steps=st.lists(
-        st.tuples(
-            st.sampled_from([0, 1, 16, 40, 96, 700, 5000]),
-            st.integers(0, len(BLOCKS)),
-            st.integers(-1, 39),
-            instance_state,
-        ),
-        min_size=1,
-        max_size=8,
-    ),
+    steps=decisions_st(prompts=[0, 1, 16, 40, 96, 700, 5000], least_blocks=0),
 )
 def test_bounded_index_equals_scan(
     full: bool,
@@ -190,16 +187,7 @@ def test_bounded_index_equals_scan(
     filters=st.sampled_from(FILTER_SETS),
     top_k=st.integers(1, 3),
     count=st.integers(1, 4),
-    steps=st.lists(
-        st.tuples(
-            st.sampled_from([1, 16, 40, 96, 700, 5000]),
-            st.integers(1, len(BLOCKS)),
-            st.integers(-1, 39),
-            instance_state,
-        ),
-        min_size=1,
-        max_size=8,
-    ),
+    steps=decisions_st(prompts=[1, 16, 40, 96, 700, 5000], least_blocks=1),
 )
 def test_bounded_index_equals_scan_with_a_widely_held_prefix(
     full: bool,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 from pilotfish.procs import Child, StartError, free_port, wait_until
@@ -18,6 +19,9 @@ from pilotfish.services import LOOPBACK, http_call
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON_ENV = "PILOTFISH_VLLM_PYTHON"
+# more vLLM arguments for every engine started here, after the defaults (a later flag wins in vLLM's
+# parser): a GPU run shares one device among the engines, e.g. "--gpu-memory-utilization 0.2"
+VLLM_ARGS_ENV = "PILOTFISH_VLLM_ARGS"
 SCHEDULER_CLS = "pilotfish.vllm_plugin.LlumletScheduler"
 MODEL_NAME = "tiny-llama"
 
@@ -38,6 +42,11 @@ def vllm_python() -> Path | None:
     explicit = os.environ.get(VLLM_PYTHON_ENV)
     candidate = Path(explicit) if explicit else REPO / ".venv-vllm" / "bin" / "python"
     return candidate if candidate.exists() else None
+
+
+def vllm_args_from_env() -> list[str]:
+    """$PILOTFISH_VLLM_ARGS split as a shell would (quotes kept together); empty when unset."""
+    return shlex.split(os.environ.get(VLLM_ARGS_ENV, ""))
 
 
 def build_tiny_llama(out: Path, vocab_size: int = 512) -> Path:
@@ -111,6 +120,7 @@ def start_vllm(
 
     `with_plugin` selects the llumlet scheduler class; without it vLLM runs its default.
     `worker_cpus` pins the model worker to those CPU ids ("1", "2-3"); see `engine_cpus`.
+    $PILOTFISH_VLLM_ARGS adds arguments last (see `vllm_args_from_env`).
     """
     python = vllm_python()
     if python is None or not python.exists():
@@ -130,6 +140,7 @@ def start_vllm(
     if with_plugin:
         argv += ["--scheduler-cls", scheduler_cls]
     argv += extra_args or []
+    argv += vllm_args_from_env()
     log_path = work_dir / f"{name}.log"
     env = vllm_env(llumlet_env)
     if worker_cpus is not None:

@@ -24,7 +24,9 @@ For every workload (`--workloads`, the families of simulator/traces/families.py)
    total at `--flood-load` x knee), both standard: A's P99 TTFT with the flood over without it,
    flow control off, and on at every over-share bound of `--fair-bounds` (1: fairness by queue
    order only), with B's SLO attainment, the price of the isolation, and where A's P99 TTFT goes:
-   the wait in the scheduler's queue, and engine to first token.
+   the wait in the scheduler's queue, and engine to first token;
+4. two tenants below the knee (`--below-tenant-load`, `--below-total-load`): the same, where the
+   engines could serve both, so holding the tenant over its share back should cost no goodput.
 
 The report gives each figure as the mean over seeds and its min-max spread.
 
@@ -89,6 +91,17 @@ class FlowBenchConfig(SloOptions, frozen=True):
     ] = msgspec.field(default_factory=lambda: ["critical=0.2", "standard=0.6", "sheddable=0.2"])
     tenant_load: Annotated[float, Meta(gt=0, description="fairness: tenant A alone, x knee")] = 0.6
     flood_load: Annotated[float, Meta(gt=0, description="fairness: A plus B's flood, x knee")] = 1.5
+    below_tenant_load: Annotated[
+        float, Meta(gt=0, description="two tenants below the knee: tenant A alone, x knee")
+    ] = 0.3
+    below_total_load: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="two tenants below the knee: A plus B, x knee; what holding the tenant over its share "
+            "back costs where the engines could serve both (0: not run)",
+        ),
+    ] = 0.8
     fair_bounds: Annotated[
         list[float],
         Meta(
@@ -477,11 +490,37 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
                    if not math.isnan(m["goodput_rps"]))
     ceilings = {mult: ceiling(arms, capacity, cfg.peers) for mult, arms in past.items()}
 
-    n_a = max(100, int(cfg.requests * cfg.tenant_load / cfg.flood_load))
-    trace_a = compress(workload_trace(workload, n_a, seed + 1, "tenant-a"), knee * cfg.tenant_load)
+    fairness = tenants_run(cfg, workload, seed, knee, cfg.tenant_load, cfg.flood_load)
+    note(f"fairness: A's P99 TTFT x{fairness[OFF]['a_p99_ratio']['']:.2f} off, on by bound "
+         + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items()))
+    parts = [fairness]
+    if cfg.below_total_load > 0:  # what holding B back costs where the engines could serve both
+        below = out["below"] = tenants_run(cfg, workload, seed, knee, cfg.below_tenant_load, cfg.below_total_load)
+        parts.append(below)
+        off_goodput = below[OFF]["flood"]["goodput_rps"]
+        note("two tenants below the knee: goodput on / off by bound "
+             + ", ".join(f"{k}: {m['goodput_rps'] / off_goodput:.2f}" for k, m in below[ON]["floods"].items()))
+    runs = [*probes.values(), *(m for a in past.values() for m in a.values())]
+    for f in parts:
+        runs += [f[OFF]["alone"], f[OFF]["flood"], f[ON]["alone"], *f[ON]["floods"].values()]
+    out.update(past_knee=past, capacity_rps=capacity, ceilings=ceilings, fairness=fairness,
+               problems=[f"{workload} seed {seed}: {p}" for m in runs for p in m["problems"]],
+               wall_seconds=time.monotonic() - started)
+    return out
+
+
+def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, tenant_load: float,
+                total_load: float) -> dict[str, Any]:
+    """Tenant A alone at `tenant_load` x knee, then with tenant B on top to `total_load` x knee (both
+    standard): flow control off, and on at every over-share bound of --fair-bounds and the on arm's;
+    A's P99 TTFT with B over without it per arm (`a_p99_ratio`)."""
+    from pilotfish.simulator.traces import compress
+
+    n_a = max(100, int(cfg.requests * tenant_load / total_load))
+    trace_a = compress(workload_trace(workload, n_a, seed + 1, "tenant-a"), knee * tenant_load)
     span = trace_a[-1].arrival
     flood_b = compress(workload_trace(workload, 4 * cfg.requests, seed + 2, "tenant-b"),
-                       knee * (cfg.flood_load - cfg.tenant_load))
+                       knee * (total_load - tenant_load))
     trace_b = [r for r in flood_b if r.arrival <= span]
     flooded = sorted(trace_a + trace_b, key=lambda r: (r.arrival, r.request_id))
     tenants = Labels(flow={**{r.request_id: "A" for r in trace_a}, **{r.request_id: "B" for r in trace_b}})
@@ -499,15 +538,7 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
             a0 = f["alone"]["tenants"]["A"]["p99_ttft"]
             runs = {"": f["flood"]} if name == OFF else f["floods"]
             f["a_p99_ratio"] = {k: m["tenants"]["A"]["p99_ttft"] / a0 for k, m in runs.items()}
-    note(f"fairness: A's P99 TTFT x{fairness[OFF]['a_p99_ratio']['']:.2f} off, on by bound "
-         + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items()))
-    runs = [*probes.values(), *(m for a in past.values() for m in a.values()), fairness[OFF]["alone"],
-            fairness[OFF]["flood"], fairness[ON]["alone"], *fairness[ON]["floods"].values()]
-    out.update(past_knee=past, capacity_rps=capacity, ceilings=ceilings, fairness=fairness,
-               problems=[f"{workload} seed {seed}: {p}" for m in runs for p in m["problems"]],
-               wall_seconds=time.monotonic() - started)
-    return out
-
+    return fairness
 
 def _measure(job: tuple[FlowBenchConfig, str, int]) -> dict[str, Any]:
     return measure(*job)
@@ -595,32 +626,41 @@ def summarise(cfg: FlowBenchConfig, cells: list[dict[str, Any]]) -> dict[str, An
                 "on_x_off_goodput": spread([a[ON]["goodput_rps"] / a[OFF]["goodput_rps"] for a in arms]),
                 "on_x_off_p99_ttft": spread([a[ON]["p99_ttft"] / a[OFF]["p99_ttft"] for a in arms]),
             }
-        fair = [c["fairness"] for c in mine]
-
-        def split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-            """A's P99 TTFT and its parts: the wait in the scheduler's queue, engine to first token."""
-            a = [r["tenants"]["A"] for r in runs]
-            return {k: spread([x.get(k, math.nan) for x in a]) for k in ("p99_ttft", "p99_queue_wait",
-                                                                         "p99_engine_ttft")}
-
-        s["fairness"] = {
-            "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
-            "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
-                    "a_split": split([f[OFF]["flood"] for f in fair]),
-                    "a_slo": spread([f[OFF]["flood"]["tenants"]["A"]["slo_attainment"] for f in fair]),
-                    "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
-                    "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
-            "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
-                       "a_split": split([f[ON]["floods"][b] for f in fair]),
-                       "a_slo": spread([f[ON]["floods"][b]["tenants"]["A"]["slo_attainment"] for f in fair]),
-                       "b_slo": spread([f[ON]["floods"][b]["tenants"]["B"]["slo_attainment"] for f in fair]),
-                       "b_shed": spread([f[ON]["floods"][b]["tenants"]["B"]["shed"] for f in fair]),
-                       "goodput_rps": spread([f[ON]["floods"][b]["goodput_rps"] for f in fair])}
-                   for b in (fair[0][ON]["floods"] if fair else {})},
-            "bound": bound,
-        }
+        s["fairness"] = summarise_tenants([c["fairness"] for c in mine], bound)
+        below = [c["below"] for c in mine if "below" in c]
+        if below:
+            s["below"] = summarise_tenants(below, bound)
         out[w] = s
     return out
+
+
+def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
+    """One two-tenant part over seeds (tenants_run's results): A's P99 ratio and its split, both
+    tenants' SLO attainment, B's sheds, the goodput, and the goodput on over off in the same run."""
+
+    def split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+        """A's P99 TTFT and its parts: the wait in the scheduler's queue, engine to first token."""
+        a = [r["tenants"]["A"] for r in runs]
+        return {k: spread([x.get(k, math.nan) for x in a]) for k in ("p99_ttft", "p99_queue_wait", "p99_engine_ttft")}
+
+    return {
+        "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
+        "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
+                "a_split": split([f[OFF]["flood"] for f in fair]),
+                "a_slo": spread([f[OFF]["flood"]["tenants"]["A"]["slo_attainment"] for f in fair]),
+                "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
+                "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
+        "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
+                   "a_split": split([f[ON]["floods"][b] for f in fair]),
+                   "a_slo": spread([f[ON]["floods"][b]["tenants"]["A"]["slo_attainment"] for f in fair]),
+                   "b_slo": spread([f[ON]["floods"][b]["tenants"]["B"]["slo_attainment"] for f in fair]),
+                   "b_shed": spread([f[ON]["floods"][b]["tenants"]["B"]["shed"] for f in fair]),
+                   "goodput_rps": spread([f[ON]["floods"][b]["goodput_rps"] for f in fair]),
+                   "on_x_off_goodput": spread([f[ON]["floods"][b]["goodput_rps"] / f[OFF]["flood"]["goodput_rps"]
+                                               for f in fair])}
+               for b in (fair[0][ON]["floods"] if fair else {})},
+        "bound": bound,
+    }
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -744,6 +784,30 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
         for name, x in rows:
             md.append(f"| {w} | {name} | {_r(x['p99_ttft'], '{:.3f}')} | {_r(x['p99_queue_wait'], '{:.3f}')} | "
                       f"{_r(x['p99_engine_ttft'], '{:.3f}')} |")
+    if any("below" in s for s in summary.values()):
+        md += [
+            "",
+            f"## Two tenants below the knee: A at {cfg.below_tenant_load:g} x knee, with B to "
+            f"{cfg.below_total_load:g} x knee",
+            "",
+            "The engines could serve both: what holding the tenant over its share back costs (goal: goodput on / "
+            "off within the run-to-run spread), and what it buys A.",
+            "",
+            "| workload | arm | A's P99 ratio | A's SLO | B's SLO | B shed | goodput (req/s) | on / off goodput |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for w, s in summary.items():
+            f = s.get("below")
+            if f is None:
+                continue
+            off = f["off"]
+            md.append(f"| {w} | off | {_r(off['a_p99_ratio'])} | {_pct(off['a_slo'])} | {_pct(off['b_slo'])} | 0 "
+                      f"| {_r(off['goodput_rps'], '{:.1f}')} | 1 |")
+            for b, x in f["on"].items():
+                mark = " (the on arm)" if b == f["bound"] else ""
+                md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
+                          f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} | "
+                          f"{_r(x['on_x_off_goodput'], '{:.3f}')} |")
     md += ["", "## Plots", "", *plots_section(plots, why), ""]
     problems = result["problems"]
     md.append("Lost or leaked requests: " + ("; ".join(problems) if problems else

@@ -94,8 +94,20 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
         a = run["tenants"]["A"]
         assert 0.0 <= a["p99_queue_wait"] <= a["p99_ttft"] + 1e-9 and 0.0 < a["p99_engine_ttft"] <= a["p99_ttft"] + 1e-9
     assert f"| {workload} | on, flood, bound 0.5 |" in md
+    # two tenants below the knee: the same arms at A 0.3 + B to 0.8 x knee, and the goodput on over off
+    below = cell["below"]
+    assert set(below[flow.ON]["floods"]) == {"1", "0.5"} and below["requests"]["B"] > 0
+    assert below[flow.OFF]["flood"]["offered_rps"] < fair[flow.OFF]["flood"]["offered_rps"]  # 0.8 against 1.5
+    on_off = summary[workload]["below"]["on"]["0.5"]["on_x_off_goodput"]["mean"]
+    assert on_off == pytest.approx(below[flow.ON]["floods"]["0.5"]["goodput_rps"]
+                                   / below[flow.OFF]["flood"]["goodput_rps"])
+    section = md.split("## Two tenants below the knee: A at 0.3 x knee, with B to 0.8 x knee", 1)[1]
+    assert f"| {workload} | on, bound 0.5 (the on arm) |" in section.split("## Plots", 1)[0]
     # --loads "" (fairness only): the fairness part is still summarised
     import msgspec
+
+    skipped = msgspec.structs.replace(cfg, below_total_load=0.0, loads=[])
+    assert "below" not in flow.measure(skipped, workload, 0)
 
     only = flow.summarise(msgspec.structs.replace(cfg, loads=[]), [{**cell, "past_knee": {}, "ceilings": {}}])
     assert only[workload]["past"] == {} and only[workload]["fairness"]["on"]["0.5"]["a_p99_ratio"]["n"] == 1

@@ -6,6 +6,7 @@ they run exactly the same processes with exactly the same flags.
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from pilotfish.envoy_bootstrap import render_gateway, render_sidecar, write_eds
 from pilotfish.procs import Child, ChildGroup, free_port, port_answers, wait_until
-from pilotfish.services import LOOPBACK, envoy_binary, envoy_is_live, start_envoy
+from pilotfish.services import LOOPBACK, envoy_binary, envoy_is_live, http_call, start_envoy
 
 
 @dataclass(slots=True)
@@ -77,6 +78,14 @@ class Stack:
     @property
     def base_url(self) -> str:
         return f"http://{self.listen_host}:{self.listen_port}"
+
+    def envoy_stat(self, name: str) -> int:
+        """One of Envoy's counters or gauges by its admin name (e.g.
+        cluster.pilotfish_ext_proc.upstream_rq_tx_reset); 0 when Envoy has none by that name."""
+        status, body = http_call(f"http://{LOOPBACK}:{self.admin_port}/stats?filter=^{name}$&format=json", timeout=10)
+        if status != 200:
+            raise OSError(f"Envoy's admin answered {status} for its stats")
+        return sum(int(s.get("value", 0)) for s in json.loads(body)["stats"] if s.get("name") == name)
 
     def metrics_urls(self) -> list[tuple[str, str]]:
         """(component, URL) of every Prometheus endpoint the stack serves: each engine's

@@ -22,7 +22,6 @@ import pytest
 
 from pilotfish.procs import ChildGroup, wait_until
 from pilotfish.prom_scrape import metric
-from pilotfish.services import http_call
 from pilotfish.stack import Stack, StackSpec, start_stack
 
 pytestmark = pytest.mark.integration
@@ -34,17 +33,6 @@ CONCURRENCY = 8
 
 def sched(stack: Stack, name: str, **labels: str) -> float:
     return metric(stack.scheduler_metrics_port, name, **labels)
-
-
-def envoy_stat(stack: Stack, name: str) -> float:
-    """One of Envoy's counters by its admin name (e.g. cluster.picked_pool.upstream_rq_retry)."""
-    status, body = http_call(f"http://127.0.0.1:{stack.admin_port}/stats?filter=^{name}$")
-    assert status == 200
-    for line in body.decode().splitlines():
-        key, _, value = line.partition(": ")
-        if key == name:
-            return float(value)
-    return 0.0
 
 
 def ejected(stack: Stack, instance: str) -> bool:
@@ -187,7 +175,7 @@ def test_a_request_whose_engine_refuses_the_connection_is_retried_on_the_next_en
     )  # fmt: skip
     kill(stack, "sim-0")
     stack.children["engine sim-0"].proc.wait()
-    retries = envoy_stat(stack, "cluster.picked_pool.upstream_rq_retry")
+    retries = stack.envoy_stat("cluster.picked_pool.upstream_rq_retry")
     to_dead, served_by_1 = dispatched(stack, "sim-0"), engine_requests(stack, "sim-1")
 
     async def run() -> list[tuple[int, str, bytes]]:
@@ -200,7 +188,7 @@ def test_a_request_whose_engine_refuses_the_connection_is_retried_on_the_next_en
     sent_to_dead = dispatched(stack, "sim-0") - to_dead
     assert sent_to_dead >= 3, "the scheduler did not pick the dead engine: nothing was retried"
     # every request the scheduler sent to the dead engine was retried once, and none other was
-    assert envoy_stat(stack, "cluster.picked_pool.upstream_rq_retry") - retries == sent_to_dead
+    assert stack.envoy_stat("cluster.picked_pool.upstream_rq_retry") - retries == sent_to_dead
     assert metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_served_elsewhere_total") == sent_to_dead
     wait_until(lambda: engine_requests(stack, "sim-1") - served_by_1 == len(results), 30, "sim-1 served all")
     assert ejected(stack, "sim-0"), "three served-elsewhere reports in a row eject the engine"
@@ -214,8 +202,8 @@ def test_a_stream_cut_after_its_first_bytes_is_not_retried(faults) -> None:
         engines=2, separate_engines=True, scheduler_metrics=True, ext_proc_metrics=True,
         scheduler_args=["--health-probes", "off"],
     )  # fmt: skip
-    attempts = envoy_stat(stack, "cluster.picked_pool.upstream_rq_total")
-    retries = envoy_stat(stack, "cluster.picked_pool.upstream_rq_retry")
+    attempts = stack.envoy_stat("cluster.picked_pool.upstream_rq_total")
+    retries = stack.envoy_stat("cluster.picked_pool.upstream_rq_retry")
     served = {name: engine_requests(stack, name) for name, _ in stack.engines}
 
     async def run() -> tuple[str, bytes, str]:
@@ -239,8 +227,8 @@ def test_a_stream_cut_after_its_first_bytes_is_not_retried(faults) -> None:
     instance, got, error = asyncio.run(run())
     assert error or not got.rstrip().endswith(b"data: [DONE]"), "the stream should have been cut"
     assert b"data: [DONE]" not in got
-    assert envoy_stat(stack, "cluster.picked_pool.upstream_rq_total") - attempts == 1, "one attempt, no retry"
-    assert envoy_stat(stack, "cluster.picked_pool.upstream_rq_retry") == retries
+    assert stack.envoy_stat("cluster.picked_pool.upstream_rq_total") - attempts == 1, "one attempt, no retry"
+    assert stack.envoy_stat("cluster.picked_pool.upstream_rq_retry") == retries
     other = next(name for name, _ in stack.engines if name != instance)
     assert engine_requests(stack, other) == served[other], "nothing was sent to the other engine"
     wait_until(lambda: sched(stack, "pilotfish_scheduler_inflight_requests") == 0, 30, "released once")

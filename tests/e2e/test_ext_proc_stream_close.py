@@ -8,8 +8,6 @@ bytes a request: the soak's steady ext_proc growth). The sidecar closes its stre
 from __future__ import annotations
 
 import asyncio
-import json
-import urllib.request
 
 import aiohttp
 import pytest
@@ -23,11 +21,6 @@ MODEL = "pilotfish-sim"
 RESETS = "cluster.pilotfish_ext_proc.upstream_rq_tx_reset"  # streams Envoy reset on the ext_proc
 COMPLETED = "cluster.pilotfish_ext_proc.upstream_rq_completed"  # streams that ended, either way
 
-
-def envoy_stat(stack: Stack, name: str) -> int:
-    url = f"http://127.0.0.1:{stack.admin_port}/stats?filter=^{name}$&format=json"
-    stats = json.loads(urllib.request.urlopen(url, timeout=10).read())["stats"]
-    return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
 
 
 def send(stack: Stack, n: int) -> list[int]:
@@ -49,20 +42,20 @@ def send(stack: Stack, n: int) -> list[int]:
 
 
 def test_envoy_resets_no_ext_proc_stream(stack: Stack) -> None:
-    before_resets, before_completed = envoy_stat(stack, RESETS), envoy_stat(stack, COMPLETED)
+    before_resets, before_completed = stack.envoy_stat(RESETS), stack.envoy_stat(COMPLETED)
     statuses = send(stack, 40)
     assert statuses == [200] * 40
     # Envoy counts a stream once it is over, which a graceful close may leave a moment after the response
-    wait_until(lambda: envoy_stat(stack, COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
-    assert envoy_stat(stack, RESETS) - before_resets == 0
+    wait_until(lambda: stack.envoy_stat(COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
+    assert stack.envoy_stat(RESETS) - before_resets == 0
 
 
 def test_full_mode_streams_end_with_the_routing_reply_and_none_is_reset(make_stack, redis_service) -> None:
     """Response bodies skipped: the ext_proc ends each stream with its routing reply, long before the
     response ends, and Envoy sends nothing more on it and resets none."""
     stack = make_stack(engines=2, cms_url=redis_service.url)
-    before_resets, before_completed = envoy_stat(stack, RESETS), envoy_stat(stack, COMPLETED)
+    before_resets, before_completed = stack.envoy_stat(RESETS), stack.envoy_stat(COMPLETED)
     statuses = send(stack, 40)
     assert statuses == [200] * 40
-    wait_until(lambda: envoy_stat(stack, COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
-    assert envoy_stat(stack, RESETS) - before_resets == 0
+    wait_until(lambda: stack.envoy_stat(COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
+    assert stack.envoy_stat(RESETS) - before_resets == 0

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import urllib.request
 
 import aiohttp
 import pytest
@@ -24,11 +23,6 @@ def releases(stack: Stack, reason: str | None = None) -> float:
     labels = {"reason": reason} if reason else {}
     return metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_releases_total", **labels)
 
-
-def envoy_stat(stack: Stack, name: str) -> int:
-    url = f"http://127.0.0.1:{stack.admin_port}/stats?filter=^{name}$&format=json"
-    stats = json.loads(urllib.request.urlopen(url, timeout=10).read())["stats"]
-    return sum(int(s.get("value", 0)) for s in stats if s.get("name") == name)
 
 
 def send_mixed(stack: Stack, max_tokens: int) -> list[tuple[int, bytes, bool]]:
@@ -55,7 +49,7 @@ def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
     port = stack.scheduler_metrics_port
     wait_until(lambda: len(scrape(port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 2, 60,
                "both engines in the scheduler's CMS view")  # fmt: skip
-    sent_before = envoy_stat(stack, "http.inference.ext_proc.stream_msgs_sent")
+    sent_before = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent")
 
     for status, raw, stream in send_mixed(stack, max_tokens=100):
         assert status == 200, raw[:300]
@@ -69,7 +63,7 @@ def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
     assert releases(stack) == 8
     assert metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total") == 0  # bodies unread
     # request headers and body only: no response message at all (the stream ends with the routing reply)
-    sent = envoy_stat(stack, "http.inference.ext_proc.stream_msgs_sent") - sent_before
+    sent = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent") - sent_before
     assert sent == 2 * 8, sent
 
     async def abort() -> None:

@@ -32,6 +32,8 @@ pytestmark = pytest.mark.integration
 
 MODEL = "pilotfish-sim"
 TIMEOUT = aiohttp.ClientTimeout(total=60)
+EXT_PROC_RESETS = "cluster.pilotfish_ext_proc.upstream_rq_tx_reset"  # streams Envoy reset on the ext_proc
+EXT_PROC_ENDED = "cluster.pilotfish_ext_proc.upstream_rq_completed"  # streams that ended, either way
 PROFILES = {
     "sidecar-buffered": {"request_body_mode": "BUFFERED", "response_body_mode": "BUFFERED"},
     "sidecar-streamed": {"request_body_mode": "STREAMED", "response_body_mode": "STREAMED"},
@@ -142,6 +144,7 @@ def completion(i: int, stream: bool, max_tokens: int = 6) -> dict:
 
 def test_streams_and_whole_responses_arrive_whole_and_release_once_as_finished(gw: Stack, canary: Canary) -> None:
     before, finished = releases(gw), releases(gw, "finished")
+    resets, ended = gw.envoy_stat(EXT_PROC_RESETS), gw.envoy_stat(EXT_PROC_ENDED)
 
     async def run() -> list[tuple[int, bytes, bool]]:
         async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
@@ -166,6 +169,10 @@ def test_streams_and_whole_responses_arrive_whole_and_release_once_as_finished(g
     wait_until(lambda: releases(gw) - before == 12, 60, "one Release per request")
     assert releases(gw, "finished") - finished == 12  # a whole 200 is finished, not a client abort
     wait_until(lambda: inflight(gw) == 0, 30, "scheduler account draining to zero")
+    # every ext_proc stream closed gracefully, on each gateway's bootstrap as on the sidecar's: a reset
+    # would leave grpc.aio's op array of the cut read behind in the ext_proc
+    wait_until(lambda: gw.envoy_stat(EXT_PROC_ENDED) - ended >= 12, 30, "every ext_proc stream ended")
+    assert gw.envoy_stat(EXT_PROC_RESETS) == resets
 
 
 # -- 2. identity: a client's id cannot merge or erase load ------------------------------------------

@@ -439,8 +439,12 @@ class ExtProcServicer:
             # failed), so nothing more can change the request's load.
             self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
         # Done unless a body comes: none follows an end_of_stream, nor a body this reply turns off
-        # (mode NONE) except in full duplex, where Envoy may refuse the override and every byte is owed.
-        s.done = headers.end_of_stream or (not stream_body and s.response_mode != FULL_DUPLEX)
+        # (mode NONE), except where Envoy does not take the override: in full duplex (every byte is
+        # owed back) and on a stream that sends bodies without waiting for header replies (STREAMED
+        # request bodies), where Envoy 1.40 sends the response body anyway. Ending the stream before
+        # that body would make Envoy reset it.
+        override_taken = s.response_mode != FULL_DUPLEX and not s.send_body_early
+        s.done = headers.end_of_stream or (not stream_body and override_taken)
         if decision is None:
             return messages.response_headers_reply("", "", stream_body=False)
         buffered = s.response_mode == BUFFERED

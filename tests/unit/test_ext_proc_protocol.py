@@ -269,6 +269,20 @@ def test_streamed_request_bodies_without_early_sending_ask_envoy_for_the_whole_b
     assert routed_headers(replies)["x-gateway-destination-endpoint"] == E0
 
 
+def test_a_stream_sending_bodies_early_answers_a_whole_responses_body_before_it_ends() -> None:
+    """Envoy does not take the headers reply's mode override on such a stream: it sends the body
+    anyway, and a stream the processor had already ended would be reset."""
+    svc, backend, _ = servicer()
+    whole = b'{"id": "x", "choices": []}'
+    replies = run(
+        svc,
+        [headers(request_mode=Mode.STREAMED, response_mode=Mode.BUFFERED, early=True), body(COMPLETION),
+         response_headers(200, "application/json"), response_body(whole, end=True)],
+    )  # fmt: skip
+    assert replies[-1].HasField("response_body")
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]  # at its headers, once
+
+
 def test_full_duplex_non_stream_response_bytes_all_come_back() -> None:
     svc, _, _ = servicer()
     chunks = [b'{"id": "x", ', b'"choices": []}']

@@ -686,6 +686,20 @@ def reachable(x: dict[str, float], goal: float = 1.3) -> str:
     return "yes" if x["min"] >= goal else "no" if x["max"] < goal else "some seeds"
 
 
+def _tenant_rows(w: str, f: dict[str, Any], with_on_x_off: bool) -> list[str]:
+    """One table row for flow control off and one per over-share bound of a two-tenant scenario."""
+    off = f["off"]
+    tail = " 1 |" if with_on_x_off else ""
+    rows = [f"| {w} | off | {_r(off['a_p99_ratio'])} | {_pct(off['a_slo'])} | {_pct(off['b_slo'])} | 0 | "
+            f"{_r(off['goodput_rps'], '{:.1f}')} |{tail}"]
+    for b, x in f["on"].items():
+        mark = " (the on arm)" if b == f["bound"] else ""
+        ratio = f" {_r(x['on_x_off_goodput'], '{:.3f}')} |" if with_on_x_off else ""
+        rows.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
+                    f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} |{ratio}")
+    return rows
+
+
 def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[str], why: str | None) -> str:
     from pilotfish.bench.report import plots_section
 
@@ -760,14 +774,7 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
         "|---|---|---|---|---|---|---|",
     ]
     for w, s in summary.items():
-        f = s["fairness"]
-        off = f["off"]
-        md.append(f"| {w} | off | {_r(off['a_p99_ratio'])} | {_pct(off['a_slo'])} | {_pct(off['b_slo'])} | 0 | "
-                  f"{_r(off['goodput_rps'], '{:.1f}')} |")
-        for b, x in f["on"].items():
-            mark = " (the on arm)" if b == f["bound"] else ""
-            md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
-                      f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} |")
+        md += _tenant_rows(w, s["fairness"], with_on_x_off=False)
     md += [
         "",
         "Where A's P99 TTFT goes (seconds, P99 of each part on its own): the wait in the scheduler's queue, and "
@@ -797,17 +804,8 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
             "|---|---|---|---|---|---|---|---|",
         ]
         for w, s in summary.items():
-            f = s.get("below")
-            if f is None:
-                continue
-            off = f["off"]
-            md.append(f"| {w} | off | {_r(off['a_p99_ratio'])} | {_pct(off['a_slo'])} | {_pct(off['b_slo'])} | 0 "
-                      f"| {_r(off['goodput_rps'], '{:.1f}')} | 1 |")
-            for b, x in f["on"].items():
-                mark = " (the on arm)" if b == f["bound"] else ""
-                md.append(f"| {w} | on, bound {b}{mark} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | "
-                          f"{_pct(x['b_slo'])} | {_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} | "
-                          f"{_r(x['on_x_off_goodput'], '{:.3f}')} |")
+            if "below" in s:
+                md += _tenant_rows(w, s["below"], with_on_x_off=True)
     md += ["", "## Plots", "", *plots_section(plots, why), ""]
     problems = result["problems"]
     md.append("Lost or leaked requests: " + ("; ".join(problems) if problems else

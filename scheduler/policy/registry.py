@@ -37,7 +37,7 @@ from pilotfish.scheduler.policy.filters.infer_type import InferTypeFilter
 from pilotfish.scheduler.policy.filters.metric_based import MetricBasedFilter
 from pilotfish.scheduler.policy.metrics.cache import CacheAwareAllPrefillsTokensNum, KvCacheHitLen
 from pilotfish.scheduler.policy.metrics.counts import NumRequests, NumTokens
-from pilotfish.scheduler.policy.metrics.latency import PredictedDelay, PredictedTpot, PredictedTtft
+from pilotfish.scheduler.policy.metrics.latency import PredictedDelay, PredictedStall, PredictedTpot, PredictedTtft
 from pilotfish.scheduler.policy.metrics.load import (
     AllDecodesTokensNum,
     AllPrefillsTokensNum,
@@ -102,6 +102,7 @@ METRICS.register(KvCacheHitLen)
 METRICS.register(CacheAwareAllPrefillsTokensNum)
 METRICS.register(PredictedTtft)
 METRICS.register(PredictedDelay)
+METRICS.register(PredictedStall)
 METRICS.register(PredictedTpot)
 
 FILTERS: Registry[Filter] = Registry("filter")

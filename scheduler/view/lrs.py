@@ -143,6 +143,9 @@ class LocalRealtimeState:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
+        # counted before the unload, whose change notice re-keys the instance with them
+        entry.load.num_released += 1
+        entry.load.released_generated_tokens += entry.generated_tokens
         self._unload(entry)
         return True
 

@@ -32,6 +32,7 @@ SPEC_METRICS = [
     "num_tokens",
     "predicted_ttft",
     "predicted_delay",
+    "predicted_stall",
     "predicted_tpot",
 ]
 NOW = 1_000_000.0
@@ -206,6 +207,52 @@ def test_predicted_delay_sends_a_long_prompt_behind_a_short_prefill_not_onto_a_d
     assert delay["idle"] < delay["queued"] < delay["batchy"]
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+@pytest.mark.parametrize(
+    ("released", "generated", "charged"),
+    [
+        (0, 0, None),  # cold: nothing released here yet, no evidence the answers are short: no stall
+        (4, 40, 25.0 * 11),  # answers of 10 tokens: each absorbs 25 ms x 11 of the stall
+        (2, 4000, 25.0 * 2001),  # answers of 2000 tokens absorb more than the whole prefill
+    ],
+)
+def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
+    full: bool, released: int, generated: int, charged: float | None
+) -> None:
+    """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - 25 ms x (1 + the
+    mean output of the requests released there)) where that is positive."""
+    req = RequestInfo("long", "m", prompt_tokens=6000)
+    tables = LatencyTables(LatencyProfile())
+    c = ctx(full=full, tables=tables)
+    inst = _loaded("batchy", 0, 4, full)
+    inst.lrs.num_released, inst.lrs.released_generated_tokens = released, generated
+    ttft = value("predicted_ttft", inst, c, req)
+    over = tables.prefill_ms(6000) - charged if charged is not None else 0.0
+    expected = ttft + 4 * over if over > 0 else ttft
+    assert value("predicted_stall", inst, c, req) == pytest.approx(expected)
+    if released == 4:  # short answers: the stall ranks it behind a queue of a short prefill, as predicted_delay
+        queued = _loaded("queued", 200, 0, full)
+        assert value("predicted_stall", queued, c, req) < value("predicted_stall", inst, c, req)
+        assert value("predicted_ttft", inst, c, req) < value("predicted_ttft", queued, c, req)
+
+
+def test_the_lrs_counts_what_released_requests_generated() -> None:
+    from pilotfish.scheduler.view.lrs import LocalRealtimeState
+
+    inst = view("a", status=None)
+    seen: list[tuple[int, int]] = []
+    lrs = LocalRealtimeState(60.0, on_change=lambda _: seen.append((inst.lrs.num_released,
+                                                                     inst.lrs.released_generated_tokens)))
+    lrs.dispatch("r1", "m", inst, 100)
+    lrs.dispatch("r2", "m", inst, 100)
+    lrs.report("r1", 7, True)
+    assert lrs.release("r1") and not lrs.release("r1")  # once
+    lrs.release("r2")  # released before its first token: counted, with none generated
+    assert (inst.lrs.num_released, inst.lrs.released_generated_tokens) == (2, 7)
+    # the change notice (which re-keys a load index) already sees the counts
+    assert seen[-1] == (2, 7) and seen[-2] == (1, 7)
+
+
 def test_predicted_tpot_from_tables() -> None:
     profile = LatencyProfile(base_ms=10.0, decode_ms_per_token=1.0, context_ms_per_token=0.001)
     c = ctx(tables=LatencyTables(profile))
@@ -248,6 +295,7 @@ def test_every_spec_metric_is_registered_with_the_uniform_interface(name: str) -
         # lite mode reads the LRS (held prompt tokens before their prefill, the decode batch)
         ("predicted_ttft", True, True),
         ("predicted_delay", True, True),
+        ("predicted_stall", True, True),
         ("predicted_tpot", True, True),
     ],
 )

@@ -5,6 +5,7 @@ few instances of thousands."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -58,7 +59,7 @@ def _context(full: bool, profile: str, hits: PrefixIndex) -> PolicyContext:
 def _pipeline(
     ranking: str, filters: list[str], top_k: int, c: PolicyContext, first: str = "predicted_ttft"
 ) -> Pipeline:
-    """`first`: the ranking's first load metric (predicted_ttft, or predicted_delay, which ranks the default)."""
+    """`first`: the ranking's first load metric (predicted_ttft, or predicted_delay / predicted_stall)."""
     ttft, tpot, hit = (METRICS.get(n)(c) for n in (first, "predicted_tpot", "kv_cache_hit_len"))
     stages: list = []
     for name in filters:
@@ -104,11 +105,15 @@ instance_state = st.tuples(
     st.integers(0, 3),  # node
     st.integers(0, 3),  # unit
     st.sampled_from([0, 0, 1, 3]),  # in-flight requests (full mode)
+    # (requests released, tokens they generated): predicted_stall's absorbed stall, none while cold
+    st.sampled_from([(0, 0), (1, 1), (3, 30), (2, 400), (1, 100_000)]),
 )
 
 
 def _apply(v: InstanceView, state: tuple, full: bool) -> None:
-    ahead, batch, seq, ok, age, node, unit, inflight = state
+    ahead, batch, seq, ok, age, node, unit, inflight, *released = state
+    # both modes keep the LRS's release counts (Release comes through the core in full mode too)
+    v.lrs.num_released, v.lrs.released_generated_tokens = released[0] if released else (0, 0)
     if full:
         v.status = (
             None
@@ -154,7 +159,7 @@ def decisions_st(prompts: list[int], least_blocks: int) -> st.SearchStrategy[lis
     full=st.booleans(),
     profile=st.sampled_from(sorted(PROFILES)),
     ranking=st.sampled_from(["default", "default", "narrow-band", "hit-first", "load"]),
-    first=st.sampled_from(["predicted_ttft", "predicted_delay"]),
+    first=st.sampled_from(["predicted_ttft", "predicted_delay", "predicted_stall"]),
     states=st.lists(instance_state, min_size=1, max_size=40),
     filters=st.sampled_from(FILTER_SETS),
     top_k=st.integers(1, 3),
@@ -245,7 +250,7 @@ def _replay_against_scan(
         assert [i.instance_id for i in walk.run(views, req, count, index)] == expected
 
 
-@pytest.mark.parametrize("name", ["predicted_ttft", "predicted_delay"])
+@pytest.mark.parametrize("name", ["predicted_ttft", "predicted_delay", "predicted_stall"])
 @pytest.mark.parametrize("full", [False, True])
 def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
     """lower_bound(state) + bound_offset(req, 0) never exceeds the value, over a grid of loads and prompts (and
@@ -255,15 +260,19 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
         ttft = METRICS.get(name)(c)
         for ahead in (0, 1, 300, 511, 512, 513, 1500, 9000):
             for batch in (0, 1, 7, 511, 512, 2000):
-                for seq in (0, 10, 4000, 300_000):
-                    v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0)], full)[0]
+                for seq, released in itertools.product((0, 10, 4000, 300_000), ((0, 0), (1, 1), (3, 30))):
+                    v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
                     state = ttft.state(v)
                     for prompt in (0, 1, 2, 15, 512, 513, 4000, 20_000):
                         req = RequestInfo("r", "m", prompt_tokens=prompt)
                         c.begin(req)
                         value = ttft.value(v, req)
                         # within the rounding slack the index allows (index.py: _BOUND_*_SLACK)
-                        assert ttft.lower_bound(state) + ttft.bound_offset(req, 0) <= value + abs(value) * 1e-12
+                        slack = abs(value) * 1e-12
+                        assert ttft.lower_bound(state) + ttft.bound_offset(req, 0) <= value + slack
+                        # and at every prompt-size level at or under the prompt (the walk of a request by its size)
+                        for level in (lv for lv in ttft.floor_levels if lv <= prompt):
+                            assert ttft.lower_bound_at(state, level) + ttft.bound_offset(req, 0) <= value + slack
 
 
 def _fleet(n: int, rng: random.Random, full: bool) -> list[InstanceView]:

@@ -178,6 +178,72 @@ class PredictedDelay(PredictedTtft):
         return floor + batch * least if least > 0 else floor
 
 
+class PredictedStall(PredictedDelay):
+    """`predicted_delay` with the stall charged only past what the batch absorbs: predicted TTFT plus
+    decode batch x max(0, prefill time of the uncached tokens - absorbed), where absorbed is
+    `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
+    far, as reported: LrsLoad.released_generated_tokens / num_released), and nothing while none was
+    released (a cold instance: no evidence its answers are short).
+
+    Why: a prefill stalls every request decoding there once, and what that costs a request's TPOT is the
+    stall spread over its output. A 7k-token prompt (~0.8 s on the default profile) puts ~90 ms on each of a
+    10-token answer's tokens, past a 100 ms TPOT target, but ~6 ms on a 144-token one. `predicted_delay`
+    charges the whole stall for every victim whatever its output, which on families with 32-256-token
+    answers queues prompts behind prefills elsewhere for nothing (TTFT misses). Here a stall the victims'
+    typical answer spreads below `absorbed_ms_per_token` per token costs nothing, so the ranking is
+    `predicted_ttft`'s wherever answers are long, and `predicted_delay`-like where they are short. The
+    instance's own history stands for the victims' unknown remaining output (the reports come every few
+    tokens, so short answers read short).
+
+    The absorbed part belongs to the instance (its `state`, re-made at every release there), so the floor is
+    `predicted_delay`'s with batch x max(0, prefill_floor(level) - absorbed), at the same prompt-size levels."""
+
+    name = "predicted_stall"
+    # ms in the policy, seconds exported
+    exported = ExportedFamily(
+        "pilotfish_scheduler_policy_predicted_stall_seconds",
+        1e-3,
+        "Predicted latency a dispatch adds: own time to first token plus the decode batch's stall past what "
+        "its answers absorb",
+    )
+    # a quarter of a 100 ms TPOT target: what a request's tokens can take on top of a step without missing it
+    absorbed_ms_per_token = 25.0
+
+    def state(self, inst: InstanceView) -> tuple[float, float, float, float]:  # type: ignore[override]
+        ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
+        lrs = inst.lrs
+        released = lrs.num_released
+        absorbed = (
+            self.absorbed_ms_per_token * (1.0 + lrs.released_generated_tokens / released) if released > 0
+            else math.inf
+        )
+        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), absorbed
+
+    def evaluate(  # type: ignore[override]
+        self, state: tuple[float, float, float, float], inst: InstanceView, req: RequestInfo
+    ) -> float:
+        ahead, batch, share, absorbed = state
+        own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
+        if own <= 0:
+            own = 0
+        tables = self.ctx.tables
+        ttft = tables.ttft_with_share(ahead + own, batch, share)
+        if batch > 0:
+            over = tables.prefill_ms(own) - absorbed
+            if over > 0:
+                return ttft + batch * over
+        return ttft
+
+    def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
+        floor = PredictedTtft.lower_bound(self, state[:3])
+        batch, absorbed = state[1], state[3]
+        if not batch > 0:
+            return floor
+        tables = self.ctx.tables
+        least = tables.prefill_floor(own_at_least) if tables.prefill_slope >= 0 else 0.0
+        return floor + batch * (least - absorbed) if least > absorbed else floor
+
+
 class PredictedTpot(Metric):
     """TPOT in ms the request would see: the TPOT table at (decode batch + 1, mean sequence length
     with this request's prompt joining the batch). Its `state` is (decode batch, sum of the batch's

@@ -238,6 +238,9 @@ class LoadIndex:
         self._no_status: set[str] = set()
         self._unschedulable: set[str] = set()
         self._ts: dict[str, int] = {}
+        # the status each member's health sets were last brought up to date from: a re-key for a dispatch, a
+        # Report or a Release finds the same one (a status is replaced when applied, never changed)
+        self._health_from: dict[str, object] = {}
         self._by_ts: list[tuple[int, str]] = []
         # (instance filters, the marking ones, global filters) of each pass (normal, fallback) of
         # `pipeline`: fixed once it is built, and a decision would otherwise sort them out again
@@ -287,6 +290,9 @@ class LoadIndex:
 
     def _track_health(self, inst: InstanceView, instance_id: str) -> None:
         s = inst.status
+        if self._health_from.get(instance_id, _UNSEEN) is s:
+            return
+        self._health_from[instance_id] = s
         old_ts = self._ts.get(instance_id)
         new_ts = s.timestamp_ms if s is not None else None
         if old_ts != new_ts:
@@ -511,6 +517,8 @@ Prediction = tuple[float, float, float, float]
 # how it moves: Metric.drain's (value at the status's time, floor F, tokens per second, status time)
 # no member fails a marking filter (a pass without one)
 _NONE: frozenset[str] = frozenset()
+# no status seen yet (None is one: an instance without a status)
+_UNSEEN = object()
 
 
 def _predicted(pred: Prediction, now: float, stale: float) -> float:
@@ -1209,9 +1217,14 @@ class _Visit:
         if instance_id in self.bad:
             return False
         req = self.req
-        named = dict(zip(self.names, values, strict=True))
-        if self.head is not None:
-            named[self.head.name] = self.head.value(inst, req)
+        names = self.names
+        if len(names) == 2:  # the default's (TTFT, TPOT): a literal, not a zip per candidate
+            named = {names[0]: values[0], names[1]: values[1]}
+        else:
+            named = dict(zip(names, values, strict=True))
+        head = self.head
+        if head is not None:
+            named[head.name] = head.value(inst, req)
         if self.checks:
             cand = _candidate(inst, named, self.extra, self.filters, self.blockers, req)
             if cand is None:

@@ -1127,6 +1127,8 @@ class BoundedLoadIndex(LoadIndex):
         # a banded selector's band, once no member left can be below the least value (the hits come by floor):
         # the in-band candidates' (signed cache value, load) and their hits
         head = self._head if band_limit is not None else None
+        # the cache metric's sign (a property: read once, not per hit)
+        head_sign = head.sign if head is not None else 1.0
         band: list[tuple[float, float]] | None = None
         told: set[int] = set()
         limit = math.inf
@@ -1143,7 +1145,7 @@ class BoundedLoadIndex(LoadIndex):
                 # its load (its value is at least its floor): it cannot change the selector's answer
                 if len(told) > 1 and len(band) >= need:
                     low = floor - abs(floor) * _BOUND_REL_SLACK - _BOUND_ABS_SLACK
-                    if band[need - 1] < (head.value(inst, req) * head.sign, low):
+                    if band[need - 1] < (head.value(inst, req) * head_sign, low):
                         continue
             _, states, pos, _ = key[instance_id]
             value = evaluate(states[0], inst, req)
@@ -1159,7 +1161,7 @@ class BoundedLoadIndex(LoadIndex):
                 band = None  # (a floor a hair above its value) the band is made again from the new least
             elif band is not None and value <= limit:
                 assert head is not None
-                bisect.insort(band, (visit.cands[-1][1].values[head.name] * head.sign, value))
+                bisect.insort(band, (visit.cands[-1][1].values[head.name] * head_sign, value))
                 told.add(hits.get(instance_id, 0))
             if prune and len(firsts) >= need:
                 threshold = firsts[need - 1]

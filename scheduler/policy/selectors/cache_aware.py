@@ -100,7 +100,14 @@ class CacheAwareSelector(Selector):
         if not _told_apart(hits, [cands[pos].inst.endpoint.instance_id for pos in in_band]):
             return self.load_ranking.select(cands, req, count)  # the cache tells no in-band instance apart
         signed = self._signed
-        keyed = [(tuple([cands[pos].values[n] * s for n, s in signed]), pos) for pos in in_band]
+        if len(signed) == 3:  # the default's (cache, TTFT, TPOT): the keys inline, no list per candidate
+            (n0, s0), (n1, s1), (n2, s2) = signed
+            keyed = []
+            for pos in in_band:
+                values = cands[pos].values
+                keyed.append(((values[n0] * s0, values[n1] * s1, values[n2] * s2), pos))
+        else:
+            keyed = [(tuple([cands[pos].values[n] * s for n, s in signed]), pos) for pos in in_band]
         head = [cands[pos] for _, pos in smallest(keyed, max(self.top_k, count))]
         ranked = self.load_ranking.pick(head, len(head))  # the random top-K pick, among in-band candidates only
         if len(ranked) >= count:

@@ -54,6 +54,12 @@ class LocalRealtimeState:
         self._on_change = on_change or (lambda instance_id: None)
         self._entries: OrderedDict[str, RequestEntry] = OrderedDict()
         self.num_expired = 0  # monotonic; exported as pilotfish_scheduler_expired_total
+        # the fleet's released requests and their generated tokens, and its mean at a power of two
+        # (LrsLoad.fleet_output_level), given to the cold instances: dispatched to, nothing released there yet
+        self._released = 0
+        self._released_tokens = 0
+        self._fleet_level = -1
+        self._cold: dict[str, LrsLoad] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -85,6 +91,9 @@ class LocalRealtimeState:
             decision=decision,
         )
         self._entries[request_id] = entry
+        if load.num_released == 0:
+            self._cold[inst.instance_id] = load
+            load.fleet_output_level = self._fleet_level
         load.num_requests += 1
         load.num_tokens += prompt_tokens
         load.prefill_tokens += prompt_tokens
@@ -146,11 +155,28 @@ class LocalRealtimeState:
         # counted before the unload, whose change notice re-keys the instance with them
         entry.load.num_released += 1
         entry.load.released_generated_tokens += entry.generated_tokens
+        self._cold.pop(entry.instance_id, None)
         self._unload(entry)
+        self._count_release(entry.generated_tokens)
         return True
+
+    def _count_release(self, generated_tokens: int) -> None:
+        """The fleet's mean output, at a power of two; when that moves, every cold instance is told (and its
+        change noticed): a few times a run, not per release."""
+        self._released += 1
+        self._released_tokens += generated_tokens
+        mean = self._released_tokens // self._released
+        level = 1 << (mean.bit_length() - 1) if mean > 0 else 0
+        if level == self._fleet_level:
+            return
+        self._fleet_level = level
+        for instance_id, load in self._cold.items():
+            load.fleet_output_level = level
+            self._on_change(instance_id)
 
     def drop_instance(self, instance_id: str) -> int:
         """Forget every request held on an instance that left the cluster; returns how many."""
+        self._cold.pop(instance_id, None)
         gone = [e for e in self._entries.values() if e.instance_id == instance_id]
         for entry in gone:
             del self._entries[entry.request_id]

@@ -50,6 +50,10 @@ class LrsLoad:
     # instance serving short answers from one serving long ones (predicted_stall: how much stall they absorb)
     num_released: int = 0
     released_generated_tokens: int = 0
+    # until a request is released here: the mean output of the fleet's released requests, at a power of two
+    # (-1: none released anywhere yet), kept by the LRS for instances it dispatched to, so one release anywhere
+    # tells every cold instance what answers look like
+    fleet_output_level: int = -1
 
 
 @dataclass(slots=True)

@@ -226,6 +226,7 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     c = ctx(full=full, tables=tables)
     inst = _loaded("batchy", 0, 4, full)
     inst.lrs.num_released, inst.lrs.released_generated_tokens = released, generated
+    inst.lrs.fleet_output_level = -1  # nothing released anywhere: a cold instance has no evidence
     ttft = value("predicted_ttft", inst, c, req)
     over = tables.prefill_ms(6000) - charged if charged is not None else 0.0
     expected = ttft + 4 * over if over > 0 else ttft
@@ -234,6 +235,48 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
         queued = _loaded("queued", 200, 0, full)
         assert value("predicted_stall", queued, c, req) < value("predicted_stall", inst, c, req)
         assert value("predicted_ttft", inst, c, req) < value("predicted_ttft", queued, c, req)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> None:
+    """Nothing released here yet, but the fleet's answers are 2 tokens: the stall past 25 ms x 3 is charged;
+    its own history, once it has one, wins over the fleet's."""
+    req = RequestInfo("long", "m", prompt_tokens=6000)
+    tables = LatencyTables(LatencyProfile())
+    c = ctx(full=full, tables=tables)
+    inst = _loaded("batchy", 0, 4, full)
+    ttft = value("predicted_ttft", inst, c, req)
+    inst.lrs.fleet_output_level = 2
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (tables.prefill_ms(6000) - 75.0))
+    inst.lrs.num_released, inst.lrs.released_generated_tokens = 1, 100_000  # its own: long answers
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft)
+
+
+def test_the_lrs_tells_cold_instances_the_fleets_output_level() -> None:
+    from pilotfish.scheduler.view.lrs import LocalRealtimeState
+
+    a, b, idle = view("a", status=None), view("b", status=None), view("idle", status=None)
+    told: list[str] = []
+    lrs = LocalRealtimeState(60.0, on_change=told.append)
+    lrs.dispatch("a1", "m", a, 100)
+    lrs.dispatch("a2", "m", a, 100)
+    lrs.dispatch("b1", "m", b, 100)
+    assert a.lrs.fleet_output_level == b.lrs.fleet_output_level == -1  # nothing released anywhere
+    lrs.report("a1", 5, True)
+    told.clear()
+    lrs.release("a1")  # the fleet's mean: 5 tokens -> level 4; b is cold and told, a has its own history
+    assert b.lrs.fleet_output_level == 4 and told.count("b") == 1
+    assert idle.lrs.fleet_output_level == -1  # never dispatched to: not held, not told
+    lrs.report("a2", 3, True)
+    told.clear()
+    lrs.release("a2")  # mean 4: the same level, no one told
+    assert "b" not in told
+    lrs.dispatch("i1", "m", idle, 100)  # a first dispatch takes the fleet's level
+    assert idle.lrs.fleet_output_level == 4
+    lrs.report("b1", 40, True)
+    told.clear()
+    lrs.release("b1")  # b is warm now (own history); the mean 16 tells the one cold instance left
+    assert told.count("idle") == 1 and idle.lrs.fleet_output_level == 16
 
 
 def test_the_lrs_counts_what_released_requests_generated() -> None:

@@ -105,15 +105,17 @@ instance_state = st.tuples(
     st.integers(0, 3),  # node
     st.integers(0, 3),  # unit
     st.sampled_from([0, 0, 1, 3]),  # in-flight requests (full mode)
-    # (requests released, tokens they generated): predicted_stall's absorbed stall, none while cold
-    st.sampled_from([(0, 0), (1, 1), (3, 30), (2, 400), (1, 100_000)]),
+    # (requests released, tokens they generated, the fleet's mean output level): predicted_stall's absorbed
+    # stall: the instance's own history, else the fleet's, else none
+    st.sampled_from([(0, 0, -1), (0, 0, 0), (0, 0, 16), (1, 1, -1), (3, 30, 4), (2, 400, 0), (1, 100_000, 1)]),
 )
 
 
 def _apply(v: InstanceView, state: tuple, full: bool) -> None:
     ahead, batch, seq, ok, age, node, unit, inflight, *released = state
     # both modes keep the LRS's release counts (Release comes through the core in full mode too)
-    v.lrs.num_released, v.lrs.released_generated_tokens = released[0] if released else (0, 0)
+    lrs = v.lrs
+    lrs.num_released, lrs.released_generated_tokens, lrs.fleet_output_level = released[0] if released else (0, 0, -1)
     if full:
         v.status = (
             None
@@ -260,7 +262,8 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
         ttft = METRICS.get(name)(c)
         for ahead in (0, 1, 300, 511, 512, 513, 1500, 9000):
             for batch in (0, 1, 7, 511, 512, 2000):
-                for seq, released in itertools.product((0, 10, 4000, 300_000), ((0, 0), (1, 1), (3, 30))):
+                histories = ((0, 0, -1), (0, 0, 2), (1, 1, -1), (3, 30, 0))  # released, generated, fleet level
+                for seq, released in itertools.product((0, 10, 4000, 300_000), histories):
                     v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
                     state = ttft.state(v)
                     for prompt in (0, 1, 2, 15, 512, 513, 4000, 20_000):

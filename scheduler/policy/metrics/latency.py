@@ -182,8 +182,10 @@ class PredictedStall(PredictedDelay):
     """`predicted_delay` with the stall charged only past what the batch absorbs: predicted TTFT plus
     decode batch x max(0, prefill time of the uncached tokens - absorbed), where absorbed is
     `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
-    far, as reported: LrsLoad.released_generated_tokens / num_released), and nothing while none was
-    released (a cold instance: no evidence its answers are short).
+    far, as reported: LrsLoad.released_generated_tokens / num_released). An instance nothing was released
+    from yet goes by the fleet's mean output instead (at a power of two, LrsLoad.fleet_output_level, which the
+    LRS keeps and notifies), and nothing is charged while nothing was released anywhere (no evidence the
+    answers are short).
 
     Why: a prefill stalls every request decoding there once, and what that costs a request's TPOT is the
     stall spread over its output. A 7k-token prompt (~0.8 s on the default profile) puts ~90 ms on each of a
@@ -193,7 +195,9 @@ class PredictedStall(PredictedDelay):
     typical answer spreads below `absorbed_ms_per_token` per token costs nothing, so the ranking is
     `predicted_ttft`'s wherever answers are long, and `predicted_delay`-like where they are short. The
     instance's own history stands for the victims' unknown remaining output (the reports come every few
-    tokens, so short answers read short).
+    tokens, so short answers read short). The fleet's level matters: with cold instances charged nothing
+    they draw the long prompts the metric should keep off batches (Azure code trace, 64 engines, load 1:
+    71 req/s without it, 79 with it).
 
     The absorbed part belongs to the instance (its `state`, re-made at every release there), so the floor is
     `predicted_delay`'s with batch x max(0, prefill_floor(level) - absorbed), at the same prompt-size levels."""
@@ -208,19 +212,21 @@ class PredictedStall(PredictedDelay):
     )
     # a quarter of a 100 ms TPOT target: what a request's tokens can take on top of a step without missing it
     absorbed_ms_per_token = 25.0
-    # the mean output assumed on an instance nothing was released from yet. inf: no stall charged there; 0
-    # (charge as for 1-token answers) wins more on the Azure code trace (64 engines, load 1: 80 against 71
-    # req/s) but loses 24% on system-prompt at 1.2x the knee, whose cells start with every instance cold
+    # the mean output assumed while nothing was released anywhere (the fleet's level, LrsLoad.fleet_output_level,
+    # stands in for an instance's own history until then). inf: no stall charged; 0 (as 1-token answers)
+    # loses 24% on system-prompt at 1.2x the knee, whose bench cells are decided before any release
     cold_output_tokens = math.inf
 
     def state(self, inst: InstanceView) -> tuple[float, float, float, float]:  # type: ignore[override]
         ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
         lrs = inst.lrs
         released = lrs.num_released
-        absorbed = (
-            self.absorbed_ms_per_token * (1.0 + lrs.released_generated_tokens / released) if released > 0
-            else self.absorbed_ms_per_token * (1.0 + self.cold_output_tokens)
-        )
+        if released > 0:
+            absorbed = self.absorbed_ms_per_token * (1.0 + lrs.released_generated_tokens / released)
+        elif lrs.fleet_output_level >= 0:
+            absorbed = self.absorbed_ms_per_token * (1.0 + lrs.fleet_output_level)
+        else:
+            absorbed = self.absorbed_ms_per_token * (1.0 + self.cold_output_tokens)
         return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), absorbed
 
     def evaluate(  # type: ignore[override]

@@ -16,15 +16,25 @@ Per-instance memory is bounded: each instance keeps its most recently used `capa
 
 The last match is kept with the index's version (bumped whenever a block's holders change), so the
 cache metrics and the load index of one decision, which ask for the same request's match several times,
-compute it once. Matches of earlier requests are not kept: a real request's chain names its own prompt's
-blocks, so it rarely recurs, and keeping matches for recurring chains made every holder change pay a pass
-over the kept chains that read the block (measured: 6x the CPU of a 64-engine Mooncake cell).
+compute it once. A request's whole chain rarely recurs (it names its own prompt's blocks), but the part of
+it anyone holds does: every request behind one system prompt stops matching at its first own block. So
+matches of a widely held first block are kept by that held part, with the newest change version among its
+blocks (each block remembers when its holders last changed), and reused while it stands: a lookup per block
+instead of a dict of every holder per decision. No holder change touches the kept matches (keeping them
+per chain and updating them on each change cost 6x the CPU of a 64-engine Mooncake cell).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Iterable, Sequence
+
+# a match is kept when its first block has at least this many holders: below, making it costs about as much
+# as finding it kept (a lookup per block)
+_KEEP_FROM = 8
+# the matches kept, and the hits they may hold in all (an entry per instance with a hit): a few MB
+_KEPT_MATCHES = 1024
+_KEPT_HITS = 65536
 
 
 class PrefixIndex:
@@ -36,6 +46,14 @@ class PrefixIndex:
         # the last match: (block hashes, scale), its hits, its distinct hit lengths, the version it was made at
         self._last: tuple[tuple[tuple[int, ...], int], dict[str, int], dict[int, int], int] | None = None
         self._version = 0  # bumped whenever a block's holders change
+        # the version at which each held block's holders last changed (a block held again after it was dropped
+        # gets a later one, so no stamp of it is ever reused)
+        self._changed: dict[int, int] = {}
+        # matches kept by the held part of their chain: (blocks, scale) -> (the newest change version among those
+        # blocks, hits, hit lengths); bounded in matches and in the hits they hold, oldest dropped first
+        # (an OrderedDict: dropping the oldest of a plain dict scans the slots its earlier drops left)
+        self._kept: OrderedDict[tuple[tuple[int, ...], int], tuple[int, dict[str, int], dict[int, int]]] = OrderedDict()
+        self._kept_hits = 0
 
     def __len__(self) -> int:
         """Distinct block hashes held by any instance."""
@@ -111,8 +129,45 @@ class PrefixIndex:
         last = self._last
         if last is not None and last[3] == self._version and last[0] == chain:
             return last[1], last[2]
-        hits, lengths = self._match(chain[0], scale)
+        hits, lengths = self._kept_match(chain[0], scale)
         self._last = (chain, hits, lengths, self._version)
+        return hits, lengths
+
+    def _kept_match(self, hashes: tuple[int, ...], scale: int) -> tuple[dict[str, int], dict[int, int]]:
+        """`_match`, kept by the part of the chain anyone holds. A match reads no block past the first one
+        nobody holds, so requests that share a held prefix and then diverge (a system prompt, then unique
+        turns) share one match while those blocks' holders stand; with every instance holding the prompt,
+        making it again is a dict of every instance per decision. Versions only grow, so the newest change
+        version among the held blocks is unchanged exactly while none of them changed."""
+        first = self._holders.get(hashes[0])
+        if not first:  # nobody holds the first block (a unique prompt): no hit
+            return {}, {}
+        if len(first) < _KEEP_FROM:
+            # a few holders (a conversation's own turns): made again for about what finding a kept one costs
+            return self._match(hashes, scale)
+        changed = self._changed
+        # each block's change version, in C; the held part ends at the first block nobody holds
+        versions = list(map(changed.get, hashes))
+        held = hashes
+        try:
+            end = versions.index(None)
+        except ValueError:  # every block held
+            stamp = max(versions)
+        else:
+            held, stamp = hashes[:end], max(versions[:end])
+        key = (held, scale)
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] == stamp:
+            return kept[1], kept[2]
+        hits, lengths = self._match(held, scale)
+        kept_matches = self._kept
+        if kept is not None:
+            self._kept_hits -= len(kept[1])
+            kept_matches.move_to_end(key)  # made again: kept as the newest
+        kept_matches[key] = (stamp, hits, lengths)
+        self._kept_hits += len(hits)
+        while len(kept_matches) > 1 and (self._kept_hits > _KEPT_HITS or len(kept_matches) > _KEPT_MATCHES):
+            self._kept_hits -= len(kept_matches.popitem(last=False)[1][1])
         return hits, lengths
 
     def _match(self, hashes: tuple[int, ...], scale: int) -> tuple[dict[str, int], dict[int, int]]:
@@ -167,6 +222,7 @@ class PrefixIndex:
                 else:
                     holders.add(instance_id)
                 self._version += 1
+                self._changed[h] = self._version
         self._trim(instance_id)
 
     def _trim(self, instance_id: str) -> None:
@@ -179,9 +235,11 @@ class PrefixIndex:
             self._unhold(h, instance_id)
 
     def _unhold(self, h: int, instance_id: str) -> None:
+        self._version += 1
         holders = self._holders.get(h)
         if holders is not None:
             holders.discard(instance_id)
-            if not holders:
-                del self._holders[h]
-        self._version += 1
+            if holders:
+                self._changed[h] = self._version
+            else:
+                del self._holders[h], self._changed[h]

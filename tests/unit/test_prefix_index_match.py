@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pilotfish.scheduler.view import prefix_index
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 
 INSTANCES = ["a", "b", "c", "d", "e"]
@@ -39,6 +42,20 @@ def plain_match(index: PrefixIndex, hashes: list[int], scale: int) -> dict[str, 
 def test_match_is_the_leading_blocks_each_instance_holds(ops: list, queries: list[list[int]], scale: int) -> None:
     """The last match kept included: each query is asked again (twice) after every change."""
     _replay(ops, queries, scale)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(op_st, max_size=25),
+    st.lists(hashes_st, min_size=1, max_size=4),
+    st.sampled_from([1, 16]),
+)
+def test_kept_matches_are_the_leading_blocks_each_instance_holds(
+    ops: list, queries: list[list[int]], scale: int
+) -> None:
+    """The same with every match kept (a first block of one holder is enough here), and few kept."""
+    with mock.patch.object(prefix_index, "_KEEP_FROM", 1), mock.patch.object(prefix_index, "_KEPT_MATCHES", 3):
+        _replay(ops, queries, scale)
 
 
 def _replay(ops: list, queries: list[list[int]], scale: int) -> None:
@@ -77,3 +94,37 @@ def test_the_last_match_is_reused_only_while_no_holder_changed() -> None:
     assert index.match([1, 2, 3]) == {"a": 1, "b": 2}
     index.forget("b")
     assert index.match([1, 2, 3]) == {"a": 1}
+
+
+def _widely_held(index: PrefixIndex, blocks: list[int], holders: int) -> None:
+    for k in range(holders):
+        index.record_dispatch(f"i{k}", blocks)
+
+
+def test_requests_that_share_a_held_prefix_and_then_diverge_share_its_kept_match() -> None:
+    index = PrefixIndex()
+    _widely_held(index, [1, 2, 3], prefix_index._KEEP_FROM)
+    first = index.match([1, 2, 3, 100], 16)
+    assert first == {f"i{k}": 48 for k in range(prefix_index._KEEP_FROM)}
+    index.record_dispatch("i0", [1, 2, 3, 100])  # the suffix is new, the shared blocks' holders stand
+    assert index.match([1, 2, 3, 200], 16) is first
+    # a holder change of a shared block: made again
+    index.apply_kv_event("i1", removed=[2])
+    again = index.match([1, 2, 3, 300], 16)
+    assert again is not first and again["i1"] == 16 and again["i0"] == 48
+    # a block past the held part gains a holder: the chain's held part is another, and so is its match
+    index.record_dispatch("i2", [1, 2, 3, 300])
+    assert index.match([1, 2, 3, 300], 16) == {**again, "i2": 64}
+
+
+def test_the_kept_matches_are_bounded() -> None:
+    index = PrefixIndex()
+    with mock.patch.object(prefix_index, "_KEPT_MATCHES", 2):
+        for chain in ([1, 2], [3, 4], [5, 6]):
+            _widely_held(index, chain, prefix_index._KEEP_FROM)
+            index.match(chain)
+        assert [blocks for blocks, _ in index._kept] == [(3, 4), (5, 6)]
+    with mock.patch.object(prefix_index, "_KEPT_HITS", prefix_index._KEEP_FROM):
+        index.match([1, 2])
+        assert [blocks for blocks, _ in index._kept] == [(1, 2)]
+        assert index._kept_hits == prefix_index._KEEP_FROM

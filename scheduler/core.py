@@ -98,7 +98,13 @@ class SchedulerCore:
         if reads_prefixes or config.enable_cache_aware_scheduling:
             self.prefix_index = self.ctx.prefix_index = PrefixIndex(config.prefix_index_capacity_blocks)
         self._dirty: set[str] = set()
-        self._lrs = LocalRealtimeState(config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add)
+        # the LRS's changes re-key an index only where a metric reads the LRS (every lite metric; in
+        # full mode those that say so): a full-mode default re-keyed an instance for each Release
+        metrics = [m for p in self._policy.pipelines.values() for m in p.metrics]
+        reads_lrs = not self.full_mode or any(m.lrs_in_full_mode for m in metrics)
+        self._lrs = LocalRealtimeState(
+            config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add if reads_lrs else None
+        )
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
         self.account = InflightAccount(

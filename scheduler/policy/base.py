@@ -84,6 +84,10 @@ class Metric(abc.ABC):
     # reads the prefix index (ctx.prefix_hits): the core keeps one for a policy with such a metric;
     # every cache_locality metric does
     uses_prefix_cache: ClassVar[bool] = False
+    # reads the LRS (the request counts the scheduler keeps itself) in full mode too. False: in full
+    # mode the value reads only the CMS status, the in-flight account and the prefix index, so the
+    # core re-keys no index when only the LRS changed (a Release, a Report) and no metric reads it
+    lrs_in_full_mode: ClassVar[bool] = True
     # the value moves with the clock between two changes of an instance, as `drain` says: a
     # PredictedLoadIndex orders it by drain time
     forward_predicted: bool = False

@@ -16,6 +16,7 @@ class KvCacheHitLen(Metric):
     """Prompt tokens of this request whose KV the instance already holds (longest cached prefix)."""
 
     name = "kv_cache_hit_len"
+    lrs_in_full_mode = False
     exported = ExportedFamily("pilotfish_scheduler_policy_kv_cache_hit_tokens", 1.0, "Prefix-cache hit of the request")
     lower_is_better = False
     indexable = False
@@ -39,6 +40,7 @@ class CacheAwareAllPrefillsTokensNum(Metric):
     the prefill work the instance would have, this request included."""
 
     name = "cache_aware_all_prefills_tokens_num"
+    lrs_in_full_mode = False
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_cache_aware_prefill_tokens", 1.0, "Prompt tokens left to prefill, less prefix hits"
     )

@@ -68,6 +68,7 @@ class PredictedTtft(Metric):
     walks the instances by the request-free part and stops where that floor passes what can rank."""
 
     name = "predicted_ttft"
+    lrs_in_full_mode = False
     # ms in the policy, seconds exported
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_predicted_ttft_seconds", 1e-3, "Predicted time to first token"
@@ -203,6 +204,7 @@ class PredictedStall(PredictedDelay):
     `predicted_delay`'s with batch x max(0, prefill_floor(level) - absorbed), at the same prompt-size levels."""
 
     name = "predicted_stall"
+    lrs_in_full_mode = True  # the answers released per instance (unlike the TTFT it extends)
     # ms in the policy, seconds exported
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_predicted_stall_seconds",
@@ -260,6 +262,7 @@ class PredictedTpot(Metric):
     sequence lengths)."""
 
     name = "predicted_tpot"
+    lrs_in_full_mode = False
     # ms in the policy, seconds exported
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_predicted_tpot_seconds", 1e-3, "Predicted time per output token"

@@ -21,6 +21,7 @@ class KvCacheUsageRatioProjected(Metric):
     + tokens of in-flight decode requests) / total KV tokens."""
 
     name = "kv_cache_usage_ratio_projected"
+    lrs_in_full_mode = False
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_kv_cache_usage_ratio", 1.0, "KV cache use, projected with in-flight requests (0..1)"
     )
@@ -38,6 +39,7 @@ class DecodeBatchSize(Metric):
     """Requests that will decode in the next steps: waiting (past prefill), loading, running and in-flight."""
 
     name = "decode_batch_size"
+    lrs_in_full_mode = False
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_decode_batch_requests", 1.0, "Requests in the next decode step"
     )
@@ -52,6 +54,7 @@ class NumWaitingRequests(Metric):
     """Queue pressure: waiting requests plus in-flight dispatches."""
 
     name = "num_waiting_requests"
+    lrs_in_full_mode = False
     exported = ExportedFamily("pilotfish_scheduler_policy_waiting_requests", 1.0, "Requests waiting")
     balance_band = (2.0, 1.2)
 
@@ -65,6 +68,7 @@ class AllPrefillsTokensNum(Metric):
     minus (predictor-enhanced) the tokens forward-predicted as computed since the status."""
 
     name = "all_prefills_tokens_num"
+    lrs_in_full_mode = False
     exported = ExportedFamily("pilotfish_scheduler_policy_prefill_tokens", 1.0, "Prompt tokens left to prefill")
     # about one shared system prompt of prefill; no relative slack: a hit saves a fixed number of tokens
     balance_band = (512.0, 1.0)
@@ -115,6 +119,7 @@ class AllDecodesTokensNum(Metric):
     """Decode token load: sum of sequence lengths of the running decode batch + tokens of in-flight decode requests."""
 
     name = "all_decodes_tokens_num"
+    lrs_in_full_mode = False
     exported = ExportedFamily("pilotfish_scheduler_policy_decode_tokens", 1.0, "Tokens of decoding sequences")
     balance_band = (4096.0, 1.2)
 

@@ -1,0 +1,67 @@
+"""The core re-keys an index for an LRS change (a Report, a Release once admitted) only where a metric reads
+the LRS."""
+
+from __future__ import annotations
+
+import pytest
+
+from pilotfish.protos import cms_pb2
+from pilotfish.scheduler.config import SchedulerConfig
+from pilotfish.scheduler.core import SchedulerCore
+from pilotfish.scheduler.view.types import InferType, RequestInfo
+
+INSTANCES = 32
+
+
+def _core(**flags: object) -> SchedulerCore:
+    if not flags.get("enable_full_mode_scheduling"):
+        return SchedulerCore(SchedulerConfig(model=["m"], instances=[f"h:{1 + k}" for k in range(INSTANCES)]))
+    core = SchedulerCore(SchedulerConfig(model=["m"], **flags))  # type: ignore[arg-type]
+    for k in range(INSTANCES):
+        instance_id = f"i{k:02d}"
+        core.apply_metadata(cms_pb2.InstanceMetadata(instance_id=instance_id, host="h", http_port=1 + k, model="m"))
+        core.apply_status(
+            cms_pb2.InstanceStatus(
+                instance_id=instance_id, update_id=1, timestamp_ms=int(core.ctx.wall_clock() * 1000),
+                schedulable=True, uncomputed_prefill_tokens=100 * k,
+            )
+        )  # fmt: skip
+    return core
+
+
+def _rekeys_for_a_report(core: SchedulerCore) -> int:
+    """Index re-keys the next decision makes after one request's token Report, and nothing else (a Report
+    changes the LRS alone; a Release may also retire an in-flight entry, which every mode reads)."""
+    core.schedule(RequestInfo("a", "m", prompt_tokens=10))
+    core._flush()  # the dispatch's own change
+    index = core._by_model["m"].stages[InferType.NEUTRAL].index
+    assert index is not None
+    calls = 0
+    rekey = index.rekey
+
+    def counted(inst: object) -> None:
+        nonlocal calls
+        calls += 1
+        rekey(inst)  # type: ignore[arg-type]
+
+    index.rekey = counted  # type: ignore[method-assign]
+    assert core.report("a", 5, prefill_done=True)
+    core._flush()
+    return calls
+
+
+def test_full_mode_default_reads_no_lrs_so_a_report_rekeys_nothing() -> None:
+    assert _rekeys_for_a_report(_core(enable_full_mode_scheduling=True)) == 0
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {},  # lite mode: every metric reads the LRS
+        # full mode with a metric that reads the LRS (the answers released per instance)
+        {"enable_full_mode_scheduling": True, "scheduling_policy": "load-balance",
+         "dispatch_neutral_load_metric": "predicted_stall"},
+    ],
+)  # fmt: skip
+def test_a_metric_that_reads_the_lrs_gets_its_report_rekeyed(flags: dict[str, object]) -> None:
+    assert _rekeys_for_a_report(_core(**flags)) == 1

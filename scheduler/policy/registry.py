@@ -321,18 +321,20 @@ def slo_spec(config: SchedulerConfig) -> dict[str, Any]:
     }
 
 
-# what the default policy ranks by: the request's own predicted time to first token, then the
-# time per output token it would see (the decode batch it joins)
-PREDICTED_LATENCY_METRICS = ["predicted_ttft", "predicted_tpot"]
+# what the default policy ranks by: the request's own predicted time to first token plus the stall its
+# prefill puts on the decode batch it joins past what that batch's answers absorb (metrics/latency.py,
+# predicted_stall, says why), then the time per output token it would see
+PREDICTED_LATENCY_METRICS = ["predicted_stall", "predicted_tpot"]
 
 
 def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
     """The default: least predicted latency with cache affinity, in lite and full mode alike.
 
     Prefill (and neutral) instances rank by predicted TTFT (the prefill work ahead plus this
-    prompt's uncached part, and the decode batch's share of each prefill step), then predicted
-    TPOT; the cached prefix picks among the instances whose predicted TTFT is within the band of
-    the fastest (the cache_aware selector), so affinity never costs more than the band. Decode
+    prompt's uncached part, and the decode batch's share of each prefill step) plus the stall this
+    prompt's prefill puts on the decode batch past what its answers absorb (`predicted_stall`), then
+    predicted TPOT; the cached prefix picks among the instances whose value is within the band of
+    the least (the cache_aware selector), so affinity never costs more than the band. Decode
     instances rank by predicted TPOT. The load comes from the mode's view (metrics/latency.py):
     the LRS in lite mode, CMS statuses + in-flight account + KV events in full mode.
 

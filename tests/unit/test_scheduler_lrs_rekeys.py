@@ -50,16 +50,15 @@ def _rekeys_for_a_report(core: SchedulerCore) -> int:
     return calls
 
 
-def test_full_mode_policy_that_reads_no_lrs_rekeys_nothing_for_a_report() -> None:
-    # load-balance ranks by CMS loads alone (the default reads the answers released per instance: below)
-    assert _rekeys_for_a_report(_core(enable_full_mode_scheduling=True, scheduling_policy="load-balance")) == 0
+@pytest.mark.parametrize("policy", ["predicted-latency", "load-balance"])
+def test_a_full_mode_policy_that_reads_no_lrs_rekeys_nothing_for_a_report(policy: str) -> None:
+    assert _rekeys_for_a_report(_core(enable_full_mode_scheduling=True, scheduling_policy=policy)) == 0
 
 
 @pytest.mark.parametrize(
     "flags",
     [
         {},  # lite mode: every metric reads the LRS
-        {"enable_full_mode_scheduling": True},  # the full default: predicted_stall reads the released answers
         # full mode with a metric that reads the LRS (the answers released per instance)
         {"enable_full_mode_scheduling": True, "scheduling_policy": "load-balance",
          "dispatch_neutral_load_metric": "predicted_stall"},

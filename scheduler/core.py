@@ -92,15 +92,15 @@ class SchedulerCore:
         self.full_mode = config.enable_full_mode_scheduling
         self.ctx = context_from_config(config, wall_clock=wall_clock)
         self._policy = build_policy(config, rng, self.ctx)
-        # a prefix index only for a policy whose metrics read one (each metric says)
-        reads_prefixes = any(m.uses_prefix_cache for p in self._policy.pipelines.values() for m in p.metrics)
+        # each metric says what it reads: a prefix index only for a policy whose metrics read one
+        metrics = [m for p in self._policy.pipelines.values() for m in p.metrics]
+        reads_prefixes = any(m.uses_prefix_cache for m in metrics)
         self.prefix_index: PrefixIndex | None = None
         if reads_prefixes or config.enable_cache_aware_scheduling:
             self.prefix_index = self.ctx.prefix_index = PrefixIndex(config.prefix_index_capacity_blocks)
         self._dirty: set[str] = set()
         # the LRS's changes re-key an index only where a metric reads the LRS (every lite metric; in
         # full mode those that say so): a full-mode default re-keyed an instance for each Release
-        metrics = [m for p in self._policy.pipelines.values() for m in p.metrics]
         reads_lrs = not self.full_mode or any(m.lrs_in_full_mode for m in metrics)
         self._lrs = LocalRealtimeState(
             config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add if reads_lrs else None

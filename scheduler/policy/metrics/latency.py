@@ -124,8 +124,8 @@ class PredictedDelay(PredictedTtft):
     chunked-prefill step of its prompt lengthens a step of each request decoding there by that step's
     prefill part.
 
-    Why the default ranks by this rather than TTFT alone: the request's own TTFT does not see what its
-    prefill costs the batch it joins. A long prompt sent to an instance whose queue is empty but whose batch
+    Why TTFT alone is not enough: the request's own TTFT does not see what its prefill costs the batch it
+    joins. A long prompt sent to an instance whose queue is empty but whose batch
     decodes short outputs stalls every one of them for the whole prefill (a 7k-token prompt, ~0.8 s on the
     default profile, is 90 ms on each of a 10-token answer's nine tokens), where an instance a short
     prefill away, or with a smaller batch, would have cost a few ms of TTFT. On a code-completion trace
@@ -140,11 +140,11 @@ class PredictedDelay(PredictedTtft):
     largest at or under its prompt: its floor is then within about 2x of the stall, not the one-token
     prefill time's hundreds of times below it.
 
-    Not the default's first metric (it is there to compose in YAML): every stalled request counts at its full
-    stall, whatever its output length, so at high load it queues prompts behind long prefills on the few
-    instances without a batch. On a family with 256-2048-token answers (where a stall spread over hundreds of
-    tokens costs little TPOT) that cost up to 17% of goodput at 1.2x the knee, and with every instance
-    decoding a walk of 4096 members visits hundreds."""
+    Not the default (it is there to compose in YAML; lite mode's default is `predicted_stall`, below): every
+    stalled request counts at its full stall, whatever its output length, so at high load it queues prompts
+    behind long prefills on the few instances without a batch. On the system-prompt family (32-256-token
+    answers, over which a stall spreads to little TPOT) that cost up to 17% of goodput at 1.2x the knee, and
+    with every instance decoding a walk of 4096 members visits hundreds."""
 
     floor_levels = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -169,14 +169,19 @@ class PredictedDelay(PredictedTtft):
         return self.lower_bound_at(state, 1)
 
     def lower_bound_at(self, state: tuple[float, float, float], own_at_least: int) -> float:
-        floor = PredictedTtft.lower_bound(self, state)
-        batch = state[1]
+        return self._floor_past(state, own_at_least, 0.0)
+
+    def _floor_past(self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float) -> float:
+        """`predicted_ttft`'s floor plus batch x the least prefill time of `own_at_least` tokens or more past
+        `absorbed` ms (none absorbed here; `predicted_stall`'s instance state says how much)."""
+        floor = PredictedTtft.lower_bound(self, ttft_state)
+        batch = ttft_state[1]
         if not batch > 0:
             return floor
         tables = self.ctx.tables
         # the least prefill time of an own prompt of `own_at_least` tokens or more (0 where the curve may fall)
         least = tables.prefill_floor(own_at_least) if tables.prefill_slope >= 0 else 0.0
-        return floor + batch * least if least > 0 else floor
+        return floor + batch * (least - absorbed) if least > absorbed else floor
 
 
 class PredictedStall(PredictedDelay):
@@ -247,13 +252,7 @@ class PredictedStall(PredictedDelay):
         return ttft
 
     def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
-        floor = PredictedTtft.lower_bound(self, state[:3])
-        batch, absorbed = state[1], state[3]
-        if not batch > 0:
-            return floor
-        tables = self.ctx.tables
-        least = tables.prefill_floor(own_at_least) if tables.prefill_slope >= 0 else 0.0
-        return floor + batch * (least - absorbed) if least > absorbed else floor
+        return self._floor_past(state[:3], own_at_least, state[3])
 
 
 class PredictedTpot(Metric):

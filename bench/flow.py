@@ -540,6 +540,7 @@ def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, ten
             f["a_p99_ratio"] = {k: m["tenants"]["A"]["p99_ttft"] / a0 for k, m in runs.items()}
     return fairness
 
+
 def _measure(job: tuple[FlowBenchConfig, str, int]) -> dict[str, Any]:
     return measure(*job)
 
@@ -643,22 +644,25 @@ def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
         a = [r["tenants"]["A"] for r in runs]
         return {k: spread([x.get(k, math.nan) for x in a]) for k in ("p99_ttft", "p99_queue_wait", "p99_engine_ttft")}
 
+    def arm(ratios: list[float], runs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One arm's figures over seeds, from A's P99 ratios and the runs with both tenants."""
+        return {"a_p99_ratio": spread(ratios), "a_split": split(runs),
+                "a_slo": spread([r["tenants"]["A"]["slo_attainment"] for r in runs]),
+                "b_slo": spread([r["tenants"]["B"]["slo_attainment"] for r in runs]),
+                "goodput_rps": spread([r["goodput_rps"] for r in runs])}
+
+    offs = [f[OFF]["flood"] for f in fair]
+    on: dict[str, Any] = {}
+    for b in fair[0][ON]["floods"] if fair else {}:
+        runs = [f[ON]["floods"][b] for f in fair]
+        on[b] = {**arm([f[ON]["a_p99_ratio"][b] for f in fair], runs),
+                 "b_shed": spread([r["tenants"]["B"]["shed"] for r in runs]),
+                 "on_x_off_goodput": spread([r["goodput_rps"] / o["goodput_rps"]
+                                             for r, o in zip(runs, offs, strict=True)])}
     return {
         "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
-        "off": {"a_p99_ratio": spread([f[OFF]["a_p99_ratio"][""] for f in fair]),
-                "a_split": split([f[OFF]["flood"] for f in fair]),
-                "a_slo": spread([f[OFF]["flood"]["tenants"]["A"]["slo_attainment"] for f in fair]),
-                "b_slo": spread([f[OFF]["flood"]["tenants"]["B"]["slo_attainment"] for f in fair]),
-                "goodput_rps": spread([f[OFF]["flood"]["goodput_rps"] for f in fair])},
-        "on": {b: {"a_p99_ratio": spread([f[ON]["a_p99_ratio"][b] for f in fair]),
-                   "a_split": split([f[ON]["floods"][b] for f in fair]),
-                   "a_slo": spread([f[ON]["floods"][b]["tenants"]["A"]["slo_attainment"] for f in fair]),
-                   "b_slo": spread([f[ON]["floods"][b]["tenants"]["B"]["slo_attainment"] for f in fair]),
-                   "b_shed": spread([f[ON]["floods"][b]["tenants"]["B"]["shed"] for f in fair]),
-                   "goodput_rps": spread([f[ON]["floods"][b]["goodput_rps"] for f in fair]),
-                   "on_x_off_goodput": spread([f[ON]["floods"][b]["goodput_rps"] / f[OFF]["flood"]["goodput_rps"]
-                                               for f in fair])}
-               for b in (fair[0][ON]["floods"] if fair else {})},
+        "off": arm([f[OFF]["a_p99_ratio"][""] for f in fair], offs),
+        "on": on,
         "bound": bound,
     }
 

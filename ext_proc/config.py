@@ -16,6 +16,14 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
 
     host: Annotated[str, Meta(description="address the gRPC server binds")] = "127.0.0.1"
     port: Annotated[int, Meta(ge=1, le=65535, description="gRPC port Envoy's ext_proc filter connects to")] = 50061
+    grpc_server: Annotated[
+        Literal["loop", "grpcio"],
+        Meta(
+            description="loop: the gRPC server runs in the ext_proc's own event loop (pilotfish/grpc_loop.py), "
+            "about half the CPU per request of grpcio; grpcio: grpc.aio's server, whose core hands every "
+            "event between its threads and the loop"
+        ),
+    ] = "loop"
     scheduler_address: Annotated[
         str, Meta(description="host:port of the scheduler's gRPC service; empty routes round-robin only")
     ] = "127.0.0.1:50051"

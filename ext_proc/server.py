@@ -1,4 +1,4 @@
-"""Run the ext_proc gRPC server (grpc.aio on uvloop) until SIGTERM or SIGINT."""
+"""Run the ext_proc gRPC server (its own loop's, or grpc.aio's) on uvloop until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import signal
 
 import grpc
 from aiohttp import web
-from envoy.service.accesslog.v3 import als_pb2_grpc
+from envoy.service.accesslog.v3 import als_pb2, als_pb2_grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -24,6 +25,7 @@ from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import tokenizer
+from pilotfish.grpc_loop import HealthService, Kind, LoopGrpcServer
 from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.security import Security, register_auth_stats
@@ -37,6 +39,7 @@ LIVE_SERVICES = ("liveness",)
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 READY_SERVICES = ("", "readiness", EXT_PROC_SERVICE)
 HEALTH_SERVICES = LIVE_SERVICES + READY_SERVICES
+LISTENER = "ext_proc_grpc"  # its refusals' label in pilotfish_auth_refused_total
 
 
 class ExtProcServer:
@@ -73,33 +76,70 @@ class ExtProcServer:
             ),
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
-        self.server = grpc.aio.server(
-            options=[("grpc.so_reuseport", 0)], interceptors=[security.aio_interceptor("ext_proc_grpc")]
-        )
-        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
         # Envoy's access log: the end of each request as Envoy saw it (access_log.py)
         self.access_log = AccessLogReleaser(self.servicer.release_from_access_log)
-        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self.server)
-        self.health = health.aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.server: grpc.aio.Server | LoopGrpcServer
+        self.health: health.aio.HealthServicer | HealthService
+        if config.grpc_server == "loop":
+            self.server = self._loop_server()
+        else:
+            self.server = grpc.aio.server(
+                options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self._max_message_bytes)],
+                interceptors=[security.aio_interceptor(LISTENER)],
+            )
+            ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
+            als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self.server)
+            self.health = health.aio.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.port = 0
         self.ready = False  # readiness: the first discovery sync is done (at once without discovery)
         self._ready_task: asyncio.Task[None] | None = None
         self._metrics_runner: web.AppRunner | None = None
         self._discovery_task: asyncio.Task[None] | None = None
 
+    @property
+    def _max_message_bytes(self) -> int:
+        # a request body arrives whole in one message (buffered body modes), with room for its headers
+        return max(4 << 20, self.config.max_body_bytes + (64 << 10))
+
+    def _loop_server(self) -> LoopGrpcServer:
+        security = self.security
+        server = LoopGrpcServer(
+            max_message_bytes=self._max_message_bytes,
+            authorize=security.call_authorized,
+            refused=lambda peer, method: security.refused_call(LISTENER, peer, method),
+        )
+        server.add_method(f"/{EXT_PROC_SERVICE}/Process", ep.ProcessingRequest, Kind.BIDI, self.servicer.Process)
+        server.add_method(
+            "/envoy.service.accesslog.v3.AccessLogService/StreamAccessLogs",
+            als_pb2.StreamAccessLogsMessage,
+            Kind.CLIENT_STREAM,
+            self.access_log.StreamAccessLogs,
+        )
+        self.health = HealthService()
+        self.health.add_to(server)
+        return server
+
     async def start(self) -> int:
         address = f"{self.config.host}:{self.config.port}"
-        try:
-            self.port = self.security.add_port(self.server, address)
-        except RuntimeError:
-            self.port = 0
+        if isinstance(self.server, LoopGrpcServer):
+            try:
+                ssl_context = self.security.server_ssl_context(alpn=("h2",))
+                self.port = await self.server.start(self.config.host, self.config.port, ssl_context)
+            except OSError:
+                self.port = 0
+        else:
+            try:
+                self.port = self.security.add_port(self.server, address)
+            except RuntimeError:
+                self.port = 0
         if not self.port:
             raise StartError(f"cannot listen on {address}: port in use or address unavailable")
         if self.config.metrics_port:
             registry, host = self.metrics.registry, self.config.host
             self._metrics_runner = await serve_metrics(registry, host, self.config.metrics_port, security=self.security)
-        await self.server.start()
+        if not isinstance(self.server, LoopGrpcServer):
+            await self.server.start()
         for name in HEALTH_SERVICES:
             serving = name in LIVE_SERVICES
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING if serving else NOT_SERVING)

@@ -242,8 +242,9 @@ class _ReloadingSslContext:
     `sni_callback` (called on every ClientHello, with or without a server name) swaps in a context
     built from the changed files."""
 
-    def __init__(self, files: _ServerFiles) -> None:
+    def __init__(self, files: _ServerFiles, alpn: tuple[str, ...] = ()) -> None:
         self._files = files
+        self._alpn = alpn  # every context built carries it: a reloaded one replaces the first mid-handshake
         self._current = self._build()
         self._generation = files.generation
         self.context = self._build()
@@ -257,6 +258,8 @@ class _ReloadingSslContext:
         if files.ca:
             context.load_verify_locations(files.ca)
             context.verify_mode = ssl.CERT_REQUIRED
+        if self._alpn:
+            context.set_alpn_protocols(list(self._alpn))
         return context
 
     def _on_hello(self, sslobj: Any, server_name: str | None, context: ssl.SSLContext) -> None:
@@ -303,7 +306,7 @@ class Security:
         if ca and not self.mutual:
             _read(ca, "tls_ca_file")  # a client-only CA: checked now, used when dialling
         self._expected = b"Bearer " + token if token else b""
-        self._ssl_server: _ReloadingSslContext | None = None
+        self._ssl_servers: dict[tuple[str, ...], _ReloadingSslContext] = {}
 
     @classmethod
     def from_config(
@@ -461,13 +464,24 @@ class Security:
             return grpc.secure_channel(address, self.channel_credentials(), self._channel_options(options))
         return grpc.insecure_channel(address, list(options))
 
-    def _authorized(self, details: Any) -> bool:
-        if not self._expected or details.method.startswith(OPEN_SERVICES):
+    def call_authorized(self, method: str, authorization: str | bytes | None) -> bool:
+        """Whether a gRPC call to `method` ("/package.Service/Method") with this `authorization`
+        value may run: every call carries the token but health's."""
+        if not self._expected or method.startswith(OPEN_SERVICES):
             return True
-        for key, value in details.invocation_metadata or ():
+        return authorization is not None and self.token_ok(authorization)
+
+    def _authorized(self, details: Any) -> bool:
+        value = None
+        for key, given in details.invocation_metadata or ():
             if key == AUTHORIZATION:
-                return self.token_ok(value)
-        return False
+                value = given
+                break
+        return self.call_authorized(details.method, value)
+
+    def refused_call(self, listener: str, peer: str, method: str) -> None:
+        """Count and log a call `call_authorized` turned away (servers other than grpc.aio's)."""
+        self._refused(listener, peer, method)
 
     def aio_interceptor(self, listener: str) -> Any:
         """A grpc.aio server interceptor: every call but health carries the token, else UNAUTHENTICATED."""
@@ -495,13 +509,15 @@ class Security:
 
     # -- asyncio sockets (Session, metrics) --
 
-    def server_ssl_context(self) -> ssl.SSLContext | None:
-        """For asyncio servers (create_server, aiohttp): None without TLS; re-reads changed files."""
+    def server_ssl_context(self, alpn: tuple[str, ...] = ()) -> ssl.SSLContext | None:
+        """For asyncio servers (create_server, aiohttp): None without TLS; re-reads changed files.
+        `alpn`: the application protocols offered (("h2",) for an HTTP/2 server)."""
         if self._files is None:
             return None
-        if self._ssl_server is None:
-            self._ssl_server = _ReloadingSslContext(self._files)
-        return self._ssl_server.context
+        server = self._ssl_servers.get(alpn)
+        if server is None:
+            server = self._ssl_servers[alpn] = _ReloadingSslContext(self._files, alpn)
+        return server.context
 
     def client_ssl_context(self) -> ssl.SSLContext | None:
         """For asyncio clients: None when this component dials plaintext."""

@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 
-from pilotfish.h2 import CANCEL, H2Connection, H2Limits, H2Stream, StreamRefused, encode_headers
+from pilotfish.h2 import NO_ERROR, H2Connection, H2Limits, H2Stream, StreamRefused, encode_headers
 
 log = logging.getLogger(__name__)
 
@@ -112,14 +112,16 @@ class _Call:
         buf = self._buf
         buf += payload
         limit = self.server.max_message_bytes
+        # the trailers are the answer; RST_STREAM(NO_ERROR) after them stops the rest of the request
+        # (RFC 9113 section 8.1): a client reads any other code as the call's end and drops the status
         while len(buf) >= 5:
             size = int.from_bytes(buf[1:5], "big")
             if buf[0]:
                 self._fail_now(UNIMPLEMENTED, "compressed messages are not supported")
-                raise StreamRefused(CANCEL)
+                raise StreamRefused(NO_ERROR)
             if size > limit:
                 self._fail_now(RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {limit})")
-                raise StreamRefused(CANCEL)
+                raise StreamRefused(NO_ERROR)
             if len(buf) < 5 + size:
                 break
             self._queue.append(bytes(buf[5 : 5 + size]))

@@ -63,16 +63,27 @@ class Method:
     handler: Callable[..., Any]
 
 
-def _grpc_message(text: str) -> str:
-    """grpc-message's percent-encoding: printable ASCII but '%' as is, the rest of the UTF-8 bytes %XX."""
-    return "".join(chr(b) if 0x20 <= b <= 0x7E and b != 0x25 else f"%{b:02X}" for b in text.encode())
+def _grpc_message(text: str, limit: int = 1024) -> str:
+    """grpc-message's percent-encoding: printable ASCII but '%' as is, the rest of the UTF-8 bytes %XX;
+    at most `limit` characters, cut at a whole character (a split escape or UTF-8 sequence makes a
+    client decode the whole message as Latin-1)."""
+    out: list[str] = []
+    size = 0
+    for char in text:
+        raw = char.encode(errors="replace")
+        part = char if len(raw) == 1 and 0x20 <= raw[0] <= 0x7E and char != "%" else "".join(f"%{b:02X}" for b in raw)
+        size += len(part)
+        if size > limit:
+            break
+        out.append(part)
+    return "".join(out)
 
 
 def trailers(code: int, message: str = "", *, headers_sent: bool) -> bytes:
     fields = [] if headers_sent else [(":status", "200"), ("content-type", "application/grpc")]
     fields.append(("grpc-status", str(code)))
     if message:
-        fields.append(("grpc-message", _grpc_message(message)[:1024]))
+        fields.append(("grpc-message", _grpc_message(message)))
     return encode_headers(fields)
 
 

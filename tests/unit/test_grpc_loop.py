@@ -242,6 +242,18 @@ async def test_grpc_error_from_the_handler_is_its_status(serve: Serve) -> None:
         assert caught.value.details() == text
 
 
+async def test_long_message_is_cut_at_a_whole_character(serve: Serve) -> None:
+    """grpc-message is bounded; the cut never splits a %XX escape or a character's UTF-8 bytes."""
+    text = "ü" * 400  # 2,400 characters encoded: the 1,024 bound falls inside an escape
+    async with serve() as (_, _, channel):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await within(bytes_call(channel, "/test.Echo/Fail")(BytesValue(value=b"grpc:" + text.encode())))
+        details = caught.value.details() or ""
+        assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert details == "ü" * len(details)
+        assert 1024 - 6 < 6 * len(details) <= 1024  # as much as fits
+
+
 async def test_other_exception_is_unknown_without_its_text(serve: Serve, caplog: pytest.LogCaptureFixture) -> None:
     async with serve() as (_, _, channel):
         with pytest.raises(grpc.aio.AioRpcError) as caught:

@@ -29,7 +29,7 @@ from typing import Any
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2
 
-from pilotfish.h2 import NO_ERROR, H2Connection, H2Limits, H2Stream, StreamRefused, encode_headers
+from pilotfish.h2 import H2Connection, H2Limits, H2Stream, encode_headers
 
 log = logging.getLogger(__name__)
 
@@ -123,16 +123,17 @@ class _Call:
         buf = self._buf
         buf += payload
         limit = self.server.max_message_bytes
-        # the trailers are the answer; RST_STREAM(NO_ERROR) after them stops the rest of the request
-        # (RFC 9113 section 8.1): a client reads any other code as the call's end and drops the status
+        # the trailers are the answer; once they are out (behind replies still waiting for window)
+        # the connection stops the rest of the request with RST_STREAM(NO_ERROR); any other code
+        # would make a client report its own status over the trailers'
         while len(buf) >= 5:
             size = int.from_bytes(buf[1:5], "big")
             if buf[0]:
                 self._fail_now(UNIMPLEMENTED, "compressed messages are not supported")
-                raise StreamRefused(NO_ERROR)
+                return
             if size > limit:
                 self._fail_now(RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {limit})")
-                raise StreamRefused(NO_ERROR)
+                return
             if len(buf) < 5 + size:
                 break
             self._queue.append(bytes(buf[5 : 5 + size]))
@@ -156,6 +157,7 @@ class _Call:
             waiter.set_result(None)
 
     def _fail_now(self, code: int, message: str) -> None:
+        self._buf.clear()  # what came of the refused message is dropped, as is all that follows
         self._finish(code, message)
         if self._task is not None and not self._task.done():
             self._task.cancel()

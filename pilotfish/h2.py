@@ -466,9 +466,14 @@ class H2Connection(asyncio.Protocol):
                 headers[name] = value
         stream = H2Stream(self, stream_id, headers)
         self.streams[stream_id] = stream
+        # closed before the app sees it: an answer given in `open` needs no RST_STREAM after it
+        stream.remote_closed = ended = bool(flags & END_STREAM)
         stream.receiver = self.app.open(stream)
-        if flags & END_STREAM and stream_id in self.streams:
-            self._remote_end(stream)
+        if ended:
+            if stream.receiver is not None:
+                stream.receiver.end()
+            if stream.local_closed and not stream.pending:
+                self.forget(stream)
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
@@ -570,6 +575,8 @@ class H2Connection(asyncio.Protocol):
             for chunk in chunks[1:-1]:
                 self._out.append(frame(CONTINUATION, 0, stream_id, chunk))
             self._out.append(frame(CONTINUATION, END_HEADERS, stream_id, chunks[-1]))
+        if end_stream:
+            self._sent_end(stream_id)
         self._schedule_flush()
 
     def flush_stream(self, stream: H2Stream) -> None:
@@ -596,11 +603,23 @@ class H2Connection(asyncio.Protocol):
             self._out.append(frame(DATA, END_STREAM if end_stream else 0, stream.id, payload))
             self.send_window -= size
             stream.send_window -= size
+            if end_stream:
+                self._sent_end(stream.id)
         else:
             self._blocked.pop(stream.id, None)
             if stream.local_closed and stream.remote_closed:
                 self.forget(stream)
         self._schedule_flush()
+
+    def _sent_end(self, stream_id: int) -> None:
+        """This side's END_STREAM went out. A peer still sending is told to stop with
+        RST_STREAM(NO_ERROR) (RFC 9113 section 8.1), as grpc's own servers do: the stream's slot is
+        freed at once, not held until a peer that may never end its side does."""
+        stream = self.streams.get(stream_id)
+        if stream is not None and not stream.remote_closed:
+            self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", NO_ERROR)))
+            stream.remote_closed = True
+            self.forget(stream)
 
     def _flush_blocked(self) -> None:
         for stream in list(self._blocked.values()):

@@ -21,8 +21,10 @@ from hpack import Decoder, Encoder
 from pilotfish.grpc_loop import GrpcError, HealthService, Kind, LoopGrpcServer
 from pilotfish.h2 import (
     ACK,
+    COMPRESSION_ERROR,
     CONTINUATION,
     DATA,
+    ENABLE_PUSH,
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
@@ -32,18 +34,25 @@ from pilotfish.h2 import (
     HEADER_TABLE_SIZE,
     HEADERS,
     INITIAL_WINDOW_SIZE,
+    MAX_FRAME_SIZE,
     MAX_WINDOW,
     NO_ERROR,
+    PADDED,
     PING,
     PREFACE,
+    PRIORITY,
+    PRIORITY_FLAG,
     PROTOCOL_ERROR,
+    PUSH_PROMISE,
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
+    H2Connection,
     H2Limits,
     frame,
 )
+from pilotfish.procs import wait_until_async
 
 TIMEOUT = 10.0  # bound on any one wait for a frame; pytest-timeout is the outer bound
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -362,7 +371,10 @@ async def test_peer_with_the_preface_is_not_timed_out(connect: Connect) -> None:
 # -- 8b. the send side waits for the peer's window --
 
 
-async def test_reply_waits_for_the_peers_window(connect: Connect) -> None:
+@pytest.mark.parametrize("reopen", ["window-update", "settings"])
+async def test_reply_waits_for_the_peers_window(connect: Connect, reopen: str) -> None:
+    """The stream's window is 100 bytes: that much goes, the rest once the peer gives more, by a
+    WINDOW_UPDATE on the stream or a larger SETTINGS_INITIAL_WINDOW_SIZE."""
     peer, _, _ = await connect()
     peer.send(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 100)))
     await peer.until(lambda f: f.kind == SETTINGS and f.flags & ACK, "SETTINGS ACK")
@@ -372,7 +384,10 @@ async def test_reply_waits_for_the_peers_window(connect: Connect) -> None:
     assert len(first.payload) == 100  # no more than the window
     await peer.ping(b"nomore!!")  # and nothing else of it before more window is given
     assert sum(len(f.payload) for f in peer.seen if f.kind == DATA) == 100
-    peer.send(WINDOW_UPDATE, 0, 1, struct.pack(">I", 1 << 20))
+    if reopen == "settings":
+        peer.send(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 1 << 20)))
+    else:
+        peer.send(WINDOW_UPDATE, 0, 1, struct.pack(">I", 1 << 20))
     blocks, rest = await peer.response(1)
     assert dict(blocks[-1])["grpc-status"] == "0"
     assert first.payload + rest == grpc_message(body)
@@ -391,6 +406,92 @@ async def test_reply_waits_for_the_connection_window(connect: Connect) -> None:
     blocks, _ = await peer.response(1)
     assert dict(blocks[-1])["grpc-status"] == "0"
     assert b"".join(f.payload for f in peer.seen if f.kind == DATA) == grpc_message(body)
+    assert max(len(f.payload) for f in peer.seen if f.kind == DATA) == 16384  # the peer's default frame size
+
+
+async def test_stream_reset_by_the_peer_while_blocked_sends_nothing_more(connect: Connect) -> None:
+    peer, _, _ = await connect()
+    peer.send(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 10)))
+    await peer.until(lambda f: f.kind == SETTINGS and f.flags & ACK, "SETTINGS ACK")
+    peer.send(HEADERS, END_HEADERS, 1, peer.request_headers("/test.Echo/Echo"))
+    peer.send(DATA, 0, 1, grpc_message(BytesValue(value=b"x" * 100).SerializeToString()))
+    await peer.until(lambda f: f.kind == DATA and f.stream == 1, "the first DATA")
+    peer.send(RST_STREAM, 0, 1, struct.pack(">I", 0x8))  # CANCEL
+    peer.send(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 1 << 20)))  # window that would unblock it
+    peer.send(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20))
+    await peer.ping(b"anymore?")
+    assert [f.kind for f in peer.seen if f.stream == 1] == [HEADERS, DATA]
+    # and the connection serves the next stream
+    peer.open_call(3, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest().SerializeToString())
+    blocks, _ = await peer.response(3)
+    assert dict(blocks[-1])["grpc-status"] == "0"
+
+
+async def test_padded_and_prioritised_frames_are_read(connect: Connect) -> None:
+    """Padding (and HEADERS' priority fields) are stripped; padding counts against the windows."""
+    peer, _, _ = await connect()
+    block = peer.request_headers("/test.Echo/Echo")
+    priority = struct.pack(">IB", 0, 15)  # stream dependency 0, weight 16
+    peer.send(HEADERS, END_HEADERS | PADDED | PRIORITY_FLAG, 1, bytes((7,)) + priority + block + bytes(7))
+    message = grpc_message(BytesValue(value=b"padded").SerializeToString())
+    peer.send(DATA, PADDED, 1, bytes((200,)) + message + bytes(200))
+    peer.send(DATA, PADDED | END_STREAM, 1, bytes((0,)))  # only a pad length
+    blocks, data = await peer.response(1)
+    assert dict(blocks[-1])["grpc-status"] == "0"
+    assert BytesValue.FromString(data[5:]).value == b"padded"
+
+
+@pytest.mark.parametrize(
+    ("frames", "code"),
+    [
+        ([(DATA, 0, 0, b"x")], PROTOCOL_ERROR),  # DATA on stream 0
+        ([(DATA, 0, 9, b"x")], PROTOCOL_ERROR),  # DATA on a stream never opened
+        ([(HEADERS, END_HEADERS, 2, b"\x82")], PROTOCOL_ERROR),  # a client opening an even stream
+        ([(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\xff\xff")], COMPRESSION_ERROR),  # not HPACK
+        ([(CONTINUATION, END_HEADERS, 1, b"\x82")], PROTOCOL_ERROR),  # CONTINUATION without HEADERS
+        ([(RST_STREAM, 0, 5, bytes(4))], PROTOCOL_ERROR),  # RST_STREAM on an idle stream
+        ([(RST_STREAM, 0, 0, bytes(4))], PROTOCOL_ERROR),
+        ([(PING, 0, 0, bytes(7))], FRAME_SIZE_ERROR),
+        ([(PING, 0, 1, bytes(8))], PROTOCOL_ERROR),
+        ([(SETTINGS, 0, 0, bytes(5))], FRAME_SIZE_ERROR),  # a partial entry
+        ([(SETTINGS, ACK, 0, bytes(6))], FRAME_SIZE_ERROR),  # an ACK with a payload
+        ([(SETTINGS, 0, 1, b"")], PROTOCOL_ERROR),
+        ([(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, MAX_WINDOW + 1)))], FLOW_CONTROL_ERROR),
+        ([(SETTINGS, 0, 0, settings((MAX_FRAME_SIZE, 100)))], PROTOCOL_ERROR),
+        ([(SETTINGS, 0, 0, settings((ENABLE_PUSH, 2)))], PROTOCOL_ERROR),
+        ([(WINDOW_UPDATE, 0, 0, struct.pack(">I", 0))], PROTOCOL_ERROR),
+        ([(WINDOW_UPDATE, 0, 0, bytes(3))], FRAME_SIZE_ERROR),
+        ([(PUSH_PROMISE, END_HEADERS, 1, bytes(4))], PROTOCOL_ERROR),
+        ([(PRIORITY, 0, 1, bytes(4))], FRAME_SIZE_ERROR),
+    ],
+)
+async def test_connection_errors(connect: Connect, frames: list[tuple[int, int, int, bytes]], code: int) -> None:
+    peer, _, _ = await connect()
+    await peer.ping(b"ready!!!")
+    for kind, flags, stream, payload in frames:
+        peer.send(kind, flags, stream, payload)
+    assert (await peer.goaway()).code == code
+
+
+async def test_unknown_frame_types_are_ignored(connect: Connect) -> None:
+    peer, _, _ = await connect()
+    peer.send(0xFA, 0xFF, 0, b"an extension frame")
+    peer.send(0xFB, 0, 7, b"on an idle stream")
+    await peer.ping(b"ignored!")
+    assert not [f for f in peer.seen if f.kind == GOAWAY]
+
+
+@pytest.mark.parametrize(
+    ("increment", "code"), [(0, PROTOCOL_ERROR), (MAX_WINDOW, FLOW_CONTROL_ERROR)], ids=["zero", "overflow"]
+)
+async def test_bad_window_update_on_a_stream_resets_that_stream(connect: Connect, increment: int, code: int) -> None:
+    peer, _, _ = await connect()
+    peer.open_call(1, "/test.Echo/Echo")
+    peer.send(WINDOW_UPDATE, 0, 1, struct.pack(">I", increment))
+    reset = await peer.until(lambda f: f.kind == RST_STREAM, "RST_STREAM")
+    assert reset.stream == 1 and reset.code == code
+    await peer.ping(b"stillup!")
+    assert not [f for f in peer.seen if f.kind == GOAWAY]
 
 
 # -- a call the server ends while the peer still sends --
@@ -489,3 +590,84 @@ async def test_goaway_from_the_peer_refuses_later_streams(connect: Connect) -> N
     peer.open_call(1, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest().SerializeToString())
     refused = await peer.until(lambda f: f.kind == RST_STREAM, "RST_STREAM")
     assert refused.stream == 1 and refused.code == REFUSED_STREAM
+
+
+# -- the parser, fed one byte at a time --
+
+
+class RecordingTransport(asyncio.Transport):
+    """What H2Connection writes, kept; a socket that takes everything at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.out += data
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+
+def frames_in(data: bytes) -> list[Frame]:
+    out = []
+    while len(data) >= 9:
+        length = int.from_bytes(data[:3], "big")
+        out.append(Frame(data[3], data[4], int.from_bytes(data[5:9], "big") & 0x7FFFFFFF, data[9 : 9 + length]))
+        data = data[9 + length :]
+    return out
+
+
+async def test_frames_split_at_every_byte_are_read() -> None:
+    """Every frame boundary, header and payload split across reads: the same answers as whole."""
+    service = Service()
+    server = LoopGrpcServer()
+    service.health.add_to(server)
+    await service.health.set("", SERVING)
+    conn = H2Connection(server, H2Limits())
+    transport = RecordingTransport()
+    conn.connection_made(transport)
+    block = bytes(
+        Encoder().encode(
+            [
+                (":method", "POST"),
+                (":path", "/grpc.health.v1.Health/Check"),
+                (":scheme", "http"),
+                ("content-type", "application/grpc"),
+            ]
+        )
+    )
+    wire = (
+        PREFACE
+        + frame(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 1 << 20)))
+        + frame(HEADERS, 0, 1, block[:3])
+        + frame(CONTINUATION, END_HEADERS, 1, block[3:])
+        + frame(DATA, END_STREAM, 1, grpc_message(health_pb2.HealthCheckRequest().SerializeToString()))
+        + frame(PING, 0, 0, b"one byte")
+    )
+    for i in range(len(wire)):
+        conn.data_received(wire[i : i + 1])
+
+    def answered() -> bool:
+        return any(
+            f.kind == HEADERS and f.stream == 1 and f.flags & END_STREAM for f in frames_in(bytes(transport.out))
+        )
+
+    await wait_until_async(answered, TIMEOUT, "the answer")
+    got = frames_in(bytes(transport.out))
+    assert not transport.closed and not [f for f in got if f.kind == GOAWAY]
+    assert any(f.kind == PING and f.flags & ACK and f.payload == b"one byte" for f in got)
+    assert any(f.kind == SETTINGS and f.flags & ACK for f in got)
+    decoder = Decoder()
+    blocks = [dict(decoder.decode(f.payload)) for f in got if f.kind == HEADERS and f.stream == 1]
+    assert blocks[0][":status"] == "200" and blocks[-1]["grpc-status"] == "0"
+    (data,) = [f.payload for f in got if f.kind == DATA and f.stream == 1]
+    assert health_pb2.HealthCheckResponse.FromString(data[5:]).status == SERVING
+    conn.connection_lost(None)

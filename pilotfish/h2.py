@@ -593,7 +593,7 @@ class H2Connection(asyncio.Protocol):
             if size and room <= 0:
                 self._blocked[stream.id] = stream
                 break
-            if size > room:
+            if size > room > 0:  # an empty DATA (END_STREAM) costs no window: it goes even past a negative one
                 self._out.append(frame(DATA, 0, stream.id, payload[:room]))
                 pending[0] = (payload[room:], False, end_stream)
                 self.send_window -= room

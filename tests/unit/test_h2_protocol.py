@@ -24,6 +24,7 @@ from pilotfish.h2 import (
     COMPRESSION_ERROR,
     CONTINUATION,
     DATA,
+    DEFAULT_WINDOW,
     ENABLE_PUSH,
     END_HEADERS,
     END_STREAM,
@@ -50,6 +51,8 @@ from pilotfish.h2 import (
     WINDOW_UPDATE,
     H2Connection,
     H2Limits,
+    H2Stream,
+    encode_headers,
     frame,
 )
 from pilotfish.procs import wait_until_async
@@ -670,4 +673,41 @@ async def test_frames_split_at_every_byte_are_read() -> None:
     assert blocks[0][":status"] == "200" and blocks[-1]["grpc-status"] == "0"
     (data,) = [f.payload for f in got if f.kind == DATA and f.stream == 1]
     assert health_pb2.HealthCheckResponse.FromString(data[5:]).status == SERVING
+    conn.connection_lost(None)
+
+
+class OneStreamApp:
+    """An H2App that keeps the streams it is given and answers nothing by itself."""
+
+    def __init__(self) -> None:
+        self.streams: list[H2Stream] = []
+
+    def open(self, stream: H2Stream) -> None:
+        self.streams.append(stream)
+
+
+async def test_empty_end_of_stream_goes_out_past_a_negative_window() -> None:
+    """A peer that shrinks SETTINGS_INITIAL_WINDOW_SIZE below what was sent leaves the stream's
+    window negative; an empty DATA with END_STREAM still goes, once, and costs no window."""
+    app = OneStreamApp()
+    conn = H2Connection(app, H2Limits())
+    transport = RecordingTransport()
+    conn.connection_made(transport)
+    block = bytes(Encoder().encode([(":method", "POST"), (":path", "/x"), (":scheme", "http")]))
+    conn.data_received(
+        PREFACE
+        + frame(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 10)))
+        + frame(HEADERS, END_HEADERS | END_STREAM, 1, block)
+    )
+    (stream,) = app.streams
+    stream.send_headers(encode_headers([(":status", "200")]))
+    stream.send_data(b"0123456789")  # the whole window
+    conn.data_received(frame(SETTINGS, 0, 0, settings((INITIAL_WINDOW_SIZE, 0))))  # the stream's window: -10
+    assert stream.send_window == -10
+    stream.send_data(b"", end_stream=True)
+    conn._flush()
+    data = [f for f in frames_in(bytes(transport.out)) if f.kind == DATA]
+    assert [(f.payload, f.flags & END_STREAM) for f in data] == [(b"0123456789", 0), (b"", END_STREAM)]
+    assert conn.send_window == DEFAULT_WINDOW - 10  # the connection paid for the 10 bytes, no more, no less
+    assert stream.send_window == -10
     conn.connection_lost(None)

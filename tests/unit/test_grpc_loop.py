@@ -183,6 +183,26 @@ async def test_big_reply_to_a_small_request(serve: Serve, client_options: tuple[
         assert reply.value == pattern(BIG, 7)
 
 
+async def test_concurrent_calls_share_the_windows(serve: Serve) -> None:
+    """Many calls at once on one connection whose 64 KiB window they share: each reply whole and
+    its own, as the connection's WINDOW_UPDATEs release the streams waiting for it."""
+    async with serve(SMALL_CLIENT_WINDOW) as (server, _, channel):
+        sized = bytes_call(channel, "/test.Echo/Sized")
+
+        async def unary(n: int) -> None:
+            reply = await sized(BytesValue(value=str(40_000 + n).encode()))
+            assert reply.value == pattern(40_000 + n, 7)
+
+        async def bidi(n: int) -> None:
+            sent = [pattern(5_000 + i, n * 100 + i) for i in range(20)]
+            call = bytes_call(channel, "/test.Echo/Echo", "stream_stream")(BytesValue(value=v) for v in sent)
+            assert [reply.value async for reply in call] == sent
+
+        await within(asyncio.gather(*(unary(n) for n in range(60)), *(bidi(n) for n in range(10))))
+        assert len(server._connections) == 1
+        await no_stream_left(server)
+
+
 async def test_client_stream_of_big_messages(serve: Serve) -> None:
     """Several requests past the stream window in a row: the queue bound releases as the handler reads."""
     async with serve() as (_, _, channel):

@@ -54,6 +54,20 @@ DEFAULT_BODY_MODES = (
 )
 
 
+def _grpc_servers() -> tuple[str, tuple[str, ...]]:
+    """The ext_proc's --grpc-server default and choices, from its config struct."""
+    import typing
+
+    from pilotfish.ext_proc.config import ExtProcConfig
+
+    field_ = next(f for f in msgspec.structs.fields(ExtProcConfig) if f.name == "grpc_server")
+    literal = typing.get_args(field_.type)[0]  # Annotated[Literal[...], Meta]
+    return field_.default, typing.get_args(literal)
+
+
+DEFAULT_GRPC_SERVER, GRPC_SERVERS = _grpc_servers()
+
+
 class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     requests: Annotated[int, Meta(ge=1, description="sequential requests per arm per round")] = 300
     rounds: Annotated[int, Meta(ge=1, description="interleaved rounds over all arms, in every phase")] = 3
@@ -71,7 +85,8 @@ class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         Meta(
             description="Envoy ext_proc configurations to compare: REQUEST/RESPONSE body modes of the sidecar "
             "(each BUFFERED, STREAMED or FULL_DUPLEX_STREAMED; the response also NONE: full mode, the ext_proc "
-            "skips response bodies and releases from Envoy's access log), or a gateway's (istio, ai-gateway)"
+            "skips response bodies and releases from Envoy's access log), or a gateway's (istio, ai-gateway); "
+            "@grpcio after either runs that arm's ext_procs on grpc.aio's server instead of the loop's"
         ),
     ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
     tls: Annotated[
@@ -100,10 +115,12 @@ class BodyMode:
     request: str
     response: str
     gateway: str = SIDECAR
+    grpc_server: str = DEFAULT_GRPC_SERVER  # the ext_proc's --grpc-server ("@grpcio" in the label)
 
     @property
     def label(self) -> str:
-        return f"{self.request}/{self.response}" if self.gateway == SIDECAR else self.gateway
+        base = f"{self.request}/{self.response}" if self.gateway == SIDECAR else self.gateway
+        return base if self.grpc_server == DEFAULT_GRPC_SERVER else f"{base}@{self.grpc_server}"
 
 
 DEFAULT_MODE = BodyMode("BUFFERED", "STREAMED")  # render_sidecar's default, what `pilotfish up` runs
@@ -114,14 +131,19 @@ def parse_body_mode(text: str) -> BodyMode:
     from pilotfish.config import ConfigError
     from pilotfish.envoy_bootstrap import BODY_MODES, GATEWAYS
 
-    if text in GATEWAYS:
-        return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", text)
-    request, _, response = text.partition("/")
+    spec, at, server = text.partition("@")
+    if at and server not in GRPC_SERVERS:
+        raise ConfigError(f"--body-modes {text!r}: the ext_proc's gRPC server is one of {', '.join(GRPC_SERVERS)}")
+    server = server or DEFAULT_GRPC_SERVER
+    if spec in GATEWAYS:
+        return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", spec, server)
+    request, _, response = spec.partition("/")
     if request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE):
-        return BodyMode(request, response)
+        return BodyMode(request, response, grpc_server=server)
     raise ConfigError(
         f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)} (the response "
-        f"also NONE or {OBSERVE}), or a gateway: {', '.join(GATEWAYS)}"
+        f"also NONE or {OBSERVE}), or a gateway: {', '.join(GATEWAYS)}; either may end in @SERVER, the "
+        f"ext_proc's --grpc-server ({', '.join(GRPC_SERVERS)})"
     )
 
 
@@ -273,6 +295,16 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_obs = ext_proc("ext_proc-observe", on_fast, True, *on_socket, *observe) if _uses(modes, OBSERVE) else None
     xp_paced_obs = ext_proc("ext_proc-paced-observe", on_paced, False, *observe) if _uses(modes, OBSERVE) else None
     by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs)}
+    # a mode on another gRPC server gets its own ext_procs (fast and paced), its response flags kept
+    by_label: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
+    for label, mode in modes.items():
+        if mode.grpc_server != DEFAULT_GRPC_SERVER:
+            flags = (*{"NONE": skip, OBSERVE: observe}.get(mode.response, ()), "--grpc-server", mode.grpc_server)
+            slug = re.sub(r"[^\w.-]+", "-", label)
+            by_label[label] = (
+                ext_proc(f"ext_proc-{slug}", on_fast, True, *on_socket, *flags),
+                ext_proc(f"ext_proc-paced-{slug}", on_paced, False, *flags),
+            )
     secure: dict[str, str] = {}
     if cfg.tls:  # the same deployment with every link secured: its own scheduler, ext_proc and Envoy
         from pilotfish.security_testing import make_pki
@@ -329,9 +361,9 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         load[_scale_arm(n)] = arm(_scale_arm(n), scale[:n], remote=True)
     if secure:
         load[TLS_ARM] = arm(TLS_ARM, [xp_tls], scheduler_pid=scheduler_tls.pid, security=secure)
-    for mode in modes.values():
+    for label, mode in modes.items():
         if mode_arm(mode) not in load:
-            own = by_response.get(mode.response, (None, None))[0]
+            own = by_label.get(label, by_response.get(mode.response, (None, None)))[0]
             load[mode_arm(mode)] = arm(mode_arm(mode), [own] if own else scale[:1], mode=mode, remote=True)
     if cfg.vllm_router:
         port = free_port()
@@ -345,7 +377,12 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         load["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
     streaming = {"envoy": arm("paced envoy", [], paced)}
     streaming |= {
-        label: arm(f"paced {label}", [by_response.get(mode.response, (None, None))[1] or xp_paced], paced, mode)
+        label: arm(
+            f"paced {label}",
+            [by_label.get(label, by_response.get(mode.response, (None, None)))[1] or xp_paced],
+            paced,
+            mode,
+        )
         for label, mode in modes.items()
     }
     # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.

@@ -66,6 +66,18 @@ TARGETS: dict[str, TargetInfo] = {
             "pilotfish-full plus --enable-cache-aware-scheduling (no change under the default policy, "
             "which has cache affinity already)",
         ),
+        TargetInfo(
+            "pilotfish-lite-grpcio",
+            "pilotfish",
+            "pilotfish-lite with the ext_proc on grpc.aio's server (--grpc-server grpcio), the transport "
+            "before its own loop's",
+        ),
+        TargetInfo(
+            "pilotfish-full-grpcio",
+            "pilotfish",
+            "pilotfish-full with the ext_proc on grpc.aio's server (--grpc-server grpcio), the transport "
+            "before its own loop's",
+        ),
         TargetInfo("vllm-router:round_robin", "peer", "vllm-router --policy round_robin, defaults otherwise"),
         TargetInfo(
             "vllm-router:power_of_two",
@@ -212,6 +224,8 @@ def _start_pilotfish(name: str, fleet: FleetSpec, group: Any, log_dir: Path) -> 
     )
     if name.endswith("-cache"):
         spec.scheduler_args = ["--enable-cache-aware-scheduling"]
+    if name.endswith("-grpcio"):
+        spec.ext_proc_args = ["--grpc-server", "grpcio"]
     if full:
         redis = start_redis(log_dir / "redis")
         assert redis.child is not None

@@ -31,7 +31,7 @@ from pilotfish.grpc_loop import (
 from pilotfish.procs import wait_until_async
 from pilotfish.security import Security
 
-FAILED_PRECONDITION = 9
+FAILED_PRECONDITION, ABORTED = 9, 10
 TIMEOUT = 30.0  # bound on any one wait; pytest-timeout is the outer bound
 BIG = 3 << 20  # past the server's 1 MiB stream window and the small client window below
 # grpc core advertises 4 MiB windows and grows them (BDP probes); pinned at 64 KiB, a 3 MiB reply
@@ -56,6 +56,12 @@ class Handlers:
     async def echo(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
         async for request in requests:
             yield BytesValue(value=request.value)
+
+    async def echo_until_fail(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
+        async for request in requests:
+            if request.value == b"fail":
+                raise GrpcError(ABORTED, "stopped after the replies")
+            yield request
 
     async def sized(self, request: BytesValue, context: Any) -> BytesValue:
         """A reply of int(request.value) bytes of `pattern(n, 7)`."""
@@ -86,6 +92,7 @@ def build_server(handlers: Handlers, **kwargs: Any) -> tuple[LoopGrpcServer, Hea
     server = LoopGrpcServer(**kwargs)
     server.add_method("/test.Echo/Echo", BytesValue, Kind.BIDI, handlers.echo)
     server.add_method("/test.Echo/Sized", BytesValue, Kind.UNARY, handlers.sized)
+    server.add_method("/test.Echo/EchoUntilFail", BytesValue, Kind.BIDI, handlers.echo_until_fail)
     server.add_method("/test.Echo/Total", BytesValue, Kind.CLIENT_STREAM, handlers.total)
     server.add_method("/test.Echo/Fail", BytesValue, Kind.UNARY, handlers.fail)
     server.add_method("/test.Echo/Hang", BytesValue, Kind.BIDI, handlers.hang)
@@ -262,6 +269,21 @@ async def test_grpc_error_from_the_handler_is_its_status(serve: Serve) -> None:
         assert caught.value.details() == text
 
 
+async def test_grpc_error_after_replies_ends_the_stream_with_its_status(serve: Serve) -> None:
+    """Replies first, then trailers that carry the error (no second :status)."""
+    async with serve() as (server, _, channel):
+        call = bytes_call(channel, "/test.Echo/EchoUntilFail", "stream_stream")()
+        for value in (b"a", b"b"):
+            await call.write(BytesValue(value=value))
+            assert (await within(call.read())).value == value
+        await call.write(BytesValue(value=b"fail"))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await within(call.read())
+        assert caught.value.code() == grpc.StatusCode.ABORTED
+        assert caught.value.details() == "stopped after the replies"
+        await no_stream_left(server)
+
+
 async def test_long_message_is_cut_at_a_whole_character(serve: Serve) -> None:
     """grpc-message is bounded; the cut never splits a %XX escape or a character's UTF-8 bytes."""
     text = "ü" * 400  # 2,400 characters encoded: the 1,024 bound falls inside an escape
@@ -290,8 +312,12 @@ async def test_other_exception_is_unknown_without_its_text(serve: Serve, caplog:
 async def test_token_refused_and_counted_health_open(serve: Serve) -> None:
     security = Security(token=b"s3cret")
     refused: list[tuple[str, str]] = []
-    authorize = security.call_authorized
-    async with serve(authorize=authorize, refused=lambda peer, method: refused.append((peer, method))) as (
+
+    def refuse(peer: str, method: str) -> None:
+        refused.append((peer, method))
+        security.refused_call("test_grpc", peer, method)  # as the ext_proc wires it
+
+    async with serve(authorize=security.call_authorized, refused=refuse) as (
         _,
         health,
         channel,
@@ -317,6 +343,7 @@ async def test_token_refused_and_counted_health_open(serve: Serve) -> None:
         answer = await within(stub.Check(health_pb2.HealthCheckRequest(service="")))
         assert answer.status == SERVING
         assert len(refused) == 2
+        assert security.stats.refused == {("test_grpc", "unauthenticated"): 2}
 
 
 # -- 4. a client that cancels --

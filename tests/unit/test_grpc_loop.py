@@ -42,7 +42,7 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def pattern(n: int, seed: int) -> bytes:
-    """n bytes that differ everywhere from a shifted copy: a lost, repeated or reordered chunk shows."""
+    """n bytes drawn from `seed`: a lost, repeated or reordered chunk shows in a comparison."""
     return random.Random(seed).randbytes(n)
 
 
@@ -52,6 +52,7 @@ class Handlers:
     def __init__(self) -> None:
         self.started = asyncio.Event()
         self.finished = asyncio.Event()  # set by the hanging handler's `finally`
+        self.release = asyncio.Event()  # lets the waiting handler answer
 
     async def echo(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
         async for request in requests:
@@ -78,6 +79,11 @@ class Handlers:
             raise GrpcError(FAILED_PRECONDITION, request.value[5:].decode())
         raise RuntimeError("secret detail of the failure")
 
+    async def wait(self, request: BytesValue, context: Any) -> BytesValue:
+        self.started.set()
+        await self.release.wait()
+        return request
+
     async def hang(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
         try:
             async for request in requests:
@@ -96,6 +102,7 @@ def build_server(handlers: Handlers, **kwargs: Any) -> tuple[LoopGrpcServer, Hea
     server.add_method("/test.Echo/Total", BytesValue, Kind.CLIENT_STREAM, handlers.total)
     server.add_method("/test.Echo/Fail", BytesValue, Kind.UNARY, handlers.fail)
     server.add_method("/test.Echo/Hang", BytesValue, Kind.BIDI, handlers.hang)
+    server.add_method("/test.Echo/Wait", BytesValue, Kind.UNARY, handlers.wait)
     health = HealthService()
     health.add_to(server)
     return server, health
@@ -157,9 +164,10 @@ async def test_bidi_many_messages_come_back_in_order(serve: Serve) -> None:
                 await call.write(BytesValue(value=value))
             await call.done_writing()
 
-        writer = asyncio.ensure_future(write())
-        got = [reply.value async for reply in call]
-        await within(writer)
+        async def read() -> list[bytes]:
+            return [reply.value async for reply in call]
+
+        got, _ = await within(asyncio.gather(read(), write()))
         assert got == sent
         assert await call.code() == grpc.StatusCode.OK
         await no_stream_left(server)
@@ -409,6 +417,22 @@ async def test_stop_cancels_calls_in_flight_and_refuses_new_connections(handlers
     with pytest.raises(OSError):
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.close()
+
+
+async def test_stop_lets_a_call_finish_within_the_grace(handlers: Handlers) -> None:
+    server, _ = build_server(handlers)
+    port = await server.start("127.0.0.1", 0)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = bytes_call(channel, "/test.Echo/Wait")(BytesValue(value=b"late answer"))
+        await within(handlers.started.wait())
+        stopping = asyncio.ensure_future(server.stop(TIMEOUT))
+        listener = server._server
+        assert listener is not None
+        await wait_until_async(lambda: not listener.is_serving(), TIMEOUT, "the listener closed")
+        assert not stopping.done()  # waiting for the call, within its grace
+        handlers.release.set()
+        assert (await within(call)).value == b"late answer"
+        await within(stopping)
 
 
 # -- 7. TLS --

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
@@ -464,6 +465,13 @@ async def test_tls_with_alpn_h2(tmp_path: Path, handlers: Handlers) -> None:
             await health.set("", SERVING)
             stub = health_pb2_grpc.HealthStub(channel)
             assert (await within(stub.Check(health_pb2.HealthCheckRequest()))).status == SERVING
+        # ALPN selected h2 (grpc would have refused the server otherwise: "missing selected ALPN")
+        client = ssl.create_default_context(cafile=str(pki.ca))
+        client.load_cert_chain(pki.client_cert, pki.client_key)
+        client.set_alpn_protocols(["http/1.1", "h2"])
+        _, writer = await within(asyncio.open_connection("127.0.0.1", port, ssl=client))
+        assert writer.get_extra_info("ssl_object").selected_alpn_protocol() == "h2"
+        writer.close()
         # a client without a certificate does not get through mutual TLS
         anonymous = grpc.ssl_channel_credentials(root_certificates=pki.ca.read_bytes())
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", anonymous) as channel:

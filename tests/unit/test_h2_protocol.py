@@ -17,6 +17,9 @@ import pytest
 from google.protobuf.wrappers_pb2 import BytesValue
 from grpc_health.v1 import health_pb2
 from hpack import Decoder, Encoder
+from hypothesis import given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from pilotfish.grpc_loop import GrpcError, HealthService, Kind, LoopGrpcServer
 from pilotfish.h2 import (
@@ -711,3 +714,64 @@ async def test_empty_end_of_stream_goes_out_past_a_negative_window() -> None:
     assert conn.send_window == DEFAULT_WINDOW - 10  # the connection paid for the 10 bytes, no more, no less
     assert stream.send_window == -10
     conn.connection_lost(None)
+
+
+# -- whatever a peer sends --
+
+_ECHO_BLOCK = bytes(
+    Encoder().encode(
+        [(":method", "POST"), (":path", "/test.Echo/Echo"), (":scheme", "http"), ("content-type", "application/grpc")]
+    )
+)
+_FRAMES = st.one_of(
+    # frames as they come: any type, flags and payload on a few streams
+    st.tuples(st.integers(0, 11), st.integers(0, 255), st.sampled_from([0, 1, 2, 3, 5]), st.binary(max_size=24)),
+    # and ones that open calls and feed them, so that the random ones meet live streams
+    st.tuples(
+        st.just(HEADERS),
+        st.sampled_from([END_HEADERS, END_HEADERS | END_STREAM]),
+        st.sampled_from([1, 3, 5]),
+        st.just(_ECHO_BLOCK),
+    ),
+    st.tuples(
+        st.just(DATA),
+        st.sampled_from([0, END_STREAM]),
+        st.sampled_from([1, 3, 5]),
+        st.builds(grpc_message, st.binary(max_size=12)),
+    ),
+)
+
+
+@given(st.lists(_FRAMES, max_size=14))
+@hsettings(max_examples=300, deadline=None)
+def test_any_frames_are_answered_or_end_in_goaway(frames: list[tuple[int, int, int, bytes]]) -> None:
+    """No sequence of frames makes the connection raise: it answers (in header blocks that decode),
+    resets streams, or sends GOAWAY and closes; and once closed it leaves no call running."""
+
+    async def feed() -> None:
+        service = Service()
+        server = LoopGrpcServer()
+        server.add_method("/test.Echo/Echo", BytesValue, Kind.BIDI, service.echo)
+        conn = H2Connection(server, H2Limits())
+        transport = RecordingTransport()
+        conn.connection_made(transport)
+        conn.data_received(PREFACE)
+        for kind, flags, stream, payload in frames:
+            conn.data_received(frame(kind, flags, stream, payload))
+            if transport.closed:
+                break
+        for _ in range(5):  # the calls' tasks run their turns
+            await asyncio.sleep(0)
+        sent = frames_in(bytes(transport.out))
+        assert not transport.closed or sent[-1].kind == GOAWAY
+        decoder = Decoder()  # every header block the server wrote decodes, in order
+        for got in sent:
+            if got.kind == HEADERS:
+                assert got.flags & END_HEADERS
+                assert decoder.decode(got.payload)
+        conn.connection_lost(None)
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert all(task.done() for task in server._calls)
+
+    asyncio.run(feed())

@@ -174,6 +174,15 @@ async def test_bidi_many_messages_come_back_in_order(serve: Serve) -> None:
         await no_stream_left(server)
 
 
+async def test_stream_without_replies_ends_ok(serve: Serve) -> None:
+    """No message either way: the answer is trailers only, and OK."""
+    async with serve() as (server, _, channel):
+        call = bytes_call(channel, "/test.Echo/Echo", "stream_stream")(iter(()))
+        assert await within(call.read()) is grpc.aio.EOF
+        assert await within(call.code()) == grpc.StatusCode.OK
+        await no_stream_left(server)
+
+
 @pytest.mark.parametrize("client_options", [(), SMALL_CLIENT_WINDOW], ids=["grpc-windows", "64KiB-client-window"])
 async def test_big_request_and_reply_cross_both_windows(
     serve: Serve, client_options: tuple[tuple[str, Any], ...]

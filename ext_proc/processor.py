@@ -478,7 +478,11 @@ class ExtProcServicer:
             self._router.report(s.request_id, counter.tokens, prefill_done=True)
         if full_duplex:
             return messages.streamed_response_body(out, body.end_of_stream)
-        return messages.replace_response_body(out) if stripper is not None else messages.CONTINUE_RESPONSE_BODY
+        if stripper is None or out == body.body:
+            # the chunk passes unchanged (every chunk but the one with the usage event, or one an
+            # event straddles): no body mutation for Envoy to apply
+            return messages.CONTINUE_RESPONSE_BODY
+        return messages.replace_response_body(out)
 
     # -- the observing filter (--response-bodies observe) ---------------------------------------------
 

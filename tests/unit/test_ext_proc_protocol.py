@@ -262,6 +262,20 @@ def test_every_body_mode_routes_counts_and_releases_once(request_mode: int, earl
     assert sent["stream_options"]["include_usage"] is True
 
 
+def test_streamed_response_chunks_pass_unchanged_but_the_usage_event_is_cut() -> None:
+    """The client did not ask for usage (the gateway added it): every chunk passes as Envoy sent it,
+    with no body mutation to apply, but the one holding the usage event, which is replaced."""
+    svc, backend, metrics = servicer()
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n'
+    response = [response_body(SSE[0]), response_body(SSE[1]), response_body(usage + SSE[2], end=True)]
+    replies = run(svc, [headers(), body(STREAMING), response_headers(), *response])
+    passed = [r.response_body.response for r in replies[-3:]]
+    assert [r.HasField("body_mutation") for r in passed] == [False, False, True]
+    assert passed[-1].body_mutation.body == SSE[2]
+    assert metrics.generated_tokens._value.get() == 2
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+
+
 def test_streamed_request_bodies_without_early_sending_ask_envoy_for_the_whole_body() -> None:
     svc, _, _ = servicer()
     replies = run(svc, [headers(request_mode=Mode.STREAMED), body(COMPLETION)])

@@ -153,6 +153,8 @@ GRPC_SESSION_ARM = "envoy+ext_proc, remote scheduler, gRPC Session stream"
 NO_SCHEDULER_ARM = "envoy+ext_proc, no scheduler"
 DEFAULT_ARM = "envoy+ext_proc"  # the sidecar's default body modes, remote scheduler on the Session socket
 TLS_ARM = "envoy+ext_proc, TLS and a token on every link"
+VLLM_ROUTER_ARM = "vllm-router (round_robin)"
+DIRECT_ARM = "direct to the engine"
 
 
 def mode_arm(mode: BodyMode) -> str:
@@ -374,7 +376,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
             log_path=tmp / "vllm-router.log",
         )  # fmt: skip
         router.wait_port(port, 60)
-        load["vllm-router (round_robin)"] = Arm("vllm-router (round_robin)", port)
+        load[VLLM_ROUTER_ARM] = Arm(VLLM_ROUTER_ARM, port)
+    load[DIRECT_ARM] = Arm(DIRECT_ARM, fast)  # no proxy: what each proxy adds over the engine itself
     streaming = {"envoy": arm("paced envoy", [], paced)}
     streaming |= {
         label: arm(
@@ -706,6 +709,19 @@ def summarise(raw: dict[str, Any], settings: dict[str, Any], modes: dict[str, Bo
         s["round_p50_ms"] = [percentile(r, 50) * 1e3 for r in rounds]
         s["round_added_p50_ms"] = [a - b for a, b in zip(s["round_p50_ms"], base_rounds, strict=True)]
         latency[name] = s
+    direct = latency.get(DIRECT_ARM)
+    over_direct: dict[str, Any] = {}
+    if direct is not None:
+        for s in latency.values():
+            s["over_direct_p50_ms"] = s["p50_ms"] - direct["p50_ms"]
+        peer = latency.get(VLLM_ROUTER_ARM)
+        if peer is not None and peer["over_direct_p50_ms"] > 0:
+            # what the whole hop adds over a direct call, against what vllm-router adds
+            over_direct = {
+                name: latency[name]["over_direct_p50_ms"] / peer["over_direct_p50_ms"]
+                for name in (DEFAULT_ARM, *(mode_arm(m) for m in modes.values()))
+                if name in latency
+            }
 
     throughput = {name: _load_entry(rounds, raw["load_ext_procs"][name]) for name, rounds in raw["load"].items()}
     plain_envoy_us = throughput["envoy"]["envoy_cpu_us_per_request"] if "envoy" in throughput else None
@@ -731,6 +747,7 @@ def summarise(raw: dict[str, Any], settings: dict[str, Any], modes: dict[str, Bo
             "request": mode.request,
             "response": mode.response,
             "envoy_config": mode.gateway,
+            "grpc_server": mode.grpc_server,
             "arm": arm,
             "added_p50_ms": lat["added_p50_ms"],
             "added_p99_ms": lat["added_p99_ms"],
@@ -767,6 +784,7 @@ def summarise(raw: dict[str, Any], settings: dict[str, Any], modes: dict[str, Bo
         "scale_out": raw["scale_out"],
         "ext_proc_down": raw["down"],
         "streaming": streaming,
+        "over_direct_vs_vllm_router": over_direct,
     }
 
 
@@ -782,6 +800,11 @@ def _span(values: list[float | None] | None, fmt: str = "+.2f") -> str:
 
 def _statuses(statuses: dict[str, int]) -> str:
     return ", ".join(f"{n} x {code}" for code, n in sorted(statuses.items())) or "-"
+
+
+def _server_note(mode: dict[str, Any]) -> str:
+    server = mode.get("grpc_server", DEFAULT_GRPC_SERVER)
+    return "" if server == DEFAULT_GRPC_SERVER else f" (ext_proc on {server})"
 
 
 def render_markdown(r: dict[str, Any]) -> str:
@@ -824,7 +847,7 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"{_num(m['messages_from_ext_proc_per_request'], '.2f')}"
         )
         lines.append(
-            f"| {m['envoy_config']} | {m['request']} / {m['response']} | **{m['added_p50_ms']:+.2f}** "
+            f"| {m['envoy_config']}{_server_note(m)} | {m['request']} / {m['response']} | **{m['added_p50_ms']:+.2f}** "
             f"({_span(m['round_added_p50_ms'])}) | {m['added_p99_ms']:+.2f} | {cpu} | {msgs} | "
             f"{_num(st['added_ttft_p50_ms'], '+.2f')} / {_num(st['added_ttft_p99_ms'], '+.2f')} | "
             f"{_num(st['added_gap_mean_ms'], '+.3f')} / {_num(st['added_gap_p99_ms'], '+.3f')} | "
@@ -844,6 +867,15 @@ def render_markdown(r: dict[str, Any]) -> str:
             f"| {name} | {lat['p50_ms']:.2f} | {lat['p99_ms']:.2f} | {lat['added_p50_ms']:+.2f} | "
             f"{lat['added_p99_ms']:+.2f} | {rounds} | {added} |"
         )
+    direct = r["latency"].get(DIRECT_ARM)
+    if direct is not None:
+        added = ", ".join(
+            f"{name} {lat['over_direct_p50_ms']:+.2f}" for name, lat in r["latency"].items() if name != DIRECT_ARM
+        )
+        lines += ["", f"Added p50 over a direct call to the engine ({direct['p50_ms']:.2f} ms), ms: {added}."]
+        if r.get("over_direct_vs_vllm_router"):
+            ratios = ", ".join(f"{name} {x:.1f}x" for name, x in r["over_direct_vs_vllm_router"].items())
+            lines.append(f"Against what vllm-router adds over a direct call: {ratios}.")
     lines += [
         "",
         f"## Throughput ({s.get('concurrency')} in flight)",

@@ -120,6 +120,26 @@ def _raw() -> dict:
     }
 
 
+def test_a_mode_may_name_the_ext_procs_grpc_server() -> None:
+    mode = bench.parse_body_mode("BUFFERED/NONE@grpcio")
+    assert mode == bench.BodyMode("BUFFERED", "NONE", grpc_server="grpcio")
+    assert mode.label == "BUFFERED/NONE@grpcio" and bench.mode_arm(mode) != bench.DEFAULT_ARM
+    assert bench.parse_body_mode("istio@grpcio").gateway == "istio"
+    with pytest.raises(ConfigError, match="gRPC server"):
+        bench.parse_body_mode("BUFFERED/NONE@grpc")
+
+
+def test_what_each_proxy_adds_over_a_direct_call_against_vllm_router() -> None:
+    raw, ms = _raw(), 1e-3
+    raw["latency"][bench.DIRECT_ARM] = [[0.3 * ms] * 5, [0.3 * ms] * 5]
+    raw["latency"][bench.VLLM_ROUTER_ARM] = [[0.5 * ms] * 5, [0.5 * ms] * 5]
+    result = bench.summarise(raw, {"rounds": 2, "concurrency": 16}, MODES)
+    # the default arm's p50 is 1.45 ms: 1.15 over the direct call, against vllm-router's 0.2
+    assert result["latency"][bench.DEFAULT_ARM]["over_direct_p50_ms"] == pytest.approx(1.15)
+    assert result["over_direct_vs_vllm_router"][bench.DEFAULT_ARM] == pytest.approx(1.15 / 0.2)
+    assert "Against what vllm-router adds over a direct call" in bench.render_markdown(result)
+
+
 def test_summarise_reports_each_body_mode_against_envoy_alone() -> None:
     result = bench.summarise(_raw(), {"rounds": 2, "concurrency": 16}, MODES)
     assert list(result["body_modes"]) == list(MODES)

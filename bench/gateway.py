@@ -173,7 +173,7 @@ class Arm:
     ext_proc_pids: list[int] = field(default_factory=list)
     admin_url: str = ""  # Envoy's admin, for its ext_proc message counters
     scheduler_pid: int = 0  # the remote scheduler these ext_procs call, for its CPU per request
-    envoy_pid: int = 0  # for its CPU per request (0: not an Envoy)
+    envoy_pid: int = 0  # for its CPU per request (0: no proxy); a peer router's arm: its process
 
 
 @dataclass
@@ -367,16 +367,21 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         if mode_arm(mode) not in load:
             own = by_label.get(label, by_response.get(mode.response, (None, None)))[0]
             load[mode_arm(mode)] = arm(mode_arm(mode), [own] if own else scale[:1], mode=mode, remote=True)
-    if cfg.vllm_router:
+
+    def vllm_router(name: str, engine: int) -> Arm:
         port = free_port()
         router = group.start(
-            "vllm-router",
-            [cfg.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{fast}",
+            name,
+            [cfg.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{engine}",
              "--policy", "round_robin", "--log-level", "warning"],
-            log_path=tmp / "vllm-router.log",
+            log_path=tmp / f"{name}.log",
         )  # fmt: skip
         router.wait_port(port, 60)
-        load[VLLM_ROUTER_ARM] = Arm(VLLM_ROUTER_ARM, port)
+        # its one process stands where an arm's Envoy does: the proxy's CPU, compared with Envoy alone's
+        return Arm(VLLM_ROUTER_ARM, port, envoy_pid=router.pid)
+
+    if cfg.vllm_router:
+        load[VLLM_ROUTER_ARM] = vllm_router("vllm-router", fast)
     load[DIRECT_ARM] = Arm(DIRECT_ARM, fast)  # no proxy: what each proxy adds over the engine itself
     streaming = {"envoy": arm("paced envoy", [], paced)}
     streaming |= {
@@ -388,6 +393,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         )
         for label, mode in modes.items()
     }
+    if cfg.vllm_router:
+        streaming[VLLM_ROUTER_ARM] = vllm_router("vllm-router-paced", paced)
     # No ext_proc listens on `dead`: what a client gets when the ext_proc is gone, per body mode.
     dead = free_port()
     down = {label: arm(f"down {label}", [(dead, 0)], mode=mode) for label, mode in modes.items()}
@@ -880,7 +887,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "",
         f"## Throughput ({s.get('concurrency')} in flight)",
         "",
-        "| arm | req/s (rounds) | Envoy CPU µs/request (above Envoy alone) | ext_proc CPU µs/request (rounds) "
+        "| arm | req/s (rounds) | proxy CPU µs/request: Envoy, or the peer router (above Envoy alone) "
+        "| ext_proc CPU µs/request (rounds) "
         "| capacity req/s per core | scheduler CPU µs/request | messages to / from ext_proc |",
         "|---|---|---|---|---:|---:|---|",
     ]
@@ -926,7 +934,8 @@ def render_markdown(r: dict[str, Any]) -> str:
         "## Streaming (5 ms decode step)",
         "",
         "| arm | streams | TTFT p50 / p99 ms | gap mean / p99 ms | added TTFT p50 ms (rounds) "
-        "| added gap mean ms (rounds) | added gap p99 ms | Envoy CPU µs/stream (added) | ext_proc CPU µs/stream |",
+        "| added gap mean ms (rounds) | added gap p99 ms "
+        "| proxy CPU µs/stream: Envoy, or the peer router (above Envoy alone) | ext_proc CPU µs/stream |",
         "|---|---:|---|---|---|---|---:|---|---:|",
     ]
     for name, st in r["streaming"].items():

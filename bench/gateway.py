@@ -373,7 +373,8 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         router = group.start(
             name,
             [cfg.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", f"http://127.0.0.1:{engine}",
-             "--policy", "round_robin", "--log-level", "warning"],
+             "--policy", "round_robin", "--log-level", "warning",
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
             log_path=tmp / f"{name}.log",
         )  # fmt: skip
         router.wait_port(port, 60)

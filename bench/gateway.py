@@ -449,9 +449,10 @@ async def _measure(cfg: GatewayBenchConfig, arms: Arms) -> dict[str, Any]:
     mode_arms = [name for name in dict.fromkeys(map(mode_arm, arms.modes.values())) if name != DEFAULT_ARM]
     latency_arms = ["envoy", DEFAULT_ARM, GRPC_SESSION_ARM, UNARY_ARM, COLOCATED_ARM, NO_SCHEDULER_ARM, *mode_arms]
     secured = [TLS_ARM] if TLS_ARM in load else []
-    latency_arms += [*secured, *(name for name in load if name.startswith("vllm-router"))]
+    peers = [name for name in load if name.startswith("vllm-router")]
+    latency_arms += [*secured, *peers, DIRECT_ARM]
     scale_arms = [_scale_arm(n) for n in range(1, cfg.ext_procs + 1)]
-    load_arms = ["envoy", COLOCATED_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM, *mode_arms, *secured]
+    load_arms = ["envoy", COLOCATED_ARM, *scale_arms, GRPC_SESSION_ARM, UNARY_ARM, *mode_arms, *secured, *peers]
     raw: dict[str, Any] = {
         "latency": {a: [] for a in latency_arms},
         "load": {a: [] for a in load_arms},

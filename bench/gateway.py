@@ -36,7 +36,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pilotfish.procs import cpu_seconds
+from pilotfish.procs import thread_cpu_seconds as _cpu_time
 
 MODEL = "bench-sim"
 SIDECAR = "sidecar"
@@ -403,24 +403,6 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
 
 
 # ---------------------------------------------------------------------------------------------- measure
-
-
-def _cpu_time(pid: int) -> float:
-    """CPU seconds of a process so far: its threads' run time in ns (schedstat), where /proc/PID/stat
-    counts 10 ms ticks, too coarse for a few dozen streams; the ticks where schedstat is missing."""
-    if not Path(f"/proc/{pid}/task/{pid}/schedstat").exists():
-        return cpu_seconds(pid)
-    total = 0
-    try:
-        tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except OSError:
-        return 0.0  # gone
-    for task in tasks:
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
 
 
 def _cpu(arm: Arm) -> dict[str, float]:

@@ -340,7 +340,7 @@ def _replay(
 
     from pilotfish.bench.realtime_client import replay, warm_up
     from pilotfish.bench.realtime_targets import start_target
-    from pilotfish.procs import cpu_seconds
+    from pilotfish.procs import thread_cpu_seconds as cpu_seconds
 
     started = time.monotonic()
     running = start_target(name, fleet, group, tmp, peers)

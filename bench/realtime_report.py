@@ -245,7 +245,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}`" if result.get("command") else "",
         "",
         "`router CPU s`: CPU seconds the router side used over one replay (Pilotfish: Envoy + ext_proc + "
-        "scheduler; a peer: its router process; direct-rr: nothing), on the same cores as the engines and client. "
+        "scheduler; a peer: its router process; direct-rr: nothing; every thread's run time in ns from "
+        "/proc/<pid>/task/*/schedstat), on the same cores as the engines and client. "
         "`idle CPU ms/req` (with --idle-window): the same processes over an idle window as long as the replay, "
         "right after it, divided by the same request count; `net CPU ms/req`: the replay's less that, the cost "
         "of the requests themselves.",

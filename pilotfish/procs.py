@@ -142,6 +142,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
 
 
+def thread_cpu_seconds(pid: int) -> float:
+    """CPU seconds of a process's live threads so far, from their run time in ns (schedstat), where
+    `cpu_seconds` counts 10 ms ticks: too coarse for a few dozen requests, and sampled, so a process
+    that runs in short bursts reads unevenly. A thread that ended is no longer counted (the routers
+    measured keep theirs); ticks where schedstat is missing, 0 once the process is gone."""
+    if not Path(f"/proc/{pid}/task/{pid}/schedstat").exists():
+        return cpu_seconds(pid)
+    total = 0
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return 0.0  # gone
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
+
+
 def group_members(pgid: int) -> list[int]:
     """The processes of process group `pgid`, from /proc (Linux): a `Child`'s group holds what
     it started, and what left its tree (vLLM's llumlet export process); [pgid] without /proc."""

@@ -23,6 +23,7 @@ from pilotfish.procs import (
     port_answers,
     port_is_free,
     stat_fields,
+    thread_cpu_seconds,
     wait_until,
 )
 
@@ -271,3 +272,19 @@ def test_respawn_keeps_die_with_parent(tmp_path: Path) -> None:
     again = group.respawn(child)
     assert again.die_with_parent
     group.stop_all()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc (Linux)")
+def test_thread_cpu_seconds_counts_this_process_work_finer_than_ticks(tmp_path: Path) -> None:
+    import time
+
+    before, cpu_before = thread_cpu_seconds(os.getpid()), time.process_time()
+    while time.process_time() - cpu_before < 0.05:  # CPU burnt, not wall time waited
+        sum(range(1000))
+    spent = time.process_time() - cpu_before
+    # the same run time the kernel gives process_time, within a tick either way
+    assert spent - 0.011 <= thread_cpu_seconds(os.getpid()) - before <= spent + 0.05
+    child = Child("done", [sys.executable, "-c", "pass"], log_path=tmp_path / "done.log")
+    child.proc.wait(timeout=READY_TIMEOUT)
+    assert thread_cpu_seconds(child.pid) == 0.0
+    child.stop()

@@ -608,6 +608,16 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "(1: the plain bound)",
         ),
     ] = 4.0
+    flow_over_share_max_step_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: a flow over its fair share (--flow-fair-share) also waits while every engine's "
+            "next step, predicted by its step-time fit from its queued prefill (at most its token budget), decode "
+            "batch and context, would take this long (ms; 0: not judged): another flow's first token waits about "
+            "two steps, so this bounds what a flood adds to it",
+        ),
+    ] = 0.0
     flow_fair_share_window_ms: Annotated[
         float,
         Meta(

@@ -24,8 +24,9 @@ however the queue is ordered. So the controller keeps an account of the tokens (
 tokens) each flow has in flight, and while more than one flow is active (in flight or waiting),
 a flow holding more than 1/active of them, and asking for more than 1/active of the tokens
 arriving lately (a rate decayed over --flow-fair-share-window-ms), is judged against the
-saturation bounds times --flow-over-share-bound: it waits while an engine is past that, and the
-headroom above it is left to the flows within their share. The arrival test keeps the flag on the
+saturation bounds times --flow-over-share-bound (and, with --flow-over-share-max-step-ms, against
+each engine's predicted next step): it waits while an engine is past that, and the headroom above
+it is left to the flows within their share. The arrival test keeps the flag on the
 flood: held back and shed, a flood's work in flight can fall below a lighter flow's, but what it
 asks for does not, and a flow over its share stays so while its requests wait and it still asks for
 more than 1/active. While a flow is over its share, the flows within theirs are judged against the
@@ -242,8 +243,9 @@ class FlowController:
         over its fair share, more queued prefill while another flow is); without a flow, for a flow
         within its share (the loosest bounds in use)."""
         scale, prefill_scale = self.scales(flow)
+        over = flow is not None and flow in self._over  # as scales just judged it
         saturated = self.saturation.saturated
-        return any(not saturated(i, scale, prefill_scale) for i in self._eligible(model))
+        return any(not saturated(i, scale, prefill_scale, over) for i in self._eligible(model))
 
     def scales(self, flow: str | None) -> tuple[float, float]:
         """What `flow`'s saturation bounds are multiplied by: every bound, and the queued-prefill bound

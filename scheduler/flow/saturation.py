@@ -12,6 +12,11 @@ A bound of 0 is not judged. An engine with no status yet, or an unschedulable on
 
 `scale` (below 1) tightens every bound at once: a flow over its fair share of the work in flight
 is judged against the scaled bounds (controller.py), so engines keep headroom for the others.
+`over_share` adds one more bound for that flow (full mode, --flow-over-share-max-step-ms): the
+engine's next step, predicted by its step-time fit from its queued prefill (at most its token
+budget), decode batch and context, would take that long. Another flow's first token waits about
+two steps (the one in progress and its own prefill's), so this bounds what the flood adds to it,
+in the unit the TPOT SLO is in, whatever the family's prompt and answer lengths.
 `prefill_scale` multiplies the queued-prefill bound on top: above 1 for a flow within its share
 while another is over it, which may queue prefill beyond the plain bound but never passes the
 KV or batch bounds (those protect the engine, not the queue's order).
@@ -27,6 +32,7 @@ from pilotfish.scheduler.view.types import InstanceView
 
 # reasons, as the metric's label
 TOKENS, REQUESTS, PREFILL, KV, BATCH, NO_STATUS = "tokens", "requests", "prefill", "kv", "batch", "no_status"
+STEP = "step"  # a flow over its share: the engine's predicted next step
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +43,7 @@ class Saturation:
     max_queued_prefill_tokens: int = 8192
     max_kv_usage: float = 0.95
     max_batch_requests: int = 0
+    over_share_max_step_ms: float = 0.0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> Saturation:
@@ -47,6 +54,7 @@ class Saturation:
             max_queued_prefill_tokens=config.flow_max_queued_prefill_tokens,
             max_kv_usage=config.flow_max_kv_usage,
             max_batch_requests=config.flow_max_batch_requests,
+            over_share_max_step_ms=config.flow_over_share_max_step_ms,
         )
         if config.enable_flow_control and not sat.full_mode and not (sat.lite_max_tokens or sat.lite_max_requests):
             raise ConfigError(
@@ -55,9 +63,11 @@ class Saturation:
             )
         return sat
 
-    def reason(self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0) -> str:
+    def reason(
+        self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0, over_share: bool = False
+    ) -> str:
         """Why `inst` is saturated ("" when it has room), every bound times `scale`, the queued-prefill
-        bound times `prefill_scale` too."""
+        bound times `prefill_scale` too; for a flow `over_share`, its next step's bound as well."""
         if not self.full_mode:
             lrs = inst.lrs
             if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens * scale:
@@ -78,7 +88,19 @@ class Saturation:
         batch = self.max_batch_requests or inst.max_num_seqs
         if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch * scale:
             return BATCH
+        model = inst.step_model
+        if over_share and self.over_share_max_step_ms and model is not None:
+            queued = s.uncomputed_prefill_tokens + inflight.prefill_tokens
+            budget = inst.max_num_batched_tokens
+            if budget and queued > budget:  # one step computes at most its token budget
+                queued = budget
+            # what is dispatched now joins the decode batch after its prefill: count it there already
+            step = model.step_ms(queued, s.num_running_decode + inflight.requests, s.running_decode_seq_len_sum)
+            if step >= self.over_share_max_step_ms:
+                return STEP
         return ""
 
-    def saturated(self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0) -> bool:
-        return bool(self.reason(inst, scale, prefill_scale))
+    def saturated(
+        self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0, over_share: bool = False
+    ) -> bool:
+        return bool(self.reason(inst, scale, prefill_scale, over_share))

@@ -459,3 +459,57 @@ def test_arrival_rates_decay_and_forget() -> None:
     got = rates.rates(5.0)
     assert got["a"] == pytest.approx(100 / 2.718281828 + 100, rel=1e-6) and got["b"] == pytest.approx(10 / 2.718281828)
     assert rates.rates(60.0) == {}  # decayed below a token: forgotten
+
+
+def _stepped(status: EngineStatus, inflight_prefill: int = 0, inflight_requests: int = 0,
+             budget: int = 0) -> InstanceView:
+    """A full-mode engine with the default profile's step-time fit: 10 ms + 0.11 ms per prefill token
+    + 0.03 ms per decoding request + 0.00009 ms per token of their context."""
+    from pilotfish.scheduler.view.predictor import StepTimeModel
+    from pilotfish.scheduler.view.profile import LatencyProfile
+
+    inst = InstanceView(Endpoint("e", "e:1"), max_num_batched_tokens=budget)
+    inst.status = status
+    inst.inflight.prefill_tokens, inst.inflight.requests = inflight_prefill, inflight_requests
+    inst.step_model = StepTimeModel(LatencyProfile(), 2.0)
+    return inst
+
+
+@pytest.mark.parametrize(
+    ("inst", "bound_ms", "over_share", "reason"),
+    [
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400)), 54.0, True, "step"),  # 54 ms
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=300), 99), 54.0, True, ""),  # 53.89
+        (_stepped(EngineStatus(total_kv_tokens=1000, num_running_decode=100), 0, 100), 16.0, True, "step"),  # 16
+        (_stepped(EngineStatus(total_kv_tokens=1000, running_decode_seq_len_sum=100_000)), 19.0, True, "step"),
+        # one step computes at most its token budget: 10 + 0.11 x 512 = 66.3 ms, however much is queued
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=8000), 0, 0, 512), 67.0, True, ""),
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=8000), 0, 0, 512), 66.0, True, "step"),
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400)), 54.0, False, ""),  # within share
+        (_stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400)), 0.0, True, ""),  # not judged
+        (_full(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=4000)), 1.0, True, ""),  # no fit: no bound
+    ],
+)
+def test_over_share_step_bound_table(inst: InstanceView, bound_ms: float, over_share: bool, reason: str) -> None:
+    sat = Saturation(full_mode=True, max_queued_prefill_tokens=0, over_share_max_step_ms=bound_ms)
+    assert sat.reason(inst, over_share=over_share) == reason
+
+
+def test_a_flow_over_its_share_waits_while_the_next_step_would_be_long() -> None:
+    """--flow-over-share-max-step-ms: the flood waits while the engine's predicted next step reaches
+    the bound, though its scaled bounds have room; the light flow is dispatched beside it, and the
+    flood again once the engine has computed its prefill."""
+    clock = Clock()
+    core, flow = full_engine(clock, flow_max_queued_prefill_tokens=10_000, flow_over_share_max_step_ms=30.0)
+    replies = Replies()
+    for i in range(2):  # the flood alone: 200 prompt tokens in flight, a 32 ms step, but one flow is never held
+        assert isinstance(flow.submit(treq(f"b{i}", 100), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    assert isinstance(flow.submit(treq("a0", 10), STD, "A", 5.0, replies.to("a0")), Decision)
+    assert flow.over_share_flows() == {"B"} and flow.scales("B") == (0.5, 1.0)  # 5,000 queued tokens allowed
+    assert flow.submit(treq("b2", 100), STD, "B", 5.0, replies.to("b2")) is None  # 33.1 ms predicted
+    assert isinstance(flow.submit(treq("a1", 10), STD, "A", 5.0, replies.to("a1")), Decision)
+    clock.now += 0.1  # the engine admitted and prefilled all of it: nothing queued, a 10 ms step ahead
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=2, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=10_000,
+                                             admitted_request_ids=["b0", "b1", "a0", "a1"]))
+    assert flow.drain() == 1 and isinstance(replies.got["b2"], Decision)

@@ -203,6 +203,9 @@ class _Call:
         if self._finished:
             return
         self._finished = True
+        # a read the handler left pending ends now, as at the request's end: the peer is told to
+        # stop sending (RST_STREAM(NO_ERROR)), so no message would ever wake it
+        self._wake()
         if code == OK and self._headers_sent:
             self.stream.send_trailers(OK_TRAILERS)
         else:

@@ -54,6 +54,7 @@ class Handlers:
         self.started = asyncio.Event()
         self.finished = asyncio.Event()  # set by the hanging handler's `finally`
         self.release = asyncio.Event()  # lets the waiting handler answer
+        self.pending_read: asyncio.Future[BytesValue] | None = None
 
     async def echo(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
         async for request in requests:
@@ -85,6 +86,15 @@ class Handlers:
         await self.release.wait()
         return request
 
+    async def answer_first(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
+        """Answers the first message and ends the call while a read of the next one is still pending,
+        as the ext_proc does with an immediate response: that read must end, not wait for ever."""
+        incoming = aiter(requests)
+        first = await anext(incoming)
+        self.pending_read = asyncio.ensure_future(anext(incoming))
+        await asyncio.sleep(0)  # one turn of the loop: the read starts and waits for a message
+        yield first
+
     async def hang(self, requests: AsyncIterator[BytesValue], context: Any) -> AsyncIterator[BytesValue]:
         try:
             async for request in requests:
@@ -103,6 +113,7 @@ def build_server(handlers: Handlers, **kwargs: Any) -> tuple[LoopGrpcServer, Hea
     server.add_method("/test.Echo/Total", BytesValue, Kind.CLIENT_STREAM, handlers.total)
     server.add_method("/test.Echo/Fail", BytesValue, Kind.UNARY, handlers.fail)
     server.add_method("/test.Echo/Hang", BytesValue, Kind.BIDI, handlers.hang)
+    server.add_method("/test.Echo/AnswerFirst", BytesValue, Kind.BIDI, handlers.answer_first)
     server.add_method("/test.Echo/Wait", BytesValue, Kind.UNARY, handlers.wait)
     health = HealthService()
     health.add_to(server)
@@ -180,6 +191,20 @@ async def test_stream_without_replies_ends_ok(serve: Serve) -> None:
         call = bytes_call(channel, "/test.Echo/Echo", "stream_stream")(iter(()))
         assert await within(call.read()) is grpc.aio.EOF
         assert await within(call.code()) == grpc.StatusCode.OK
+        await no_stream_left(server)
+
+
+async def test_a_read_pending_when_the_call_ends_early_ends_too(serve: Serve, handlers: Handlers) -> None:
+    """The server ends the call while the client is still sending: its stream is reset with NO_ERROR,
+    and the handler's pending read ends as a finished request stream (no task waits for ever)."""
+    async with serve() as (server, _, channel):
+        call = bytes_call(channel, "/test.Echo/AnswerFirst", "stream_stream")()
+        await within(call.write(BytesValue(value=b"first")))
+        assert (await within(call.read())).value == b"first"
+        assert await within(call.code()) == grpc.StatusCode.OK
+        assert handlers.pending_read is not None
+        with pytest.raises(StopAsyncIteration):
+            await within(handlers.pending_read)
         await no_stream_left(server)
 
 

@@ -335,7 +335,11 @@ class LoopGrpcServer:
 
         def connection() -> H2Connection:
             conn = H2Connection(self, self.limits, on_close=self._connections.discard)
-            self._connections.add(conn)
+            if len(self._connections) >= self.limits.max_connections:
+                conn.refused = True  # told GOAWAY and closed at once, never counted
+                log.warning("gRPC connection refused: %d open, the limit", len(self._connections))
+            else:
+                self._connections.add(conn)
             return conn
 
         self._server = await loop.create_server(connection, host.strip("[]"), port, ssl=ssl_context)

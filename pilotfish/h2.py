@@ -76,6 +76,9 @@ class H2Limits:
     max_write_buffer: int = 32 << 20
     # a connection that sends no preface within this many seconds is closed
     preface_timeout_s: float = 10.0
+    # connections open at once to one server; past it a new one is told GOAWAY and closed (a gateway
+    # keeps a few; a peer opening thousands is not one)
+    max_connections: int = 1024
 
 
 class H2ProtocolError(Exception):
@@ -245,12 +248,16 @@ class H2Connection(asyncio.Protocol):
         self._going_away = False
         self.closed = False
         self._preface_timer: asyncio.TimerHandle | None = None
+        self.refused = False  # set before connection_made: over the server's connection limit
 
     # -- asyncio.Protocol --
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
         limits = self.limits
+        if self.refused:
+            self._abort(ENHANCE_YOUR_CALM, "too many connections")
+            return
         settings = b"".join(
             struct.pack(">HI", key, value)
             for key, value in (

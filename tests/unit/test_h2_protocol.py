@@ -266,6 +266,20 @@ async def test_frame_over_max_frame_size_is_a_frame_size_error(connect: Connect)
     assert (await peer.goaway()).code == FRAME_SIZE_ERROR
 
 
+async def test_connections_past_the_limit_are_told_goaway_and_closed(connect: Connect) -> None:
+    peer, _, server = await connect(limits=H2Limits(max_connections=1))
+    port = server._server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        extra = Peer(reader, writer)
+        assert (await extra.goaway()).code == ENHANCE_YOUR_CALM
+    finally:
+        writer.close()
+    peer.send(PING, 0, 0, bytes(8))  # the first connection is served as before
+    await peer.until(lambda f: f.kind == PING and f.flags & ACK, "PING ACK")
+    assert len(server._connections) == 1
+
+
 async def test_ping_is_acknowledged_with_its_payload(connect: Connect) -> None:
     peer, _, _ = await connect()
     peer.send(PING, 0, 0, b"\x01\x02\x03\x04\x05\x06\x07\x08")

@@ -23,7 +23,7 @@ from pilotfish.ext_proc.flow import FlowHeaders
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
-from pilotfish.ext_proc.telemetry import ExtProcMetrics
+from pilotfish.ext_proc.telemetry import ExtProcMetrics, register_grpc_refusals
 from pilotfish.ext_proc.tokens import tokenizer
 from pilotfish.grpc_loop import HealthService, Kind, LoopGrpcServer
 from pilotfish.metrics_http import serve_metrics
@@ -118,6 +118,7 @@ class ExtProcServer:
         )
         self.health = HealthService()
         self.health.add_to(server)
+        register_grpc_refusals(self.metrics.registry, lambda: server.refusals)
         return server
 
     async def start(self) -> int:

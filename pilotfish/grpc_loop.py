@@ -17,6 +17,7 @@ on this server or on grpc.aio alike. What a gRPC server owes its clients is kept
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import enum
 import logging
@@ -129,9 +130,11 @@ class _Call:
         while len(buf) >= 5:
             size = int.from_bytes(buf[1:5], "big")
             if buf[0]:
+                self.server.refused("compressed_message")
                 self._fail_now(UNIMPLEMENTED, "compressed messages are not supported")
                 return
             if size > limit:
+                self.server.refused("message_too_large")
                 self._fail_now(RESOURCE_EXHAUSTED, f"received message larger than max ({size} vs. {limit})")
                 return
             if len(buf) < 5 + size:
@@ -292,6 +295,9 @@ class LoopGrpcServer:
         self._authorize = authorize
         self._refused = refused
         self._methods: dict[str, Method] = {}
+        # what this server refused, by reason: HTTP/2 error codes' names (h2.ERROR_NAMES) and the gRPC
+        # layer's (message_too_large, compressed_message, unknown_method, not_grpc, unauthenticated)
+        self.refusals: collections.Counter[str] = collections.Counter()
         self._connections: set[H2Connection] = set()
         self._calls: set[asyncio.Task[None]] = set()
         self._server: asyncio.Server | None = None
@@ -301,20 +307,27 @@ class LoopGrpcServer:
 
     # -- H2App --
 
+    def refused(self, reason: str) -> None:
+        self.refusals[reason] += 1
+
     def open(self, stream: H2Stream) -> _Call | None:
         headers = stream.headers
         if headers.get(":method") != "POST":
+            self.refused("not_grpc")
             stream.send_headers(encode_headers([(":status", "405")]), end_stream=True)
             return None
         if not headers.get("content-type", "").startswith("application/grpc"):
+            self.refused("not_grpc")
             stream.send_headers(encode_headers([(":status", "415")]), end_stream=True)
             return None
         path = headers.get(":path", "")
         method = self._methods.get(path)
         if method is None:
+            self.refused("unknown_method")
             stream.send_headers(trailers(UNIMPLEMENTED, f"unknown method {path[:200]}", headers_sent=False), True)
             return None
         if self._authorize is not None and not self._authorize(path, headers.get("authorization")):
+            self.refused("unauthenticated")
             if self._refused is not None:
                 transport = stream.conn.transport
                 peer = transport.get_extra_info("peername") if transport is not None else None

@@ -112,6 +112,25 @@ class H2App(Protocol):
         """A stream's request headers arrived (`stream.headers`); None: the app answered already."""
         ...
 
+    def refused(self, reason: str) -> None:
+        """This side refused something of the peer's (`reason`: an error code's name, lower case):
+        a connection ended with GOAWAY, or a stream reset or refused."""
+        ...
+
+
+ERROR_NAMES = {
+    NO_ERROR: "no_error",
+    PROTOCOL_ERROR: "protocol_error",
+    INTERNAL_ERROR: "internal_error",
+    FLOW_CONTROL_ERROR: "flow_control_error",
+    STREAM_CLOSED: "stream_closed",
+    FRAME_SIZE_ERROR: "frame_size_error",
+    REFUSED_STREAM: "refused_stream",
+    CANCEL: "cancel",
+    COMPRESSION_ERROR: "compression_error",
+    ENHANCE_YOUR_CALM: "enhance_your_calm",
+}
+
 
 class H2Stream:
     """One stream: its request headers, its windows, and what waits for window to be sent."""
@@ -459,11 +478,9 @@ class H2Connection(asyncio.Protocol):
         if stream_id <= self._last_stream:  # trailers of a stream this side reset already
             return
         self._last_stream = stream_id
-        if self._going_away or self.closed:
+        if self._going_away or self.closed or len(self.streams) >= self.limits.max_concurrent_streams:
             self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
-            return
-        if len(self.streams) >= self.limits.max_concurrent_streams:
-            self._out.append(frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
+            self.app.refused(ERROR_NAMES[REFUSED_STREAM])
             return
         headers: dict[str, str] = {}
         for name, value in fields:
@@ -636,6 +653,7 @@ class H2Connection(asyncio.Protocol):
 
     def reset_stream(self, stream: H2Stream, code: int) -> None:
         self._out.append(frame(RST_STREAM, 0, stream.id, struct.pack(">I", code)))
+        self.app.refused(ERROR_NAMES.get(code, "unknown"))
         stream.pending.clear()
         stream.local_closed = stream.remote_closed = True
         self.forget(stream)
@@ -682,6 +700,7 @@ class H2Connection(asyncio.Protocol):
         log.debug("HTTP/2 connection closed: %s", why)
         if self.transport is None or self.closed:
             return
+        self.app.refused(ERROR_NAMES.get(code, "unknown"))
         self._out.append(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + why.encode()[:256]))
         out = b"".join(self._out)
         self._out.clear()

@@ -111,6 +111,16 @@ async def test_no_task_call_or_stream_outlives_its_request() -> None:
 
         await wait_until_async(settled, TIMEOUT, "every call, stream and task of the finished requests gone")
         assert server.metrics.active_streams._value.get() == 0
+        # Envoy's ways of ending streams are not refusals; a call to no method is, on /metrics
+        registry = server.metrics.registry
+        assert registry.get_sample_value("pilotfish_ext_proc_grpc_refused_total", {"reason": "unknown_method"}) is None
+        unknown = channel.unary_unary("/envoy.service.ext_proc.v3.ExternalProcessor/Nothing")
+        try:
+            await asyncio.wait_for(unknown(b""), TIMEOUT)
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNIMPLEMENTED
+        counted = registry.get_sample_value("pilotfish_ext_proc_grpc_refused_total", {"reason": "unknown_method"})
+        assert counted == 1
     finally:
         await channel.close()
         await server.stop(0.5)

@@ -287,6 +287,7 @@ async def test_message_over_the_limit_is_resource_exhausted(serve: Serve) -> Non
         # a message at the limit (1,021 bytes of value + 3 of protobuf framing) still passes
         assert await echo_once(channel, b"y" * 1021) == (grpc.StatusCode.OK, [b"y" * 1021])
         await no_stream_left(server)
+        assert server.refusals["message_too_large"] == 1  # counted once, the passing one not at all
 
 
 async def test_unknown_method_is_unimplemented(serve: Serve) -> None:

@@ -278,6 +278,7 @@ async def test_connections_past_the_limit_are_told_goaway_and_closed(connect: Co
     peer.send(PING, 0, 0, bytes(8))  # the first connection is served as before
     await peer.until(lambda f: f.kind == PING and f.flags & ACK, "PING ACK")
     assert len(server._connections) == 1
+    assert server.refusals == {"enhance_your_calm": 1}
 
 
 async def test_ping_is_acknowledged_with_its_payload(connect: Connect) -> None:
@@ -701,6 +702,9 @@ class OneStreamApp:
 
     def open(self, stream: H2Stream) -> None:
         self.streams.append(stream)
+
+    def refused(self, reason: str) -> None:
+        pass
 
 
 async def test_empty_end_of_stream_goes_out_past_a_negative_window() -> None:

@@ -129,6 +129,26 @@ def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
             raise ProtocolError(f"an aggregate of {count} at depth {depth}")
         items: list[object] = []
         for _ in range(max(count, 0)):
+            # a bulk string (every element of a pub/sub message) read here, not by a call per element:
+            # the same checks as the "$" case below
+            if buf.startswith(b"$", after):
+                eol = buf.find(b"\r\n", after)
+                if eol < 0:
+                    if len(buf) - after > 64:
+                        raise ProtocolError("a header line over 64 bytes")
+                    return None
+                size = _int(buf[after + 1 : eol])
+                after = eol + 2
+                if size < 0:
+                    items.append(None)
+                    continue
+                if size > MAX_BULK:
+                    raise ProtocolError(f"a {size}-byte string on the subscribed connection")
+                if len(buf) < after + size + 2:
+                    return None
+                items.append(buf[after : after + size])
+                after += size + 2
+                continue
             parsed = _parse(buf, after, depth + 1)
             if parsed is None:
                 return None

@@ -9,9 +9,12 @@ Two paths:
   (`keys.events_channel`) is only ever a reason to GET, so a Redis ACL that confines each llumlet
   to its own keys and its own channel confines what its notices can change too. The decoded record
   is handed over at once, from the subscription's transport callback (no task wakes per notice).
-  Of the statuses one read of the subscription brings, only each instance's newest is decoded;
-- **poll**: every `poll_interval` seconds it SCANs both key patterns and MGETs the values, so a
-  lost notice, a reader that subscribed late, or an expired key (a dead llumlet) is caught up.
+  Of the statuses one read of the subscription brings, only each instance's newest is decoded. A
+  channel whose instance id passed the checks once is remembered, so its next status notices are
+  taken without splitting and checking again;
+- **poll**: every `poll_interval` seconds it SCANs both key patterns and reads the values, both
+  kinds in one pipelined round trip each, so a lost notice, a reader that subscribed late, or an
+  expired key (a dead llumlet) is caught up.
   A value identical to the one last seen (by its digest) is not decoded again.
 
 Values are read with GETRANGE 0..MAX_RECORD_BYTES, so a record over the size bound is refused
@@ -36,7 +39,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
-from pilotfish.cms.notices import MAX_PLAIN_NOTICE, PushParser, pack_command, split_notice
+from pilotfish.cms.notices import MAX_NOTICE, MAX_PLAIN_NOTICE, PushParser, pack_command, split_notice
 from pilotfish.cms.records import (
     MALFORMED,
     MAX_RECORD_BYTES,
@@ -67,6 +70,8 @@ CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
 # summaries of refused records kept (one per key); beyond this the oldest is forgotten
 MAX_REJECTED = 4 * MGET_BATCH
+# own channels whose instance id has been checked (see `_Sender`); beyond this they are checked afresh
+MAX_SENDERS = 4096
 
 
 class CmsSink(Protocol):
@@ -114,6 +119,8 @@ class CmsReader:
         self.num_polls = 0
         self.num_notices = 0
         self._own_channel_prefix = (keys.events_channel(cluster) + ":").encode()
+        # own channel's name after the prefix -> its instance, once a notice there passed every check
+        self._senders: dict[bytes, _Sender] = {}
         # A key missing from a poll is believed gone only after `removal_grace`: a Redis that restarts
         # comes back empty, and its llumlets write their records again within their refresh interval;
         # dropping the engines at once would leave nothing to schedule on in between.
@@ -199,11 +206,10 @@ class CmsReader:
 
     async def poll_once(self) -> None:
         """Read every record once: apply what changed, drop instances whose keys are gone."""
-        client = self._client
-        meta_keys = [k async for k in client.scan_iter(match=keys.meta_pattern(self.cluster), count=SCAN_COUNT)]
-        status_keys = [k async for k in client.scan_iter(match=keys.status_pattern(self.cluster), count=SCAN_COUNT)]
-        meta_seen = await self._read_all(meta_keys, keys.META)
-        status_seen = await self._read_all(status_keys, keys.STATUS)
+        meta_keys, status_keys = await self._scan(keys.meta_pattern(self.cluster), keys.status_pattern(self.cluster))
+        # one pipeline for both kinds (metadata applied first, so a status finds its instance)
+        seen = await self._read_all([(k, keys.META) for k in meta_keys] + [(k, keys.STATUS) for k in status_keys])
+        meta_seen, status_seen = seen[keys.META], seen[keys.STATUS]
         missing = {(keys.META, i) for i in self.sink.known() - meta_seen}
         held = self._last_digest
         missing |= {(keys.STATUS, i) for i in meta_seen - status_seen if keys.status_key(self.cluster, i) in held}
@@ -222,19 +228,37 @@ class CmsReader:
                 self.sink.status_gone(instance_id)
         self.num_polls += 1
 
-    async def _read_all(self, found: list[bytes], kind: str) -> set[str]:
-        seen: set[str] = set()
+    async def _scan(self, *patterns: str) -> list[list[bytes]]:
+        """The keys matching each pattern: the SCANs of all patterns share a round trip (a poll's
+        CPU is mostly per command, and the usual cluster's keys fit in one SCAN of each)."""
+        found: list[list[bytes]] = [[] for _ in patterns]
+        cursors = [0] * len(patterns)
+        pending = list(range(len(patterns)))
+        while pending:
+            pipe = self._client.pipeline(transaction=False)
+            for i in pending:
+                pipe.scan(cursors[i], match=patterns[i], count=SCAN_COUNT)
+            replies = await pipe.execute()
+            for i, (cursor, batch) in zip(pending, replies, strict=True):
+                found[i].extend(batch)
+                cursors[i] = int(cursor)
+            pending = [i for i in pending if cursors[i]]
+        return found
+
+    async def _read_all(self, found: list[tuple[bytes, str]]) -> dict[str, set[str]]:
+        """Read and apply each (key, kind) in order; the instances whose key held a value, by kind."""
+        seen: dict[str, set[str]] = {keys.META: set(), keys.STATUS: set()}
         for start in range(0, len(found), MGET_BATCH):
             batch = found[start : start + MGET_BATCH]
             pipe = self._client.pipeline(transaction=False)
-            for key in batch:
+            for key, _ in batch:
                 pipe.getrange(key, 0, MAX_RECORD_BYTES)  # at most one byte over the bound
             values = await pipe.execute(raise_on_error=False)
-            for key, raw in zip(batch, values, strict=True):
+            for (key, kind), raw in zip(batch, values, strict=True):
                 if raw != b"":  # b"": gone since the SCAN (GETRANGE reads a missing key as empty)
                     # a key holding a bad record still exists: the sink keeps what it held
                     await self._apply(key.decode(errors="replace"), kind, raw)
-                    seen.add(keys.instance_of(key))
+                    seen[kind].add(keys.instance_of(key))
         return seen
 
     async def _listen(self, recovered: Any) -> None:
@@ -273,6 +297,7 @@ class CmsReader:
         inline: dict[str, bytes] = {}
         plain: dict[tuple[str, str], None] = {}
         own_prefix = self._own_channel_prefix
+        senders = self._senders
         for message in messages:
             sender: bytes | None  # the instance whose own channel carried it; None: the shared channel
             if len(message) == 4 and message[0] == b"pmessage" and isinstance(message[3], bytes):
@@ -280,6 +305,16 @@ class CmsReader:
                 if not isinstance(channel, bytes) or not channel.startswith(own_prefix):
                     continue
                 sender = channel[len(own_prefix):]
+                # the usual notice, a status on the channel of an instance whose id passed the checks
+                # before: what split_notice would return (the id holds no ':'), without splitting
+                known = senders.get(sender)
+                if known is not None and len(data) <= MAX_NOTICE and data.startswith(known.status_prefix):
+                    self.num_notices += 1
+                    if self.notice_records:
+                        inline[known.instance_id] = data[len(known.status_prefix):]
+                    else:
+                        plain[(keys.STATUS, known.instance_id)] = None
+                    continue
             elif len(message) == 3 and message[0] == b"message" and isinstance(message[2], bytes):
                 data, sender = message[2], None
             else:
@@ -298,12 +333,18 @@ class CmsReader:
                 if self._note_refused is not None:
                     self._note_refused(instance_id, NOTICE_SENDER)
                 continue
+            if sender is not None and sender not in senders:
+                if len(senders) >= MAX_SENDERS:
+                    senders.clear()
+                senders[sender] = _Sender(instance_id, self.cluster)
             if record is None or sender is None or not self.notice_records:
                 plain[(kind, instance_id)] = None
             else:
                 inline[instance_id] = record
         for instance_id, record in inline.items():  # never over the size bound: no STRLEN to await
-            self._hand_over(keys.status_key(self.cluster, instance_id), keys.STATUS, record)
+            known = senders.get(instance_id.encode())
+            key = known.status_key if known is not None else keys.status_key(self.cluster, instance_id)
+            self._hand_over(key, keys.STATUS, record, instance_id=instance_id)
         return plain
 
     async def _read_key(self, kind: str, instance_id: str) -> None:
@@ -335,9 +376,12 @@ class CmsReader:
         held = self._rejected.get(key)
         return self._last_digest.get(key) == raw_digest or (held is not None and held.digest == raw_digest)
 
-    def _hand_over(self, key: str, kind: str, raw: bytes | Exception, full_size: int = 0) -> bool:
-        """`_apply` without the STRLEN an oversized value needs (`full_size`, when known)."""
-        instance_id = keys.instance_of(key)
+    def _hand_over(
+        self, key: str, kind: str, raw: bytes | Exception, full_size: int = 0, instance_id: str = ""
+    ) -> bool:
+        """`_apply` without the STRLEN an oversized value needs (`full_size`, when known);
+        `instance_id`: the key's, when the caller knows it."""
+        instance_id = instance_id or keys.instance_of(key)
         if isinstance(raw, Exception):  # not a string key: nothing a writer of ours would leave
             raw_digest, size = b"", 0
             failure = BadRecord(f"{kind} key holds no string ({raw})", MALFORMED)
@@ -390,6 +434,18 @@ class CmsReader:
         for instance_id in instances:
             self._forget(keys.meta_key(self.cluster, instance_id))
             self._forget(keys.status_key(self.cluster, instance_id))
+
+
+class _Sender:
+    """An instance whose own channel carried a notice that passed every check: its id, the prefix its
+    status notices start with, and its status key, so the next notices there need no splitting."""
+
+    __slots__ = ("instance_id", "status_key", "status_prefix")
+
+    def __init__(self, instance_id: str, cluster: str) -> None:
+        self.instance_id = instance_id
+        self.status_key = keys.status_key(cluster, instance_id)
+        self.status_prefix = f"{keys.STATUS}:{instance_id}:".encode()
 
 
 def _is_reply_error(exc: BaseException) -> bool:

@@ -12,33 +12,12 @@ from pilotfish.cms import keys
 from pilotfish.cms.notices import MAX_NOTICE
 from pilotfish.cms.reader import NOTICE_SENDER, CmsReader, _Subscription
 from pilotfish.protos import cms_pb2
+from tests.unit.test_cms_validation import _Sink
 
 CLUSTER = "c"
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.statuses: list[tuple[str, int]] = []
-        self.refused: list[tuple[str, str]] = []
-
-    def apply_metadata(self, meta: cms_pb2.InstanceMetadata) -> bool:
-        return True
-
-    def apply_status(self, status: cms_pb2.InstanceStatus) -> bool:
-        self.statuses.append((status.instance_id, status.update_id))
-        return True
-
-    def status_gone(self, instance_id: str) -> None:
-        pass
-
-    def remove(self, instance_id: str) -> bool:
-        return True
-
-    def known(self) -> set[str]:
-        return set()
-
-    def record_refused(self, instance_id: str, reason: str) -> None:
-        self.refused.append((instance_id, reason))
+Sink = _Sink  # the reader's view, recording what it is handed (statuses whole, refusals)
 
 
 class _Previous(asyncio.BaseProtocol):
@@ -62,7 +41,7 @@ def outcome(sub: _Subscription, sink: Sink, reader: CmsReader, frame: bytes) -> 
     sub.data_received(frame)
     assert sub.ended is None
     return (
-        sink.statuses[before[0] :],
+        [(status.instance_id, status.update_id) for status in sink.statuses[before[0] :]],
         sink.refused[before[1] :],
         dict(sub.to_read),
         reader.num_notices - before[2],

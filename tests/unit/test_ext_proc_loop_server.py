@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -62,15 +63,21 @@ async def refused(stub: ep_grpc.ExternalProcessorStub, i: int) -> None:
     assert await call.code() == grpc.StatusCode.OK
 
 
-async def streamed(stub: ep_grpc.ExternalProcessorStub, i: int) -> None:
-    """Routed, then a streamed response to its end."""
+async def routed(stub: ep_grpc.ExternalProcessorStub, request_id: str) -> Any:
+    """A stream routed by the gateway whose response headers came back: its body is next."""
     call = stub.Process()
-    await call.write(request_headers(f"streamed-{i}"))
+    await call.write(request_headers(request_id))
     await call.read()
     await call.write(request_body("m"))
     assert (await call.read()).HasField("request_body")
     await call.write(response_headers())
     await call.read()
+    return call
+
+
+async def streamed(stub: ep_grpc.ExternalProcessorStub, i: int) -> None:
+    """Routed, then a streamed response to its end."""
+    call = await routed(stub, f"streamed-{i}")
     await call.write(response_body(b'data: {"choices":[{"text":"a"}]}\n\n', end=False))
     await call.read()
     await call.write(response_body(b"data: [DONE]\n\n", end=True))
@@ -81,13 +88,7 @@ async def streamed(stub: ep_grpc.ExternalProcessorStub, i: int) -> None:
 
 async def client_gone(stub: ep_grpc.ExternalProcessorStub, i: int) -> None:
     """Routed, then the client leaves mid-stream: Envoy cancels the ext_proc stream."""
-    call = stub.Process()
-    await call.write(request_headers(f"gone-{i}"))
-    await call.read()
-    await call.write(request_body("m"))
-    await call.read()
-    await call.write(response_headers())
-    await call.read()
+    call = await routed(stub, f"gone-{i}")
     call.cancel()
 
 

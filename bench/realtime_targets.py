@@ -42,6 +42,12 @@ TARGETS: dict[str, TargetInfo] = {
     for t in (
         TargetInfo("direct-rr", "baseline", "no router: the client sends request i to engine i mod N itself"),
         TargetInfo(
+            "envoy-rr",
+            "baseline",
+            "Envoy alone: Pilotfish's sidecar bootstrap without its ext_proc filter, round-robin over the "
+            "engines (what Envoy costs before Pilotfish adds anything)",
+        ),
+        TargetInfo(
             "pilotfish-lite",
             "pilotfish",
             "Envoy + ext_proc + scheduler, lite mode, shipped defaults: `predicted-latency` from the "
@@ -157,7 +163,7 @@ def find_executable(flag_value: str, name: str) -> tuple[str, str]:
 
 def unavailable(name: str, peers: dict[str, tuple[str, str]]) -> str:
     """Why target `name` cannot run on this machine, or "" when it can; `peers`: router -> (path, reason)."""
-    if name.startswith("pilotfish"):
+    if name.startswith("pilotfish") or name == "envoy-rr":
         from pilotfish.services import MissingBinary, envoy_binary, redis_binary
 
         try:
@@ -178,6 +184,8 @@ def start_target(name: str, fleet: FleetSpec, group: Any, log_dir: Path, peers: 
         return Running([f"http://127.0.0.1:{p}" for p in ports], ids)
     if name.startswith("pilotfish-"):
         return _start_pilotfish(name, fleet, group, log_dir)
+    if name == "envoy-rr":
+        return _start_envoy_alone(fleet, group, log_dir)
     router, _, policy = name.partition(":")
     if router == "vllm-router":
         return _start_vllm_router(peers[router][0], policy, fleet, group, log_dir)
@@ -212,6 +220,32 @@ def _start_fleet(
     for port in ports:
         sim.wait_port(port, START_TIMEOUT)
     return ports, [f"sim-{i}" for i in range(fleet.engines)]
+
+
+def _start_envoy_alone(fleet: FleetSpec, group: Any, log_dir: Path) -> Running:
+    from pilotfish.envoy_bootstrap import render_plain_proxy, render_sidecar
+    from pilotfish.procs import free_port
+    from pilotfish.services import start_envoy
+
+    ports, ids = _start_fleet(fleet, group, log_dir)
+    listen = free_port()
+    engines = [("127.0.0.1", port) for port in ports]
+    sidecar = render_sidecar(
+        listen_port=listen, admin_port=free_port(), ext_proc_ports=[free_port()], default_endpoints=engines
+    )
+    # started as the Pilotfish stack starts its Envoy (its default worker count), its default pool only
+    service = start_envoy(render_plain_proxy(sidecar), log_dir / "envoy-alone")
+    assert service.child is not None
+    group.children.append(service.child)
+    service.child.wait_port(listen, START_TIMEOUT)
+    pid = service.child.pid
+    return Running(
+        [f"http://127.0.0.1:{listen}"],
+        ids,
+        router_pids=[pid],
+        router_parts={"envoy": pid},
+        engine_urls=[f"http://127.0.0.1:{port}" for port in ports],
+    )
 
 
 def _start_pilotfish(name: str, fleet: FleetSpec, group: Any, log_dir: Path) -> Running:

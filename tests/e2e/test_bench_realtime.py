@@ -44,7 +44,7 @@ def _args(out: Path, targets: list[str]) -> argparse.Namespace:
 
 
 def test_the_harness_runs_end_to_end_and_every_request_completes(tmp_path: Path, envoy_binary: Path) -> None:
-    targets = ["direct-rr", "pilotfish-lite"]
+    targets = ["direct-rr", "envoy-rr", "pilotfish-lite"]
     if find_executable("", "vllm-router")[0]:  # a peer arm only where the router is installed
         targets.append("vllm-router:round_robin")
     out = tmp_path / "out"
@@ -66,6 +66,8 @@ def test_the_harness_runs_end_to_end_and_every_request_completes(tmp_path: Path,
         for figure in ("ttft_p50", "ttft_p99", "tpot_p99", "e2e_p99", "requests_per_s"):
             assert summary[figure]["median"] > 0, (name, figure)
     assert runs["direct-rr"][0]["engine_requests"] == [3, 3]  # the client's own round-robin
+    assert runs["envoy-rr"][0]["engine_requests"] == [3, 3]  # Envoy's default pool, round-robin
+    assert set(runs["envoy-rr"][0]["router_idle_cpu_ms_per_request_parts"]) == {"envoy"}
     # the idle window (on by default): as long as the replay, the same divisor, so the figures subtract
     lite = runs["pilotfish-lite"][0]
     assert set(lite["router_idle_cpu_ms_per_request_parts"]) == {"envoy", "ext_proc", "scheduler"}

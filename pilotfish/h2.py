@@ -92,19 +92,11 @@ class H2ProtocolError(Exception):
 class StreamReceiver(Protocol):
     """What the application attaches to a stream to receive it."""
 
-    def data(self, payload: bytes) -> None: ...  # raise StreamRefused to reset the stream
+    def data(self, payload: bytes) -> None: ...  # a stream's DATA, padding removed
 
     def end(self) -> None: ...  # the peer half-closed (END_STREAM)
 
     def reset(self, code: int) -> None: ...  # RST_STREAM received, or the connection is gone
-
-
-class StreamRefused(Exception):
-    """Raised by a receiver: reset the stream with `code`."""
-
-    def __init__(self, code: int) -> None:
-        super().__init__(code)
-        self.code = code
 
 
 class H2App(Protocol):
@@ -337,12 +329,6 @@ class H2Connection(asyncio.Protocol):
         if self._on_close is not None:
             self._on_close(self)
 
-    def pause_writing(self) -> None:  # the socket is full: what is queued is bounded in _flush
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
     # -- reading frames --
 
     def _frames(self) -> None:
@@ -424,11 +410,7 @@ class H2Connection(asyncio.Protocol):
             return
         stream.unacked += size
         if stream.receiver is not None and payload:
-            try:
-                stream.receiver.data(payload)
-            except StreamRefused as exc:
-                self.reset_stream(stream, exc.code)
-                return
+            stream.receiver.data(payload)
         if flags & END_STREAM:
             self._remote_end(stream)
         else:

@@ -23,10 +23,10 @@ from pilotfish.ext_proc.flow import FlowHeaders
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.ext_proc.routing import CircuitBreaker, Router, SchedulerBackend
 from pilotfish.ext_proc.scheduler_client import GrpcScheduler
-from pilotfish.ext_proc.telemetry import ExtProcMetrics, register_grpc_refusals
+from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import tokenizer
 from pilotfish.grpc_loop import HealthService, Kind, LoopGrpcServer
-from pilotfish.metrics_http import serve_metrics
+from pilotfish.metrics_http import register_counts, serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.security import Security, register_auth_stats
 
@@ -107,7 +107,7 @@ class ExtProcServer:
         server = LoopGrpcServer(
             max_message_bytes=self._max_message_bytes,
             authorize=security.call_authorized,
-            refused=lambda peer, method: security.refused_call(LISTENER, peer, method),
+            on_unauthenticated=lambda peer, method: security.refused_call(LISTENER, peer, method),
         )
         server.add_method(f"/{EXT_PROC_SERVICE}/Process", ep.ProcessingRequest, Kind.BIDI, self.servicer.Process)
         server.add_method(
@@ -118,7 +118,14 @@ class ExtProcServer:
         )
         self.health = HealthService()
         self.health.add_to(server)
-        register_grpc_refusals(self.metrics.registry, lambda: server.refusals)
+        register_counts(
+            self.metrics.registry,
+            "pilotfish_ext_proc_grpc_refused",
+            "Connections, streams and calls the ext_proc's gRPC server refused, by reason (an HTTP/2 error "
+            "code's name, or message_too_large, compressed_message, unknown_method, not_grpc, unauthenticated).",
+            ["reason"],
+            lambda: {(reason,): n for reason, n in server.refusals.items()},
+        )
         return server
 
     async def start(self) -> int:

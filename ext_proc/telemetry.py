@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
@@ -59,24 +56,3 @@ class ExtProcMetrics:
         self.active_streams = Gauge(
             "pilotfish_ext_proc_active_streams", "ext_proc streams (HTTP requests) in progress.", registry=self.registry
         )
-
-
-def register_grpc_refusals(registry: CollectorRegistry, refusals: Callable[[], Mapping[str, int]]) -> None:
-    """pilotfish_ext_proc_grpc_refused_total{reason}: what the loop gRPC server refused (its own
-    counter, read at each scrape)."""
-    from prometheus_client.core import CounterMetricFamily
-
-    class _Collector:
-        def collect(self) -> Iterator[Any]:
-            family = CounterMetricFamily(
-                "pilotfish_ext_proc_grpc_refused",
-                "Connections, streams and calls the ext_proc's gRPC server refused, by reason (an HTTP/2 "
-                "error code's name, or message_too_large, compressed_message, unknown_method, not_grpc, "
-                "unauthenticated).",
-                labels=["reason"],
-            )
-            for reason, n in sorted(refusals().items()):
-                family.add_metric([reason], n)
-            yield family
-
-    registry.register(_Collector())

@@ -280,20 +280,20 @@ class HealthService:
 
 class LoopGrpcServer:
     """The methods, the listener and its connections. `authorize(method, authorization)` decides
-    each call; `refused(peer, method)` hears of each call turned away."""
+    each call; `on_unauthenticated(peer, method)` hears of each call it turns away."""
 
     def __init__(
         self,
         *,
         max_message_bytes: int = 4 << 20,
         authorize: Callable[[str, str | None], bool] | None = None,
-        refused: Callable[[str, str], None] | None = None,
+        on_unauthenticated: Callable[[str, str], None] | None = None,
         limits: H2Limits | None = None,
     ) -> None:
         self.max_message_bytes = max_message_bytes
         self.limits = limits or H2Limits()
         self._authorize = authorize
-        self._refused = refused
+        self._on_unauthenticated = on_unauthenticated
         self._methods: dict[str, Method] = {}
         # what this server refused, by reason: HTTP/2 error codes' names (h2.ERROR_NAMES) and the gRPC
         # layer's (message_too_large, compressed_message, unknown_method, not_grpc, unauthenticated)
@@ -328,10 +328,10 @@ class LoopGrpcServer:
             return None
         if self._authorize is not None and not self._authorize(path, headers.get("authorization")):
             self.refused("unauthenticated")
-            if self._refused is not None:
+            if self._on_unauthenticated is not None:
                 transport = stream.conn.transport
                 peer = transport.get_extra_info("peername") if transport is not None else None
-                self._refused(str(peer), path)
+                self._on_unauthenticated(str(peer), path)
             stream.send_headers(trailers(UNAUTHENTICATED, "missing or wrong bearer token", headers_sent=False), True)
             return None
         call = _Call(self, stream, method)

@@ -7,7 +7,8 @@ as its other listeners (reloaded when they change) and, with a token, answers on
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -16,6 +17,28 @@ from pilotfish.procs import StartError
 
 if TYPE_CHECKING:
     from pilotfish.security import Security
+
+
+def register_counts(
+    registry: CollectorRegistry,
+    name: str,
+    documentation: str,
+    labels: list[str],
+    counts: Callable[[], Mapping[tuple[str, ...], int]],
+) -> None:
+    """A counter family read from `counts()` at each scrape, its keys the label values in `labels`'
+    order: for counts kept in a plain Counter where they happen (a per-event prometheus Counter would
+    cost the hot path more)."""
+    from prometheus_client.core import CounterMetricFamily
+
+    class _Collector:
+        def collect(self) -> Iterator[Any]:
+            family = CounterMetricFamily(name, documentation, labels=labels)
+            for values, n in sorted(counts().items()):
+                family.add_metric(list(values), n)
+            yield family
+
+    registry.register(_Collector())
 
 
 async def serve_metrics(

@@ -170,20 +170,15 @@ class AuthStats:
 
 def register_auth_stats(registry: Any, stats: AuthStats) -> None:
     """Expose `stats` on a prometheus_client registry."""
-    from prometheus_client.core import CounterMetricFamily
+    from pilotfish.metrics_http import register_counts
 
-    class _Collector:
-        def collect(self) -> Any:
-            family = CounterMetricFamily(
-                "pilotfish_auth_refused",
-                "control-plane calls refused for missing or wrong credentials, by listener and reason",
-                labels=["listener", "reason"],
-            )
-            for (listener, reason), n in sorted(stats.refused.items()):
-                family.add_metric([listener, reason], n)
-            yield family
-
-    registry.register(_Collector())
+    register_counts(
+        registry,
+        "pilotfish_auth_refused",
+        "control-plane calls refused for missing or wrong credentials, by listener and reason",
+        ["listener", "reason"],
+        lambda: stats.refused,
+    )
 
 
 class _ServerFiles:
@@ -479,10 +474,6 @@ class Security:
                 break
         return self.call_authorized(details.method, value)
 
-    def refused_call(self, listener: str, peer: str, method: str) -> None:
-        """Count and log a call `call_authorized` turned away (servers other than grpc.aio's)."""
-        self._refused(listener, peer, method)
-
     def aio_interceptor(self, listener: str) -> Any:
         """A grpc.aio server interceptor: every call but health carries the token, else UNAUTHENTICATED."""
         import grpc
@@ -496,14 +487,15 @@ class Security:
                     return handler
 
                 async def deny(request: Any, context: Any) -> Any:
-                    security._refused(listener, context.peer(), details.method)
+                    security.refused_call(listener, context.peer(), details.method)
                     await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
                 return _handler_like(handler, deny)
 
         return _TokenCheck()
 
-    def _refused(self, listener: str, peer: str, what: str) -> None:
+    def refused_call(self, listener: str, peer: str, what: str) -> None:
+        """Count and log a call or request turned away for its token, on any of the listeners."""
         self.stats.refuse(listener, "unauthenticated")
         log.debug("%s: refused %s from %s: missing or wrong token", listener, what, peer)
 
@@ -551,7 +543,7 @@ class Security:
         async def check(request: web.Request, handler: Any) -> Any:
             if security.token_ok(request.headers.get("Authorization")):
                 return await handler(request)
-            security._refused(listener, str(request.remote), request.path)
+            security.refused_call(listener, str(request.remote), request.path)
             return web.Response(status=401, text="missing or wrong bearer token\n",
                                 headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
 

@@ -361,7 +361,7 @@ async def test_token_refused_and_counted_health_open(serve: Serve) -> None:
         refused.append((peer, method))
         security.refused_call("test_grpc", peer, method)  # as the ext_proc wires it
 
-    async with serve(authorize=security.call_authorized, refused=refuse) as (
+    async with serve(authorize=security.call_authorized, on_unauthenticated=refuse) as (
         _,
         health,
         channel,

@@ -66,7 +66,9 @@ def test_the_harness_runs_end_to_end_and_every_request_completes(tmp_path: Path,
         for figure in ("ttft_p50", "ttft_p99", "tpot_p99", "e2e_p99", "requests_per_s"):
             assert summary[figure]["median"] > 0, (name, figure)
     assert runs["direct-rr"][0]["engine_requests"] == [3, 3]  # the client's own round-robin
-    assert runs["envoy-rr"][0]["engine_requests"] == [3, 3]  # Envoy's default pool, round-robin
+    # Envoy's default pool: each worker thread keeps its own round-robin position (one worker per core), so
+    # the split depends on which worker took each connection; only the pool's size is fixed
+    assert len(runs["envoy-rr"][0]["engine_requests"]) == 2
     assert set(runs["envoy-rr"][0]["router_idle_cpu_ms_per_request_parts"]) == {"envoy"}
     # the idle window (on by default): as long as the replay, the same divisor, so the figures subtract
     lite = runs["pilotfish-lite"][0]

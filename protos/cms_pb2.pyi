@@ -59,7 +59,7 @@ class InstanceMetadata(_message.Message):
     def __init__(self, instance_id: _Optional[str] = ..., host: _Optional[str] = ..., http_port: _Optional[int] = ..., llumlet_port: _Optional[int] = ..., model: _Optional[str] = ..., infer_type: _Optional[_Union[InferType, str]] = ..., block_size: _Optional[int] = ..., num_gpu_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., dp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., node_id: _Optional[str] = ..., unit_id: _Optional[str] = ..., update_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_topic: _Optional[str] = ...) -> None: ...
 
 class InstanceStatus(_message.Message):
-    __slots__ = ("instance_id", "update_id", "timestamp_ms", "step_id", "schedulable", "num_waiting", "num_running", "num_loading", "num_waiting_prefill", "num_running_prefill", "num_running_decode", "uncomputed_prefill_tokens", "running_decode_seq_len_sum", "used_kv_tokens", "total_kv_tokens", "unallocated_tokens", "last_step_duration_us", "last_step_prefill_tokens", "last_step_decode_batch", "last_step_seq_len_sum", "admitted_request_ids", "num_preempted_total", "num_migrating_out", "num_migrating_in", "epoch")
+    __slots__ = ("instance_id", "update_id", "timestamp_ms", "step_id", "schedulable", "num_waiting", "num_running", "num_loading", "num_waiting_prefill", "num_running_prefill", "num_running_decode", "uncomputed_prefill_tokens", "running_decode_seq_len_sum", "used_kv_tokens", "total_kv_tokens", "unallocated_tokens", "last_step_duration_us", "last_step_prefill_tokens", "last_step_decode_batch", "last_step_seq_len_sum", "admitted_request_ids", "num_preempted_total", "num_migrating_out", "num_migrating_in", "epoch", "num_finished_total", "finished_output_tokens_total")
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     UPDATE_ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_MS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,8 @@ class InstanceStatus(_message.Message):
     NUM_MIGRATING_OUT_FIELD_NUMBER: _ClassVar[int]
     NUM_MIGRATING_IN_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_FINISHED_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_OUTPUT_TOKENS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     instance_id: str
     update_id: int
     timestamp_ms: int
@@ -110,4 +112,6 @@ class InstanceStatus(_message.Message):
     num_migrating_out: int
     num_migrating_in: int
     epoch: int
-    def __init__(self, instance_id: _Optional[str] = ..., update_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., step_id: _Optional[int] = ..., schedulable: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_waiting_prefill: _Optional[int] = ..., num_running_prefill: _Optional[int] = ..., num_running_decode: _Optional[int] = ..., uncomputed_prefill_tokens: _Optional[int] = ..., running_decode_seq_len_sum: _Optional[int] = ..., used_kv_tokens: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., unallocated_tokens: _Optional[int] = ..., last_step_duration_us: _Optional[int] = ..., last_step_prefill_tokens: _Optional[int] = ..., last_step_decode_batch: _Optional[int] = ..., last_step_seq_len_sum: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., num_preempted_total: _Optional[int] = ..., num_migrating_out: _Optional[int] = ..., num_migrating_in: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    num_finished_total: int
+    finished_output_tokens_total: int
+    def __init__(self, instance_id: _Optional[str] = ..., update_id: _Optional[int] = ..., timestamp_ms: _Optional[int] = ..., step_id: _Optional[int] = ..., schedulable: _Optional[bool] = ..., num_waiting: _Optional[int] = ..., num_running: _Optional[int] = ..., num_loading: _Optional[int] = ..., num_waiting_prefill: _Optional[int] = ..., num_running_prefill: _Optional[int] = ..., num_running_decode: _Optional[int] = ..., uncomputed_prefill_tokens: _Optional[int] = ..., running_decode_seq_len_sum: _Optional[int] = ..., used_kv_tokens: _Optional[int] = ..., total_kv_tokens: _Optional[int] = ..., unallocated_tokens: _Optional[int] = ..., last_step_duration_us: _Optional[int] = ..., last_step_prefill_tokens: _Optional[int] = ..., last_step_decode_batch: _Optional[int] = ..., last_step_seq_len_sum: _Optional[int] = ..., admitted_request_ids: _Optional[_Iterable[str]] = ..., num_preempted_total: _Optional[int] = ..., num_migrating_out: _Optional[int] = ..., num_migrating_in: _Optional[int] = ..., epoch: _Optional[int] = ..., num_finished_total: _Optional[int] = ..., finished_output_tokens_total: _Optional[int] = ...) -> None: ...

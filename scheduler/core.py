@@ -103,7 +103,10 @@ class SchedulerCore:
         # full mode those that say so): a full-mode default re-keyed an instance for each Release
         reads_lrs = not self.full_mode or any(m.lrs_in_full_mode for m in metrics)
         self._lrs = LocalRealtimeState(
-            config.request_local_account_staleness_seconds, clock, on_change=self._dirty.add if reads_lrs else None
+            config.request_local_account_staleness_seconds,
+            clock,
+            on_change=self._dirty.add if reads_lrs else None,
+            count_releases=not self.full_mode,  # full mode counts answers from the engines' records
         )
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
@@ -137,6 +140,8 @@ class SchedulerCore:
                 admitted_window_ms=config.account_admitted_window_ms,
                 trust=CmsTrust.from_config(config),
                 wall_clock=wall_clock,
+                # the engines' finished answers, counted where lite mode counts its releases (predicted_stall)
+                answered=self._lrs.answered,
             )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))

@@ -107,7 +107,7 @@ class LoadObserver(EngineObserver):
 
     def detached(self, request: SimRequest, now: float) -> None:
         with self.events() as s:
-            s.finished(request.request_id)  # migrated away: no longer load here
+            s.finished(request.request_id, answered=False)  # migrated away: no longer load here
 
     def step_finished(
         self, now: float, duration: float, num_prefill_tokens: int, num_decodes: int, num_context_tokens: int

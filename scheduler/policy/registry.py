@@ -321,23 +321,21 @@ def slo_spec(config: SchedulerConfig) -> dict[str, Any]:
     }
 
 
-# what the default policy ranks by in lite mode: the request's own predicted time to first token plus the
+# what the default policy ranks by, in both modes: the request's own predicted time to first token plus the
 # stall its prefill puts on the decode batch it joins past what that batch's answers absorb
-# (metrics/latency.py, predicted_stall, says why), then the time per output token it would see
+# (metrics/latency.py, predicted_stall, says why, and where each mode learns the answers' lengths), then the
+# time per output token it would see
 PREDICTED_LATENCY_METRICS = ["predicted_stall", "predicted_tpot"]
-# in full mode without the stall: what a batch's answers absorb is learned from the tokens of the
-# requests released there, which only a gateway that counts response bodies reports (lite mode); full
-# mode skips them (the llumlets count tokens), so every answer would look empty and every stall be charged
-PREDICTED_LATENCY_METRICS_FULL = ["predicted_ttft", "predicted_tpot"]
 
 
 def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
     """The default: least predicted latency with cache affinity.
 
     Prefill (and neutral) instances rank by predicted TTFT (the prefill work ahead plus this
-    prompt's uncached part, and the decode batch's share of each prefill step), in lite mode plus the
-    stall this prompt's prefill puts on the decode batch past what its answers absorb
-    (`predicted_stall`; full mode has no answer lengths to learn that from), then predicted TPOT;
+    prompt's uncached part, and the decode batch's share of each prefill step) plus the stall this
+    prompt's prefill puts on the decode batch past what its answers absorb (`predicted_stall`: the
+    answers' lengths from the gateway's reports in lite mode, from the engines' records in full mode),
+    then predicted TPOT;
     the cached prefix picks among the instances whose value is within the band of the least (the
     cache_aware selector), so affinity never costs more than the band. Decode
     instances rank by predicted TPOT. The load comes from the mode's view (metrics/latency.py):
@@ -346,8 +344,7 @@ def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
     `--ttft-slo` / `--tpot-slo` add the `slo` policy's threshold filters (an optional refinement;
     the fallback pass ignores them)."""
     top_k = config.dispatch_top_k
-    metrics = PREDICTED_LATENCY_METRICS_FULL if config.enable_full_mode_scheduling else PREDICTED_LATENCY_METRICS
-    ranking = {"name": "cache_aware", "metrics": ["kv_cache_hit_len", *metrics], "top_k": top_k}
+    ranking = {"name": "cache_aware", "metrics": ["kv_cache_hit_len", *PREDICTED_LATENCY_METRICS], "top_k": top_k}
     ttft = _threshold("predicted_ttft", config.ttft_slo * config.ttft_slo_dispatch_threshold if config.ttft_slo
                       else None)
     tpot = _threshold("predicted_tpot", config.tpot_slo * config.tpot_slo_dispatch_threshold if config.tpot_slo

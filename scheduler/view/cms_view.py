@@ -107,7 +107,11 @@ class CmsView:
         admitted_window_ms: int = 0,
         trust: CmsTrust | None = None,
         wall_clock: Callable[[], float] = time.time,
+        answered: Callable[[InstanceView, int, int], None] | None = None,
     ) -> None:
+        """`answered(inst, requests, tokens)`: told the requests that left an engine with their answers
+        (and those answers' tokens) between two of its statuses, from the records' finished totals."""
+        self._answered = answered
         self._window_ms = admitted_window_ms
         self._prior_weight = prior_weight
         self._instances = instances
@@ -275,7 +279,9 @@ class CmsView:
             log.debug("dropped stale status of %s (update_id %d)", instance_id, update_id)
             return False
         self._epochs[instance_id] = epoch
-        inst.status = EngineStatus.from_proto(status)
+        inst.status = applied = EngineStatus.from_proto(status)
+        if self._answered is not None and applied.num_finished_total:
+            self._count_answers(inst, held, applied, new_epoch)
         model = inst.step_model
         if model is None:
             model = inst.step_model = StepTimeModel(self._profile, self._prior_weight)
@@ -290,6 +296,19 @@ class CmsView:
         self.num_applied += 1
         self._changed(inst)
         return True
+
+    def _count_answers(
+        self, inst: InstanceView, held: EngineStatus | None, applied: EngineStatus, new_epoch: bool
+    ) -> None:
+        """The finished totals' growth since the held status; a restarted writer (new epoch, or totals
+        that fell) counts from 0, so its first record's totals are all new."""
+        assert self._answered is not None
+        finished, tokens = applied.num_finished_total, applied.finished_output_tokens_total
+        if held is not None and not new_epoch and finished >= held.num_finished_total:
+            finished -= held.num_finished_total
+            tokens -= held.finished_output_tokens_total
+        if finished > 0 and tokens >= 0:
+            self._answered(inst, finished, tokens)
 
     # -- departures ----------------------------------------------------------------------------------
 

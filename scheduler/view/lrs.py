@@ -47,7 +47,10 @@ class LocalRealtimeState:
         staleness_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[str], None] | None = None,
+        count_releases: bool = True,
     ) -> None:
+        """`count_releases` False (full mode): a release's generated tokens are not the answer's (the
+        gateway did not count them), so answers are counted from the engines' records (`answered`)."""
         self.staleness_seconds = staleness_seconds
         self._clock = clock
         # told the instance id whenever its counts change, so load-ordered indexes re-key it
@@ -56,6 +59,7 @@ class LocalRealtimeState:
         self.num_expired = 0  # monotonic; exported as pilotfish_scheduler_expired_total
         # the fleet's released requests and their generated tokens, and its mean at a power of two
         # (LrsLoad.fleet_output_level), given to the cold instances: dispatched to, nothing released there yet
+        self._count_releases = count_releases
         self._released = 0
         self._released_tokens = 0
         self._fleet_level = -1
@@ -152,18 +156,33 @@ class LocalRealtimeState:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
+        if not self._count_releases:
+            self._unload(entry)
+            return True
         # counted before the unload, whose change notice re-keys the instance with them
         entry.load.num_released += 1
         entry.load.released_generated_tokens += entry.generated_tokens
         self._cold.pop(entry.instance_id, None)
         self._unload(entry)
-        self._count_release(entry.generated_tokens)
+        self._count_release(1, entry.generated_tokens)
         return True
 
-    def _count_release(self, generated_tokens: int) -> None:
+    def answered(self, inst: InstanceView, requests: int, tokens: int) -> None:
+        """Full mode: `requests` left `inst`'s engine with `tokens` of output in all, as its status records
+        count them (a full-mode gateway does not see response bodies): counted as releases are in lite mode."""
+        if requests <= 0 or tokens < 0:
+            return
+        load = inst.lrs
+        load.num_released += requests
+        load.released_generated_tokens += tokens
+        self._cold.pop(inst.instance_id, None)
+        self._on_change(inst.instance_id)
+        self._count_release(requests, tokens)
+
+    def _count_release(self, requests: int, generated_tokens: int) -> None:
         """The fleet's mean output, at a power of two; when that moves, every cold instance is told (and its
         change noticed): a few times a run, not per release."""
-        self._released += 1
+        self._released += requests
         self._released_tokens += generated_tokens
         mean = self._released_tokens // self._released
         level = 1 << (mean.bit_length() - 1) if mean > 0 else 0

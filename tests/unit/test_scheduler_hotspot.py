@@ -348,7 +348,7 @@ def test_yaml_cache_aware_equals_the_flag_built_policy() -> None:
 @pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
 def test_the_default_policy_keeps_shared_prefix_requests_within_its_band(full: bool) -> None:
     """What ships (predicted-latency, no flags): at every dispatch the target's band metric before it
-    (predicted TTFT, in lite mode plus the decode batch's stall past what its answers absorb) is within the
+    (predicted TTFT plus the decode batch's stall past what its answers absorb) is within the
     band (50 ms or 10%) of the least, whatever it caches; a burst of shared-prefix requests spreads over every
     instance, and the index learns the block on all of them."""
     fields: dict[str, object] = {"scheduling_policy": "predicted-latency"}
@@ -356,7 +356,7 @@ def test_the_default_policy_keeps_shared_prefix_requests_within_its_band(full: b
         fields["enable_full_mode_scheduling"] = True
     core = make_core(8, **fields)
     metric = band_metric(core)
-    assert metric.name == ("predicted_ttft" if full else "predicted_stall")
+    assert metric.name == "predicted_stall"
     views = {v.instance_id: v for v in core.instances()}
     rng = random.Random(3)
     counts = dict.fromkeys(views, 0)

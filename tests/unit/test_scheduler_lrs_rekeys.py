@@ -50,19 +50,17 @@ def _rekeys_for_a_report(core: SchedulerCore) -> int:
     return calls
 
 
-@pytest.mark.parametrize("policy", ["predicted-latency", "load-balance"])
-def test_a_full_mode_policy_that_reads_no_lrs_rekeys_nothing_for_a_report(policy: str) -> None:
-    assert _rekeys_for_a_report(_core(enable_full_mode_scheduling=True, scheduling_policy=policy)) == 0
-
-
 @pytest.mark.parametrize(
     "flags",
     [
-        {},  # lite mode: every metric reads the LRS
-        # full mode with a metric that reads the LRS (the answers released per instance)
-        {"enable_full_mode_scheduling": True, "scheduling_policy": "load-balance",
-         "dispatch_neutral_load_metric": "predicted_stall"},
+        {"scheduling_policy": "predicted-latency"},  # predicted_stall: the answers come from the statuses
+        {"scheduling_policy": "load-balance"},
+        {"scheduling_policy": "load-balance", "dispatch_neutral_load_metric": "predicted_stall"},
     ],
-)  # fmt: skip
-def test_a_metric_that_reads_the_lrs_gets_its_report_rekeyed(flags: dict[str, object]) -> None:
-    assert _rekeys_for_a_report(_core(**flags)) == 1
+)
+def test_a_full_mode_policy_rekeys_nothing_for_a_report(flags: dict[str, object]) -> None:
+    assert _rekeys_for_a_report(_core(enable_full_mode_scheduling=True, **flags)) == 0
+
+
+def test_lite_mode_rekeys_for_a_report() -> None:  # every lite metric reads the LRS
+    assert _rekeys_for_a_report(_core()) == 1

@@ -212,15 +212,18 @@ def test_predicted_delay_sends_a_long_prompt_behind_a_short_prefill_not_onto_a_d
     ("released", "generated", "charged"),
     [
         (0, 0, None),  # cold: nothing released here yet, no evidence the answers are short: no stall
-        (4, 40, 25.0 * 11),  # answers of 10 tokens: each absorbs 25 ms x 11 of the stall
-        (2, 4000, 25.0 * 2001),  # answers of 2000 tokens absorb more than the whole prefill
+        (4, 40, 11),  # answers of 10 tokens: each absorbs the per-token amount x 11 of the stall
+        (2, 4000, 2001),  # answers of 2000 tokens absorb more than the whole prefill
     ],
 )
 def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     full: bool, released: int, generated: int, charged: float | None
 ) -> None:
-    """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - 25 ms x (1 + the
-    mean output of the requests released there)) where that is positive."""
+    """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - per token x (1 + the
+    mean output of the requests released there)) where that is positive: 25 ms per token in lite mode (the
+    gateway's reported counts trail the answers), 15 in full mode (the engines' exact counts)."""
+    if charged is not None:
+        charged *= 15.0 if full else 25.0
     req = RequestInfo("long", "m", prompt_tokens=6000)
     tables = LatencyTables(LatencyProfile())
     c = ctx(full=full, tables=tables)
@@ -239,15 +242,16 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
 
 @pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
 def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> None:
-    """Nothing released here yet, but the fleet's answers are 2 tokens: the stall past 25 ms x 3 is charged;
-    its own history, once it has one, wins over the fleet's."""
+    """Nothing released here yet, but the fleet's answers are 2 tokens: the stall past the per-token amount
+    (lite 25 ms, full 15) x 3 is charged; its own history, once it has one, wins over the fleet's."""
     req = RequestInfo("long", "m", prompt_tokens=6000)
     tables = LatencyTables(LatencyProfile())
     c = ctx(full=full, tables=tables)
     inst = _loaded("batchy", 0, 4, full)
     ttft = value("predicted_ttft", inst, c, req)
     inst.lrs.fleet_output_level = 2
-    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (tables.prefill_ms(6000) - 75.0))
+    absorbed = (15.0 if full else 25.0) * 3
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (tables.prefill_ms(6000) - absorbed))
     inst.lrs.num_released, inst.lrs.released_generated_tokens = 1, 100_000  # its own: long answers
     assert value("predicted_stall", inst, c, req) == pytest.approx(ttft)
 

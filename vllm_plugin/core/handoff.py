@@ -154,6 +154,7 @@ class HandoffWriter:
             state.running_decode_seq_len_sum, state.used_kv_tokens, state.total_kv_tokens, state.unallocated_tokens,
             state.last_step_duration_us, state.last_step_prefill_tokens, state.last_step_decode_batch,
             state.last_step_seq_len_sum, state.num_preempted_total, state.num_migrating_out, state.num_migrating_in,
+            state.num_finished_total, state.finished_output_tokens_total,
         )  # fmt: skip
         _TAIL.pack_into(region, _TAIL_AT, seq, zlib.adler32(self._body))
         return self._wake_id()

@@ -43,6 +43,8 @@ COUNTER_FIELDS = (
     "num_preempted_total",
     "num_migrating_out",
     "num_migrating_in",
+    "num_finished_total",
+    "finished_output_tokens_total",
 )
 counter_values = attrgetter(*COUNTER_FIELDS)  # a LoadState's, in that order, in one call
 
@@ -129,6 +131,9 @@ class LoadState:
         self.num_loading = 0
         self.num_migrating_out = 0
         self.num_migrating_in = 0
+        # requests that left with an answer, and its tokens: how long this engine's answers run
+        self.num_finished_total = 0
+        self.finished_output_tokens_total = 0
         self.admitted: deque[tuple[int, str]] = deque()  # (clock_ns, request id), oldest first
         self.admitted_total = 0  # ids ever appended to `admitted`
         self.decode_steps = 0  # steps applied by decoded_all()
@@ -289,12 +294,16 @@ class LoadState:
         self._apply(r, +1)
         self.num_preempted_total += 1
 
-    def finished(self, request_id: str) -> None:
-        """A request left the engine (finished, stopped or aborted)."""
+    def finished(self, request_id: str, answered: bool = True) -> None:
+        """A request left the engine (finished, stopped or aborted). `answered` False: it goes on
+        elsewhere (migrated away), so its output so far is not an answer's length."""
         r = self.requests.pop(request_id, None)
         if r is not None:
             self._sync(r)
             self._apply(r, -1)
+            if answered:
+                self.num_finished_total += 1
+                self.finished_output_tokens_total += r.num_output
 
     def migrating(self, out_delta: int = 0, in_delta: int = 0, loading_delta: int = 0) -> None:
         """Requests started or stopped moving: out (detached here, not yet accepted elsewhere), in
@@ -380,4 +389,6 @@ class LoadState:
             num_preempted_total=self.num_preempted_total,
             num_migrating_out=self.num_migrating_out,
             num_migrating_in=self.num_migrating_in,
+            num_finished_total=self.num_finished_total,
+            finished_output_tokens_total=self.finished_output_tokens_total,
         )

@@ -188,7 +188,8 @@ class PredictedStall(PredictedDelay):
     """`predicted_delay` with the stall charged only past what the batch absorbs: predicted TTFT plus
     decode batch x max(0, prefill time of the uncached tokens - absorbed), where absorbed is
     `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
-    far, as reported: LrsLoad.released_generated_tokens / num_released). An instance nothing was released
+    far: LrsLoad.released_generated_tokens / num_released; in lite mode as the gateway reported them, in full
+    mode as the engine's status records count its finished requests). An instance nothing was released
     from yet goes by the fleet's mean output instead (at a power of two, LrsLoad.fleet_output_level, which the
     LRS keeps and notifies), and nothing is charged while nothing was released anywhere (no evidence the
     answers are short).
@@ -209,7 +210,9 @@ class PredictedStall(PredictedDelay):
     `predicted_delay`'s with batch x max(0, prefill_floor(level) - absorbed), at the same prompt-size levels."""
 
     name = "predicted_stall"
-    lrs_in_full_mode = True  # the answers released per instance (unlike the TTFT it extends)
+    # in full mode the answers per instance come from the engines' statuses (LrsLoad's counts, fed by CmsView),
+    # whose own change re-keys the instance: nothing the gateway reports moves this metric there
+    lrs_in_full_mode = False
     # ms in the policy, seconds exported
     exported = ExportedFamily(
         "pilotfish_scheduler_policy_predicted_stall_seconds",
@@ -217,23 +220,37 @@ class PredictedStall(PredictedDelay):
         "Predicted latency a dispatch adds: own time to first token plus the decode batch's stall past what "
         "its answers absorb",
     )
-    # a quarter of a 100 ms TPOT target: what a request's tokens can take on top of a step without missing it
+    # lite mode: a quarter of a 100 ms TPOT target, what a request's tokens can take on top of a step without
+    # missing it, per token the gateway reported. Those counts trail the answer (a report at the first token,
+    # then every few tokens or ms, none at the end), most for short answers: on the Azure code trace's cells
+    # the absorbed amount read a median 400 ms from them against 615 ms from the engines' exact counts
     absorbed_ms_per_token = 25.0
+    # full mode, per token the engine counted. 25 on exact counts charges too little: Azure code trace below
+    # round-robin at 64 engines x 1 and 1.2 of the knee (seeds 2-5: 0.988, 0.981). 10 charges too much: rag,
+    # 64 x 1.2, 0.981 x round-robin (long prompts held back from batches whose 144-token answers absorb
+    # them). 15 is within 0.3% of round-robin or above it in every one of those cells, and on two short-answer
+    # families no value was chosen on (bench/RESULTS.md, 2026-11-28)
+    absorbed_ms_per_token_full = 15.0
     # the mean output assumed while nothing was released anywhere (the fleet's level, LrsLoad.fleet_output_level,
     # stands in for an instance's own history until then). inf: no stall charged; 0 (as 1-token answers)
     # loses 24% on system-prompt at 1.2x the knee, whose bench cells are decided before any release
     cold_output_tokens = math.inf
 
+    def __init__(self, ctx: PolicyContext | None = None) -> None:
+        super().__init__(ctx)
+        self._per_token = self.absorbed_ms_per_token_full if self.ctx.full_mode else self.absorbed_ms_per_token
+
     def state(self, inst: InstanceView) -> tuple[float, float, float, float]:  # type: ignore[override]
         ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
         lrs = inst.lrs
         released = lrs.num_released
+        per_token = self._per_token
         if released > 0:
-            absorbed = self.absorbed_ms_per_token * (1.0 + lrs.released_generated_tokens / released)
+            absorbed = per_token * (1.0 + lrs.released_generated_tokens / released)
         elif lrs.fleet_output_level >= 0:
-            absorbed = self.absorbed_ms_per_token * (1.0 + lrs.fleet_output_level)
+            absorbed = per_token * (1.0 + lrs.fleet_output_level)
         else:
-            absorbed = self.absorbed_ms_per_token * (1.0 + self.cold_output_tokens)
+            absorbed = per_token * (1.0 + self.cold_output_tokens)
         return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), absorbed
 
     def evaluate(  # type: ignore[override]

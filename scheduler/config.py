@@ -20,7 +20,7 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     scheduling_policy: Annotated[
         str,
         Meta(
-            description="predicted-latency (the default: least predicted TTFT, in lite mode plus the decode batch's "
+            description="predicted-latency (the default: least predicted TTFT plus the decode batch's "
             "stall past what its answers absorb, then TPOT, with cache affinity within that band), load-balance, "
             "slo, round-robin (a baseline), or the name of a policy composed under `policies` in the YAML file"
         ),

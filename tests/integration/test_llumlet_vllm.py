@@ -328,6 +328,25 @@ async def test_the_scheduler_indexes_vllm_kv_events(engine: Engine, redis_server
         await server.stop(grace=1)
 
 
+def test_the_status_counts_the_answers_and_their_tokens(engine: Engine):
+    """What a full-mode scheduler learns answer lengths from (its gateway reads no response bodies): three
+    5-token answers add 3 to num_finished_total and 15 to finished_output_tokens_total, each exactly."""
+    wait_for(lambda: (s := engine.status()) and s.num_waiting == 0 and s.num_running == 0, WAIT, "an idle status")
+    before = engine.status()
+    assert before is not None
+    results: dict[str, str] = {}
+    for i in range(3):
+        complete(engine, f"pf-answer-{os.getpid()}-{i}", 5, results)
+    assert set(results.values()) == {"length"}, results
+    wait_for(
+        lambda: (s := engine.status()) and s.num_finished_total >= before.num_finished_total + 3, WAIT, "3 answers"
+    )
+    after = engine.status()
+    assert after is not None and after.epoch == before.epoch
+    assert after.num_finished_total == before.num_finished_total + 3
+    assert after.finished_output_tokens_total == before.finished_output_tokens_total + 15
+
+
 def test_abort_over_grpc_ends_the_stream(engine: Engine):
     # The tiny model on an idle machine decodes 900 tokens in about a second, so the Abort can
     # lose the race with the request's end; then a new request is tried (never a sleep).

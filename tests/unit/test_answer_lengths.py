@@ -45,6 +45,12 @@ def test_the_llumlet_counts_answers_and_not_requests_that_moved_away() -> None:
     state.finished("gone")  # unknown ids change nothing
     record = state.snapshot(update_id=1)
     assert (record.num_finished_total, record.finished_output_tokens_total) == (2, 12)
+    # the engine's own count wins over the one held (vLLM frees a request before its last step is entered)
+    state.added("w", 20)
+    state.scheduled("w", 19)
+    state.progressed("w", 22, 3)
+    state.finished("w", num_output_tokens=4)
+    assert state.snapshot(update_id=2).finished_output_tokens_total == 16
 
 
 def test_status_totals_count_once_per_growth_and_afresh_after_a_restart() -> None:

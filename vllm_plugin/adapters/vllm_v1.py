@@ -244,11 +244,11 @@ class _LlumletHooks:
                 # and stores this with the step
                 if updating.num_scheduled_tokens.get(request.request_id) == 1:
                     self._freed_ones += 1  # a decode that finished, or a prefill's last chunk that did
-                self._pending.append((request.request_id,))
+                self._pending.append((request.request_id, request.num_output_tokens))
             else:
                 with llumlet.events() as s:
                     self._enter_pending(s)
-                    s.finished(request.request_id)
+                    s.finished(request.request_id, num_output_tokens=request.num_output_tokens)
                     s.kv_usage(
                         self._total_blocks - self._pool.get_num_free_blocks(), self._total_blocks, self._block_size
                     )
@@ -441,8 +441,8 @@ class _LlumletHooks:
         pending = self._pending
         if pending:
             for event in pending:
-                if len(event) == 1:
-                    s.finished(event[0])
+                if len(event) == 2:  # (id, output tokens): freed
+                    s.finished(event[0], num_output_tokens=event[1])
                 else:
                     s.added(*event)
             pending.clear()

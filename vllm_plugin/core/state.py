@@ -294,16 +294,18 @@ class LoadState:
         self._apply(r, +1)
         self.num_preempted_total += 1
 
-    def finished(self, request_id: str, answered: bool = True) -> None:
+    def finished(self, request_id: str, answered: bool = True, num_output_tokens: int = -1) -> None:
         """A request left the engine (finished, stopped or aborted). `answered` False: it goes on
-        elsewhere (migrated away), so its output so far is not an answer's length."""
+        elsewhere (migrated away), so its output so far is not an answer's length. `num_output_tokens`:
+        the engine's own count, where it has one (vLLM frees a request before the step that sampled its
+        last token is entered here, so the count held would be one short)."""
         r = self.requests.pop(request_id, None)
         if r is not None:
             self._sync(r)
             self._apply(r, -1)
             if answered:
                 self.num_finished_total += 1
-                self.finished_output_tokens_total += r.num_output
+                self.finished_output_tokens_total += num_output_tokens if num_output_tokens >= 0 else r.num_output
 
     def migrating(self, out_delta: int = 0, in_delta: int = 0, loading_delta: int = 0) -> None:
         """Requests started or stopped moving: out (detached here, not yet accepted elsewhere), in

@@ -144,6 +144,11 @@ async def test_view_follows_notices_and_dispatch_is_confirmed(
             await eventually(lambda: core.inflight_size == 0, "admitted ids confirming the account")
             released = await stub.Release(scheduler_pb2.ReleaseRequest(request_id="r1"))
             assert released.found
+            # the gateway's release counts no answer in full mode; the engine's record does, with its tokens
+            assert core.instance("b").lrs.num_released == 0
+            await b.export(num_finished_total=1, finished_output_tokens_total=7)
+            await eventually(lambda: core.instance("b").lrs.num_released == 1, "the engine's answer counted")
+            assert core.instance("b").lrs.released_generated_tokens == 7
     finally:
         await server.stop(grace=1)
 

@@ -149,6 +149,11 @@ class Metric(abc.ABC):
         value >= lower_bound_at(state, n) + bound_offset(req, hit) wherever that prompt is n tokens or more."""
         return self.lower_bound(state)
 
+    def lower_bounds_at(self, state: Any) -> list[float]:
+        """`lower_bound_at` at every one of `floor_levels`, in their order (a load index re-keys a member at
+        all of them on every change, so a metric may share the work between levels)."""
+        return [self.lower_bound_at(state, level) for level in self.floor_levels]
+
     def drain(self, inst: InstanceView) -> Drain | None:
         """forward_predicted: how `value` moves with the clock until `inst` changes; None while it does not move."""
         return None

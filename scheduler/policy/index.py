@@ -983,11 +983,14 @@ class BoundedLoadIndex(LoadIndex):
         # the members sorted again by the first metric's floor at each of its prompt levels (base.py,
         # `floor_levels`): a walk of the members without a hit uses the largest at or under the prompt
         self._levels = self._first.floor_levels
-        self._by_level = [sorted(self._level_key(key, level) for key in self._sorted) for level in self._levels]
+        per_member = [self._level_keys(key) for key in self._sorted]
+        self._by_level = [sorted(keys[i] for keys in per_member) for i in range(len(self._levels))]
         self._by_ts.sort()
 
-    def _level_key(self, key: tuple, level: int) -> tuple:
-        return (self._first.lower_bound_at(key[1][0], level), *key[1:])
+    def _level_keys(self, key: tuple) -> list[tuple]:
+        """The member's entry at each prompt level, in `_levels`' order."""
+        rest = key[1:]
+        return [(floor, *rest) for floor in self._first.lower_bounds_at(key[1][0])]
 
     def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
         state_of = self._state_of
@@ -1006,10 +1009,10 @@ class BoundedLoadIndex(LoadIndex):
         entries.insert(at, key)
         floors.insert(at, key[0])
         ids.insert(at, instance_id)
-        for level, level_entries in zip(self._levels, self._by_level, strict=True):
-            # the old entry's floor made again from its states: the same float, so bisect finds it
-            del level_entries[bisect.bisect_left(level_entries, self._level_key(old, level))]
-            bisect.insort(level_entries, self._level_key(key, level))
+        # the old entries' floors made again from its states: the same floats, so bisect finds them
+        for level_entries, was, now in zip(self._by_level, self._level_keys(old), self._level_keys(key), strict=True):
+            del level_entries[bisect.bisect_left(level_entries, was)]
+            bisect.insort(level_entries, now)
 
     def run(self, pipeline: Pipeline, req: RequestInfo, count: int) -> list[InstanceView] | None:
         selector = pipeline.selector

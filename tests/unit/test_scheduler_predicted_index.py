@@ -266,6 +266,9 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
                 for seq, released in itertools.product((0, 10, 4000, 300_000), histories):
                     v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
                     state = ttft.state(v)
+                    # the levels' floors in one go are the same floats as level by level (an index finds its
+                    # old entries by them)
+                    assert ttft.lower_bounds_at(state) == [ttft.lower_bound_at(state, n) for n in ttft.floor_levels]
                     for prompt in (0, 1, 2, 15, 512, 513, 4000, 20_000):
                         req = RequestInfo("r", "m", prompt_tokens=prompt)
                         c.begin(req)

@@ -171,6 +171,27 @@ class PredictedDelay(PredictedTtft):
     def lower_bound_at(self, state: tuple[float, float, float], own_at_least: int) -> float:
         return self._floor_past(state, own_at_least, 0.0)
 
+    def lower_bounds_at(self, state: tuple[float, float, float]) -> list[float]:
+        return self._floors_past(state, 0.0)
+
+    def _floors_past(self, ttft_state: tuple[float, float, float], absorbed: float) -> list[float]:
+        """`_floor_past` at every level, the TTFT floor and the levels' least prefill times computed once:
+        the same floats as level by level (tests/unit/test_scheduler_predicted_index.py holds them equal)."""
+        floor = PredictedTtft.lower_bound(self, ttft_state)
+        batch = ttft_state[1]
+        if not batch > 0:
+            return [floor] * len(self.floor_levels)
+        leasts = self._level_leasts
+        if leasts is None:
+            tables = self.ctx.tables
+            leasts = self._level_leasts = [
+                tables.prefill_floor(level) if tables.prefill_slope >= 0 else 0.0 for level in self.floor_levels
+            ]
+        return [floor + batch * (least - absorbed) if least > absorbed else floor for least in leasts]
+
+    # the least prefill time at each of `floor_levels` (the tables are the profile's, fixed): made at first use
+    _level_leasts: list[float] | None = None
+
     def _floor_past(self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float) -> float:
         """`predicted_ttft`'s floor plus batch x the least prefill time of `own_at_least` tokens or more past
         `absorbed` ms (none absorbed here; `predicted_stall`'s instance state says how much)."""
@@ -270,6 +291,9 @@ class PredictedStall(PredictedDelay):
 
     def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
         return self._floor_past(state[:3], own_at_least, state[3])
+
+    def lower_bounds_at(self, state: tuple[float, float, float, float]) -> list[float]:  # type: ignore[override]
+        return self._floors_past(state[:3], state[3])
 
 
 class PredictedTpot(Metric):

@@ -103,7 +103,7 @@ class LoadObserver(EngineObserver):
 
     def finished(self, request: SimRequest, reason: FinishReason, now: float) -> None:
         with self.events() as s:
-            s.finished(request.request_id)
+            s.finished(request.request_id, num_output_tokens=request.num_output_tokens)
 
     def detached(self, request: SimRequest, now: float) -> None:
         with self.events() as s:

@@ -249,7 +249,7 @@ class PredictedStall(PredictedDelay):
     # full mode, per token the engine counted. 25 on exact counts charges too little: Azure code trace below
     # round-robin at 64 engines x 1 and 1.2 of the knee (seeds 2-5: 0.988, 0.981). 10 charges too much: rag,
     # 64 x 1.2, 0.981 x round-robin (long prompts held back from batches whose 144-token answers absorb
-    # them). 15 is within 0.3% of round-robin or above it in every one of those cells, and on two short-answer
+    # them). 15 is within 0.4% of round-robin or above it in every one of those cells, and on two short-answer
     # families no value was chosen on (bench/RESULTS.md, 2026-11-28)
     absorbed_ms_per_token_full = 15.0
     # the mean output assumed while nothing was released anywhere (the fleet's level, LrsLoad.fleet_output_level,

@@ -156,15 +156,10 @@ class LocalRealtimeState:
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
-        if not self._count_releases:
-            self._unload(entry)
-            return True
-        # counted before the unload, whose change notice re-keys the instance with them
-        entry.load.num_released += 1
-        entry.load.released_generated_tokens += entry.generated_tokens
-        self._cold.pop(entry.instance_id, None)
+        if self._count_releases:
+            # counted before the unload, whose change notice re-keys the instance with them
+            self._count_answers(entry.load, entry.instance_id, 1, entry.generated_tokens)
         self._unload(entry)
-        self._count_release(1, entry.generated_tokens)
         return True
 
     def answered(self, inst: InstanceView, requests: int, tokens: int) -> None:
@@ -172,26 +167,25 @@ class LocalRealtimeState:
         count them (a full-mode gateway does not see response bodies): counted as releases are in lite mode."""
         if requests <= 0 or tokens < 0:
             return
-        load = inst.lrs
+        self._count_answers(inst.lrs, inst.instance_id, requests, tokens)
+        self._on_change(inst.instance_id)
+
+    def _count_answers(self, load: LrsLoad, instance_id: str, requests: int, tokens: int) -> None:
+        """The instance's answers and the fleet's, whose mean at a power of two every cold instance is told when
+        it moves (and its change noticed): a few times a run, not per answer."""
         load.num_released += requests
         load.released_generated_tokens += tokens
-        self._cold.pop(inst.instance_id, None)
-        self._on_change(inst.instance_id)
-        self._count_release(requests, tokens)
-
-    def _count_release(self, requests: int, generated_tokens: int) -> None:
-        """The fleet's mean output, at a power of two; when that moves, every cold instance is told (and its
-        change noticed): a few times a run, not per release."""
+        self._cold.pop(instance_id, None)
         self._released += requests
-        self._released_tokens += generated_tokens
+        self._released_tokens += tokens
         mean = self._released_tokens // self._released
         level = 1 << (mean.bit_length() - 1) if mean > 0 else 0
         if level == self._fleet_level:
             return
         self._fleet_level = level
-        for instance_id, load in self._cold.items():
-            load.fleet_output_level = level
-            self._on_change(instance_id)
+        for cold_id, cold in self._cold.items():
+            cold.fleet_output_level = level
+            self._on_change(cold_id)
 
     def drop_instance(self, instance_id: str) -> int:
         """Forget every request held on an instance that left the cluster; returns how many."""

@@ -1,10 +1,11 @@
-"""Release from Envoy's access log: the end of each request as Envoy saw it, in batches.
+"""Release from Envoy's access log: the end of each request as Envoy saw it.
 
 When the gateway does not read response bodies (full mode: the llumlets count tokens), the ext_proc
 stream of a request ends with its response headers, long before the response does, so it cannot
 say when the request ended. Envoy's gRPC access log can: one entry per request once it is over,
-buffered and sent in batches on one stream, with the flags that say how it ended (the client went
-away, the engine reset, no connection). The entry carries the gateway's request id (the
+sent on one stream as the request ends (the sidecar asks for no batching, though a message may
+hold several entries), with the flags that say how it ended (the client went away, the engine
+reset, no connection). The entry carries the gateway's request id (the
 x-request-id the ext_proc set) and the `pilotfish` metadata the ext_proc wrote, so only requests
 the scheduler placed are released, each exactly once (Envoy logs a request once). It also says
 where the request was served (`envoy.lb`), so a retry on a fallback engine is reported as served

@@ -123,6 +123,12 @@ def test_skipped_response_bodies_send_the_ext_proc_no_response_message(
     )
     assert ext_proc["processing_mode"]["response_header_mode"] == header_mode
     assert bool(hcm["access_log"]) == access_log
+    for logger in hcm["access_log"]:
+        # each entry is sent as its request ends (no batch to wait for); the timer is only a backstop,
+        # since a short one wakes every Envoy thread whether or not anything is buffered
+        common = logger["typed_config"]["common_config"]
+        assert common["buffer_size_bytes"] == 0
+        assert float(common["buffer_flush_interval"].rstrip("s")) >= 1.0
     tags = {
         h["header"]["key"]: h["header"]["value"]
         for h in hcm["route_config"]["virtual_hosts"][0]["response_headers_to_add"]

@@ -983,7 +983,9 @@ class BoundedLoadIndex(LoadIndex):
         # the members sorted again by the first metric's floor at each of its prompt levels (base.py,
         # `floor_levels`): a walk of the members without a hit uses the largest at or under the prompt
         self._levels = self._first.floor_levels
-        per_member = [self._level_keys(key) for key in self._sorted]
+        # each member's entries per level, kept so a move finds its old ones without computing them again
+        self._level_entries = {key[3]: self._level_keys(key) for key in self._sorted}
+        per_member = list(self._level_entries.values())
         self._by_level = [sorted(keys[i] for keys in per_member) for i in range(len(self._levels))]
         self._by_ts.sort()
 
@@ -1009,8 +1011,9 @@ class BoundedLoadIndex(LoadIndex):
         entries.insert(at, key)
         floors.insert(at, key[0])
         ids.insert(at, instance_id)
-        # the old entries' floors made again from its states: the same floats, so bisect finds them
-        for level_entries, was, now in zip(self._by_level, self._level_keys(old), self._level_keys(key), strict=True):
+        was_entries = self._level_entries[instance_id]  # `old`'s, as they were made
+        new = self._level_entries[instance_id] = self._level_keys(key)
+        for level_entries, was, now in zip(self._by_level, was_entries, new, strict=True):
             del level_entries[bisect.bisect_left(level_entries, was)]
             bisect.insort(level_entries, now)
 

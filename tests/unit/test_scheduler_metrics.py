@@ -211,17 +211,22 @@ def test_predicted_delay_sends_a_long_prompt_behind_a_short_prefill_not_onto_a_d
 @pytest.mark.parametrize(
     ("released", "generated", "charged"),
     [
-        (0, 0, None),  # cold: nothing released here yet, no evidence the answers are short: no stall
+        (0, 0, None),  # cold: nothing released here yet, no evidence the answers are short: the least share
         (4, 40, 11),  # answers of 10 tokens: each absorbs the per-token amount x 11 of the stall
-        (2, 4000, 2001),  # answers of 2000 tokens absorb more than the whole prefill
+        (2, 4000, 2001),  # answers of 2000 tokens absorb more than the whole prefill: the least share
     ],
 )
 def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     full: bool, released: int, generated: int, charged: float | None
 ) -> None:
     """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - per token x (1 + the
-    mean output of the requests released there)) where that is positive: 25 ms per token in lite mode (the
-    gateway's reported counts trail the answers), 15 in full mode (the engines' exact counts)."""
+    mean output of the requests released there)), and at least 4 x a fifth of the prefill time: 25 ms per
+    token in lite mode (the gateway's reported counts trail the answers), 15 in full mode (the engines'
+    exact counts)."""
+    from pilotfish.scheduler.policy.metrics.latency import PredictedStall
+
+    share = PredictedStall.least_stall_share
+    assert 0 < share < 1
     if charged is not None:
         charged *= 15.0 if full else 25.0
     req = RequestInfo("long", "m", prompt_tokens=6000)
@@ -231,9 +236,12 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     inst.lrs.num_released, inst.lrs.released_generated_tokens = released, generated
     inst.lrs.fleet_output_level = -1  # nothing released anywhere: a cold instance has no evidence
     ttft = value("predicted_ttft", inst, c, req)
-    over = tables.prefill_ms(6000) - charged if charged is not None else 0.0
-    expected = ttft + 4 * over if over > 0 else ttft
+    stall = tables.prefill_ms(6000)
+    over = stall - charged if charged is not None else 0.0
+    expected = ttft + 4 * max(over, share * stall)
     assert value("predicted_stall", inst, c, req) == pytest.approx(expected)
+    if released == 4:
+        assert over > share * stall  # short answers: the part past what they absorb is the larger
     if released == 4:  # short answers: the stall ranks it behind a queue of a short prefill, as predicted_delay
         queued = _loaded("queued", 200, 0, full)
         assert value("predicted_stall", queued, c, req) < value("predicted_stall", inst, c, req)
@@ -243,7 +251,10 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
 @pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
 def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> None:
     """Nothing released here yet, but the fleet's answers are 2 tokens: the stall past the per-token amount
-    (lite 25 ms, full 15) x 3 is charged; its own history, once it has one, wins over the fleet's."""
+    (lite 25 ms, full 15) x 3 is charged; its own history, once it has one, wins over the fleet's (long
+    answers: only the least share of the stall)."""
+    from pilotfish.scheduler.policy.metrics.latency import PredictedStall
+
     req = RequestInfo("long", "m", prompt_tokens=6000)
     tables = LatencyTables(LatencyProfile())
     c = ctx(full=full, tables=tables)
@@ -251,9 +262,28 @@ def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> Non
     ttft = value("predicted_ttft", inst, c, req)
     inst.lrs.fleet_output_level = 2
     absorbed = (15.0 if full else 25.0) * 3
-    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (tables.prefill_ms(6000) - absorbed))
+    stall = tables.prefill_ms(6000)
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (stall - absorbed))
     inst.lrs.num_released, inst.lrs.released_generated_tokens = 1, 100_000  # its own: long answers
-    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft)
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * PredictedStall.least_stall_share * stall)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+def test_predicted_stall_leans_to_the_smaller_batch_where_answers_absorb_the_stall(full: bool) -> None:
+    """Long answers on both instances absorb the whole prefill, and the one with 8 decoding has the shorter
+    prefill queue, so TTFT alone sends the prompt onto its 8 victims; the least share of the stall tips it to
+    the one with 2 decoding, while a large enough difference in TTFT still wins (the share only tilts)."""
+    req = RequestInfo("turn", "m", prompt_tokens=1500)
+    tables = LatencyTables(LatencyProfile())
+    c = ctx(full=full, tables=tables)
+    big, small = _loaded("big", 0, 8, full), _loaded("small", 100, 2, full)
+    for inst in (big, small):
+        inst.lrs.num_released, inst.lrs.released_generated_tokens = 10, 10 * 2000  # 2000-token answers
+    assert value("predicted_ttft", big, c, req) < value("predicted_ttft", small, c, req)
+    assert value("predicted_stall", small, c, req) < value("predicted_stall", big, c, req)
+    far = _loaded("far", 20_000, 2, full)  # a long queue ahead: its TTFT outweighs the tilt
+    far.lrs.num_released, far.lrs.released_generated_tokens = 10, 10 * 2000
+    assert value("predicted_stall", big, c, req) < value("predicted_stall", far, c, req)
 
 
 def test_the_lrs_tells_cold_instances_the_fleets_output_level() -> None:

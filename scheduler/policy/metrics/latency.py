@@ -174,7 +174,9 @@ class PredictedDelay(PredictedTtft):
     def lower_bounds_at(self, state: tuple[float, float, float]) -> list[float]:
         return self._floors_past(state, 0.0)
 
-    def _floors_past(self, ttft_state: tuple[float, float, float], absorbed: float) -> list[float]:
+    def _floors_past(
+        self, ttft_state: tuple[float, float, float], absorbed: float, share: float = 0.0
+    ) -> list[float]:
         """`_floor_past` at every level, the TTFT floor and the levels' least prefill times computed once:
         the same floats as level by level (tests/unit/test_scheduler_predicted_index.py holds them equal)."""
         floor = PredictedTtft.lower_bound(self, ttft_state)
@@ -187,14 +189,18 @@ class PredictedDelay(PredictedTtft):
             leasts = self._level_leasts = [
                 tables.prefill_floor(level) if tables.prefill_slope >= 0 else 0.0 for level in self.floor_levels
             ]
-        return [floor + batch * (least - absorbed) if least > absorbed else floor for least in leasts]
+        return [floor + batch * charged if (charged := _charged(least, absorbed, share)) > 0 else floor
+                for least in leasts]
 
     # the least prefill time at each of `floor_levels` (the tables are the profile's, fixed): made at first use
     _level_leasts: list[float] | None = None
 
-    def _floor_past(self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float) -> float:
+    def _floor_past(
+        self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float, share: float = 0.0
+    ) -> float:
         """`predicted_ttft`'s floor plus batch x the least prefill time of `own_at_least` tokens or more past
-        `absorbed` ms (none absorbed here; `predicted_stall`'s instance state says how much)."""
+        `absorbed` ms, and at least `share` of it (none absorbed here; `predicted_stall`'s instance state
+        says how much, and its `least_stall_share` the share)."""
         floor = PredictedTtft.lower_bound(self, ttft_state)
         batch = ttft_state[1]
         if not batch > 0:
@@ -202,33 +208,46 @@ class PredictedDelay(PredictedTtft):
         tables = self.ctx.tables
         # the least prefill time of an own prompt of `own_at_least` tokens or more (0 where the curve may fall)
         least = tables.prefill_floor(own_at_least) if tables.prefill_slope >= 0 else 0.0
-        return floor + batch * (least - absorbed) if least > absorbed else floor
+        charged = _charged(least, absorbed, share)
+        return floor + batch * charged if charged > 0 else floor
+
+
+def _charged(stall: float, absorbed: float, share: float) -> float:
+    """What one decoding request is charged for a stall of `stall` ms: the part past `absorbed`, and at least
+    `share` of it. Rising with the stall, so the least stall gives a floor."""
+    over = stall - absorbed
+    least = share * stall
+    return over if over > least else least
 
 
 class PredictedStall(PredictedDelay):
-    """`predicted_delay` with the stall charged only past what the batch absorbs: predicted TTFT plus
-    decode batch x max(0, prefill time of the uncached tokens - absorbed), where absorbed is
+    """`predicted_delay` with the stall charged past what the batch absorbs: predicted TTFT plus decode
+    batch x max(prefill time of the uncached tokens - absorbed, `least_stall_share` x that time), where
+    absorbed is
     `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
     far: LrsLoad.released_generated_tokens / num_released; in lite mode as the gateway reported them, in full
     mode as the engine's status records count its finished requests). An instance nothing was released
     from yet goes by the fleet's mean output instead (at a power of two, LrsLoad.fleet_output_level, which the
-    LRS keeps and notifies), and nothing is charged while nothing was released anywhere (no evidence the
-    answers are short).
+    LRS keeps and notifies), and only the least share is charged while nothing was released anywhere (no
+    evidence the answers are short).
 
     Why: a prefill stalls every request decoding there once, and what that costs a request's TPOT is the
     stall spread over its output. A 7k-token prompt (~0.8 s on the default profile) puts ~90 ms on each of a
     10-token answer's tokens, past a 100 ms TPOT target, but ~6 ms on a 144-token one. `predicted_delay`
     charges the whole stall for every victim whatever its output, which on families with 32-256-token
     answers queues prompts behind prefills elsewhere for nothing (TTFT misses). Here a stall the victims'
-    typical answer spreads below `absorbed_ms_per_token` per token costs nothing, so the ranking is
-    `predicted_ttft`'s wherever answers are long, and `predicted_delay`-like where they are short. The
+    typical answer spreads below `absorbed_ms_per_token` per token costs only its least share, so the
+    ranking is close to `predicted_ttft`'s wherever answers are long, and `predicted_delay`-like where they
+    are short. The least share stays because stalls add up over a short answer, and TTFT alone leans to
+    the larger batches (`least_stall_share`). The
     instance's own history stands for the victims' unknown remaining output (the reports come every few
     tokens, so short answers read short). The fleet's level matters: with cold instances charged nothing
     they draw the long prompts the metric should keep off batches (Azure code trace, 64 engines, load 1:
     71 req/s without it, 79 with it).
 
     The absorbed part belongs to the instance (its `state`, re-made at every release there), so the floor is
-    `predicted_delay`'s with batch x max(0, prefill_floor(level) - absorbed), at the same prompt-size levels."""
+    `predicted_delay`'s with batch x the same charge of prefill_floor(level), at the same prompt-size levels
+    (the charge rises with the stall, so the least stall gives the least charge)."""
 
     name = "predicted_stall"
     # in full mode the answers per instance come from the engines' statuses (LrsLoad's counts, fed by CmsView),
@@ -252,6 +271,15 @@ class PredictedStall(PredictedDelay):
     # them). 15 is within 0.4% of round-robin or above it in every one of those cells, and on two short-answer
     # families no value was chosen on (bench/RESULTS.md, 2026-11-28)
     absorbed_ms_per_token_full = 15.0
+    # the share of each stall charged however much the answers absorb. Answers absorb a stall's cost to their
+    # TPOT one stall at a time, but a short answer meets several, and a least-TTFT ranking meets them most:
+    # the engine whose prefill queue just emptied holds the batch it just prefilled. On system-prompt (16
+    # engines, the knee: 32-256-token answers, each stall far below what they absorb) the chosen engine's
+    # batch was 1.5% over the fleet's and the victims' stall 1.6% over round-robin's, and every TTFT-first
+    # ranking lost ~1.5% to round-robin. A fifth of the stall, seeds 0-3: that cell 103.2 -> 105.8 req/s
+    # (round-robin 104.8), Azure code 64 x 1.2 82.7 -> 85.1 (round-robin 83.0); 0.5 lost 6% on system-prompt
+    # at 1.2 x the knee (bench/RESULTS.md, 2026-11-28)
+    least_stall_share = 0.2
     # the mean output assumed while nothing was released anywhere (the fleet's level, LrsLoad.fleet_output_level,
     # stands in for an instance's own history until then). inf: no stall charged; 0 (as 1-token answers)
     # loses 24% on system-prompt at 1.2x the knee, whose bench cells are decided before any release
@@ -284,16 +312,16 @@ class PredictedStall(PredictedDelay):
         tables = self.ctx.tables
         ttft = tables.ttft_with_share(ahead + own, batch, share)
         if batch > 0:
-            over = tables.prefill_ms(own) - absorbed
-            if over > 0:
-                return ttft + batch * over
+            charged = _charged(tables.prefill_ms(own), absorbed, self.least_stall_share)
+            if charged > 0:
+                return ttft + batch * charged
         return ttft
 
     def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
-        return self._floor_past(state[:3], own_at_least, state[3])
+        return self._floor_past(state[:3], own_at_least, state[3], self.least_stall_share)
 
     def lower_bounds_at(self, state: tuple[float, float, float, float]) -> list[float]:  # type: ignore[override]
-        return self._floors_past(state[:3], state[3])
+        return self._floors_past(state[:3], state[3], self.least_stall_share)
 
 
 class PredictedTpot(Metric):

@@ -21,7 +21,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         str,
         Meta(
             description="predicted-latency (the default: least predicted TTFT plus the decode batch's "
-            "stall past what its answers absorb, then TPOT, with cache affinity within that band), load-balance, "
+            "stall past what its answers absorb (at least a fifth of it), then TPOT, with cache affinity within that "
+            "band), load-balance, "
             "slo, round-robin (a baseline), or the name of a policy composed under `policies` in the YAML file"
         ),
     ] = "predicted-latency"

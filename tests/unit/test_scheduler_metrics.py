@@ -220,9 +220,9 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     full: bool, released: int, generated: int, charged: float | None
 ) -> None:
     """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - per token x (1 + the
-    mean output of the requests released there)), and at least 4 x a fifth of the prefill time: 25 ms per
-    token in lite mode (the gateway's reported counts trail the answers), 15 in full mode (the engines'
-    exact counts)."""
+    mean output of the requests released there)), and at least 4 x a fifth of the least prefill time at its
+    prompt level (4096 tokens): 25 ms per token in lite mode (the gateway's reported counts trail the
+    answers), 15 in full mode (the engines' exact counts)."""
     from pilotfish.scheduler.policy.metrics.latency import PredictedStall
 
     share = PredictedStall.least_stall_share
@@ -238,10 +238,12 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     ttft = value("predicted_ttft", inst, c, req)
     stall = tables.prefill_ms(6000)
     over = stall - charged if charged is not None else 0.0
-    expected = ttft + 4 * max(over, share * stall)
+    least = share * tables.prefill_floor(4096)
+    assert 0 < least < share * stall
+    expected = ttft + 4 * max(over, least)
     assert value("predicted_stall", inst, c, req) == pytest.approx(expected)
     if released == 4:
-        assert over > share * stall  # short answers: the part past what they absorb is the larger
+        assert over > least  # short answers: the part past what they absorb is the larger
     if released == 4:  # short answers: the stall ranks it behind a queue of a short prefill, as predicted_delay
         queued = _loaded("queued", 200, 0, full)
         assert value("predicted_stall", queued, c, req) < value("predicted_stall", inst, c, req)
@@ -265,7 +267,8 @@ def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> Non
     stall = tables.prefill_ms(6000)
     assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (stall - absorbed))
     inst.lrs.num_released, inst.lrs.released_generated_tokens = 1, 100_000  # its own: long answers
-    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * PredictedStall.least_stall_share * stall)
+    least = PredictedStall.least_stall_share * tables.prefill_floor(4096)  # the 6000-token prompt's level
+    assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * least)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])

@@ -15,6 +15,7 @@ The cached prefix (prefix index) comes off the request's own prompt in both mode
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from pilotfish.scheduler.policy.base import ExportedFamily, Metric
@@ -183,17 +184,19 @@ class PredictedDelay(PredictedTtft):
         batch = ttft_state[1]
         if not batch > 0:
             return [floor] * len(self.floor_levels)
-        leasts = self._level_leasts
-        if leasts is None:
-            tables = self.ctx.tables
-            leasts = self._level_leasts = [
-                tables.prefill_floor(level) if tables.prefill_slope >= 0 else 0.0 for level in self.floor_levels
-            ]
+        leasts = self._level_leasts or self._make_level_leasts()
         return [floor + batch * charged if (charged := _charged(least, absorbed, share)) > 0 else floor
                 for least in leasts]
 
     # the least prefill time at each of `floor_levels` (the tables are the profile's, fixed): made at first use
     _level_leasts: list[float] | None = None
+
+    def _make_level_leasts(self) -> list[float]:
+        tables = self.ctx.tables
+        self._level_leasts = [
+            tables.prefill_floor(level) if tables.prefill_slope >= 0 else 0.0 for level in self.floor_levels
+        ]
+        return self._level_leasts
 
     def _floor_past(
         self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float, share: float = 0.0
@@ -312,10 +315,25 @@ class PredictedStall(PredictedDelay):
         tables = self.ctx.tables
         ttft = tables.ttft_with_share(ahead + own, batch, share)
         if batch > 0:
-            charged = _charged(tables.prefill_ms(own), absorbed, self.least_stall_share)
+            over = tables.prefill_ms(own) - absorbed
+            # the least share of the stall at the prompt level under `own` (`floor_levels`), not at `own`: a
+            # load index keys the members by exactly that, so it passes over large batches at once
+            least = self.least_stall_share * self._least_at(own)
+            charged = over if over > least else least
             if charged > 0:
                 return ttft + batch * charged
         return ttft
+
+    def _least_at(self, own: int) -> float:
+        """The least prefill time at the largest of `floor_levels` at or under `own` (of one token under the
+        first): the floors' own figure, so a floor at a level is this metric's value wherever the least share
+        is what it charges."""
+        leasts = self._level_leasts or self._make_level_leasts()
+        at = bisect.bisect_right(self.floor_levels, own) - 1
+        if at >= 0:
+            return leasts[at]
+        tables = self.ctx.tables
+        return tables.prefill_floor(1) if own >= 1 and tables.prefill_slope >= 0 else 0.0
 
     def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
         return self._floor_past(state[:3], own_at_least, state[3], self.least_stall_share)

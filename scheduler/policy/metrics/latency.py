@@ -279,9 +279,10 @@ class PredictedStall(PredictedDelay):
     # the engine whose prefill queue just emptied holds the batch it just prefilled. On system-prompt (16
     # engines, the knee: 32-256-token answers, each stall far below what they absorb) the chosen engine's
     # batch was 1.5% over the fleet's and the victims' stall 1.6% over round-robin's, and every TTFT-first
-    # ranking lost ~1.5% to round-robin. A fifth of the stall, seeds 0-3: that cell 103.2 -> 105.8 req/s
-    # (round-robin 104.8), Azure code 64 x 1.2 82.7 -> 85.1 (round-robin 83.0); 0.5 lost 6% on system-prompt
-    # at 1.2 x the knee (bench/RESULTS.md, 2026-11-28)
+    # ranking lost ~1.5% to round-robin. A fifth (of the least prefill time at the prompt's level, which the
+    # load index keys exactly), full mode, seeds 0-5: that cell 104.0 -> 105.3 req/s (round-robin 105.7),
+    # Azure code 64 x 1.2 89.6 -> 90.4 (89.6); 0.3 cost 2% on bursty at 64 engines, and 0.5 of the exact
+    # prefill time 6% on system-prompt at 1.2 x the knee (bench/RESULTS.md, 2026-11-28)
     least_stall_share = 0.2
     # the mean output assumed while nothing was released anywhere (the fleet's level, LrsLoad.fleet_output_level,
     # stands in for an instance's own history until then). inf: no stall charged; 0 (as 1-token answers)

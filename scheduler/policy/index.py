@@ -1126,24 +1126,19 @@ class BoundedLoadIndex(LoadIndex):
         # stall per decoding request) that much tighter; under the first level, the member's key
         levels, level_entries = self._levels, self._level_entries
         at_level = {hit: bisect.bisect_right(levels, req.prompt_tokens - hit) - 1 for hit in offsets}
-        # (floor, id) of each member with a hit whose floor is within the cut, sorted
+        # the members with a hit that may be in reach, with their hits
         if reach < len(hits):
             # the members in reach that hold the prefix, found in C (a widespread prefix: half of them or more)
             near = hits.keys() & set(itertools.islice(self._ids, reach))
-            floors = [
-                (floor, i)
-                for i in near
-                if (floor := (key[i][0] if (li := at_level[hit := hits[i]]) < 0 else level_entries[i][li][0])
-                    + offsets[hit]) <= cut
-            ]
+            held: Iterable[tuple[str, int]] = ((i, hits[i]) for i in near)
         else:
-            floors = [
-                (floor, i)
-                for i, hit in hits.items()
-                if i in key
-                and (floor := (key[i][0] if (li := at_level[hit]) < 0 else level_entries[i][li][0]) + offsets[hit])
-                <= cut
-            ]
+            held = ((i, hit) for i, hit in hits.items() if i in key)
+        # (floor, id) of each whose floor is within the cut, sorted
+        floors = [
+            (floor, i)
+            for i, hit in held
+            if (floor := (key[i][0] if (li := at_level[hit]) < 0 else level_entries[i][li][0]) + offsets[hit]) <= cut
+        ]
         floors.sort()
         evaluate, admit = first.evaluate, visit.admit
         # a banded selector's band, once no member left can be below the least value (the hits come by floor):

@@ -242,9 +242,8 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
     assert 0 < least < share * stall
     expected = ttft + 4 * max(over, least)
     assert value("predicted_stall", inst, c, req) == pytest.approx(expected)
-    if released == 4:
-        assert over > least  # short answers: the part past what they absorb is the larger
-    if released == 4:  # short answers: the stall ranks it behind a queue of a short prefill, as predicted_delay
+    if released == 4:  # short answers: the part past what they absorb is the larger, and the stall ranks it
+        assert over > least  # behind a queue of a short prefill, as predicted_delay does
         queued = _loaded("queued", 200, 0, full)
         assert value("predicted_stall", queued, c, req) < value("predicted_stall", inst, c, req)
         assert value("predicted_ttft", inst, c, req) < value("predicted_ttft", queued, c, req)

@@ -25,17 +25,17 @@ _sym_db = _symbol_database.Default()
 from pilotfish.protos import cms_pb2 as pilotfish_dot_protos_dot_cms__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pilotfish/protos/scheduler.proto\x12\x0cpilotfish.v1\x1a\x1apilotfish/protos/cms.proto\"\xdd\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x19\n\x11prefix_block_size\x18\x05 \x01(\r\x12\x30\n\x0finfer_type_hint\x18\x06 \x01(\x0e\x32\x17.pilotfish.v1.InferType\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x0e\n\x06stream\x18\x08 \x01(\x08\x12\x1b\n\x13\x63\x61ndidate_addresses\x18\t \x03(\t\x12\x13\n\x0btraceparent\x18\n \x01(\t\x12(\n\x08priority\x18\x0b \x01(\x0e\x32\x16.pilotfish.v1.Priority\x12\x0c\n\x04\x66low\x18\x0c \x01(\t\x12\x18\n\x10queue_timeout_ms\x18\r \x01(\r\"]\n\x08\x45ndpoint\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12+\n\ninfer_type\x18\x03 \x01(\x0e\x32\x17.pilotfish.v1.InferType\"\x94\x01\n\x10ScheduleResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.pilotfish.v1.Endpoint\x12-\n\rdecode_target\x18\x02 \x01(\x0b\x32\x16.pilotfish.v1.Endpoint\x12)\n\tfallbacks\x18\x03 \x03(\x0b\x32\x16.pilotfish.v1.Endpoint\"i\n\x0bTokenReport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x14\n\x0cprefill_done\x18\x03 \x01(\x08\x12\x16\n\x0eserved_address\x18\x04 \x01(\t\";\n\rReportRequest\x12*\n\x07reports\x18\x01 \x03(\x0b\x32\x19.pilotfish.v1.TokenReport\"*\n\x0eReportResponse\x12\x18\n\x10unknown_requests\x18\x01 \x01(\r\"Q\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.pilotfish.v1.ReleaseReason\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb8\x01\n\x0eSessionRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x31\n\x08schedule\x18\x02 \x01(\x0b\x32\x1d.pilotfish.v1.ScheduleRequestH\x00\x12-\n\x06report\x18\x03 \x01(\x0b\x32\x1b.pilotfish.v1.ReportRequestH\x00\x12/\n\x07release\x18\x04 \x01(\x0b\x32\x1c.pilotfish.v1.ReleaseRequestH\x00\x42\x06\n\x04kind\"\xb5\x01\n\x0fSessionResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x32\n\x08schedule\x18\x02 \x01(\x0b\x32\x1e.pilotfish.v1.ScheduleResponseH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.pilotfish.v1.SessionErrorH\x00\x12,\n\x06queued\x18\x04 \x01(\x0b\x32\x1a.pilotfish.v1.QueuedNoticeH\x00\x42\x06\n\x04kind\"\x1f\n\x0cQueuedNotice\x12\x0f\n\x07wait_ms\x18\x01 \x01(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*j\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x15\n\x11PRIORITY_CRITICAL\x10\x01\x12\x15\n\x11PRIORITY_STANDARD\x10\x02\x12\x16\n\x12PRIORITY_SHEDDABLE\x10\x03*\xd5\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1f\n\x1bRELEASE_REASON_CLIENT_ABORT\x10\x02\x12!\n\x1dRELEASE_REASON_UPSTREAM_ERROR\x10\x03\x12 \n\x1cRELEASE_REASON_GATEWAY_ERROR\x10\x04\x12!\n\x1dRELEASE_REASON_UPSTREAM_RESET\x10\x05\x32\xaf\x02\n\tScheduler\x12I\n\x08Schedule\x12\x1d.pilotfish.v1.ScheduleRequest\x1a\x1e.pilotfish.v1.ScheduleResponse\x12\x43\n\x06Report\x12\x1b.pilotfish.v1.ReportRequest\x1a\x1c.pilotfish.v1.ReportResponse\x12\x46\n\x07Release\x12\x1c.pilotfish.v1.ReleaseRequest\x1a\x1d.pilotfish.v1.ReleaseResponse\x12J\n\x07Session\x12\x1c.pilotfish.v1.SessionRequest\x1a\x1d.pilotfish.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n pilotfish/protos/scheduler.proto\x12\x0cpilotfish.v1\x1a\x1apilotfish/protos/cms.proto\"\xdd\x02\n\x0fScheduleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rprompt_tokens\x18\x03 \x01(\r\x12\x1b\n\x13prefix_block_hashes\x18\x04 \x03(\x04\x12\x19\n\x11prefix_block_size\x18\x05 \x01(\r\x12\x30\n\x0finfer_type_hint\x18\x06 \x01(\x0e\x32\x17.pilotfish.v1.InferType\x12\x12\n\nmax_tokens\x18\x07 \x01(\r\x12\x0e\n\x06stream\x18\x08 \x01(\x08\x12\x1b\n\x13\x63\x61ndidate_addresses\x18\t \x03(\t\x12\x13\n\x0btraceparent\x18\n \x01(\t\x12(\n\x08priority\x18\x0b \x01(\x0e\x32\x16.pilotfish.v1.Priority\x12\x0c\n\x04\x66low\x18\x0c \x01(\t\x12\x18\n\x10queue_timeout_ms\x18\r \x01(\r\"]\n\x08\x45ndpoint\x12\x13\n\x0binstance_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12+\n\ninfer_type\x18\x03 \x01(\x0e\x32\x17.pilotfish.v1.InferType\"\x94\x01\n\x10ScheduleResponse\x12&\n\x06target\x18\x01 \x01(\x0b\x32\x16.pilotfish.v1.Endpoint\x12-\n\rdecode_target\x18\x02 \x01(\x0b\x32\x16.pilotfish.v1.Endpoint\x12)\n\tfallbacks\x18\x03 \x03(\x0b\x32\x16.pilotfish.v1.Endpoint\"i\n\x0bTokenReport\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10generated_tokens\x18\x02 \x01(\r\x12\x14\n\x0cprefill_done\x18\x03 \x01(\x08\x12\x16\n\x0eserved_address\x18\x04 \x01(\t\";\n\rReportRequest\x12*\n\x07reports\x18\x01 \x03(\x0b\x32\x19.pilotfish.v1.TokenReport\"*\n\x0eReportResponse\x12\x18\n\x10unknown_requests\x18\x01 \x01(\r\"k\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\x06reason\x18\x02 \x01(\x0e\x32\x1b.pilotfish.v1.ReleaseReason\x12\x18\n\x10generated_tokens\x18\x03 \x01(\r\" \n\x0fReleaseResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\xb8\x01\n\x0eSessionRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x31\n\x08schedule\x18\x02 \x01(\x0b\x32\x1d.pilotfish.v1.ScheduleRequestH\x00\x12-\n\x06report\x18\x03 \x01(\x0b\x32\x1b.pilotfish.v1.ReportRequestH\x00\x12/\n\x07release\x18\x04 \x01(\x0b\x32\x1c.pilotfish.v1.ReleaseRequestH\x00\x42\x06\n\x04kind\"\xb5\x01\n\x0fSessionResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\x32\n\x08schedule\x18\x02 \x01(\x0b\x32\x1e.pilotfish.v1.ScheduleResponseH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.pilotfish.v1.SessionErrorH\x00\x12,\n\x06queued\x18\x04 \x01(\x0b\x32\x1a.pilotfish.v1.QueuedNoticeH\x00\x42\x06\n\x04kind\"\x1f\n\x0cQueuedNotice\x12\x0f\n\x07wait_ms\x18\x01 \x01(\r\"-\n\x0cSessionError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0f\n\x07message\x18\x02 \x01(\t*j\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x15\n\x11PRIORITY_CRITICAL\x10\x01\x12\x15\n\x11PRIORITY_STANDARD\x10\x02\x12\x16\n\x12PRIORITY_SHEDDABLE\x10\x03*\xd5\x01\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\x1b\n\x17RELEASE_REASON_FINISHED\x10\x01\x12\x1f\n\x1bRELEASE_REASON_CLIENT_ABORT\x10\x02\x12!\n\x1dRELEASE_REASON_UPSTREAM_ERROR\x10\x03\x12 \n\x1cRELEASE_REASON_GATEWAY_ERROR\x10\x04\x12!\n\x1dRELEASE_REASON_UPSTREAM_RESET\x10\x05\x32\xaf\x02\n\tScheduler\x12I\n\x08Schedule\x12\x1d.pilotfish.v1.ScheduleRequest\x1a\x1e.pilotfish.v1.ScheduleResponse\x12\x43\n\x06Report\x12\x1b.pilotfish.v1.ReportRequest\x1a\x1c.pilotfish.v1.ReportResponse\x12\x46\n\x07Release\x12\x1c.pilotfish.v1.ReleaseRequest\x1a\x1d.pilotfish.v1.ReleaseResponse\x12J\n\x07Session\x12\x1c.pilotfish.v1.SessionRequest\x1a\x1d.pilotfish.v1.SessionResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pilotfish.protos.scheduler_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PRIORITY']._serialized_start=1456
-  _globals['_PRIORITY']._serialized_end=1562
-  _globals['_RELEASEREASON']._serialized_start=1565
-  _globals['_RELEASEREASON']._serialized_end=1778
+  _globals['_PRIORITY']._serialized_start=1482
+  _globals['_PRIORITY']._serialized_end=1588
+  _globals['_RELEASEREASON']._serialized_start=1591
+  _globals['_RELEASEREASON']._serialized_end=1804
   _globals['_SCHEDULEREQUEST']._serialized_start=79
   _globals['_SCHEDULEREQUEST']._serialized_end=428
   _globals['_ENDPOINT']._serialized_start=430
@@ -49,17 +49,17 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REPORTRESPONSE']._serialized_start=844
   _globals['_REPORTRESPONSE']._serialized_end=886
   _globals['_RELEASEREQUEST']._serialized_start=888
-  _globals['_RELEASEREQUEST']._serialized_end=969
-  _globals['_RELEASERESPONSE']._serialized_start=971
-  _globals['_RELEASERESPONSE']._serialized_end=1003
-  _globals['_SESSIONREQUEST']._serialized_start=1006
-  _globals['_SESSIONREQUEST']._serialized_end=1190
-  _globals['_SESSIONRESPONSE']._serialized_start=1193
-  _globals['_SESSIONRESPONSE']._serialized_end=1374
-  _globals['_QUEUEDNOTICE']._serialized_start=1376
-  _globals['_QUEUEDNOTICE']._serialized_end=1407
-  _globals['_SESSIONERROR']._serialized_start=1409
-  _globals['_SESSIONERROR']._serialized_end=1454
-  _globals['_SCHEDULER']._serialized_start=1781
-  _globals['_SCHEDULER']._serialized_end=2084
+  _globals['_RELEASEREQUEST']._serialized_end=995
+  _globals['_RELEASERESPONSE']._serialized_start=997
+  _globals['_RELEASERESPONSE']._serialized_end=1029
+  _globals['_SESSIONREQUEST']._serialized_start=1032
+  _globals['_SESSIONREQUEST']._serialized_end=1216
+  _globals['_SESSIONRESPONSE']._serialized_start=1219
+  _globals['_SESSIONRESPONSE']._serialized_end=1400
+  _globals['_QUEUEDNOTICE']._serialized_start=1402
+  _globals['_QUEUEDNOTICE']._serialized_end=1433
+  _globals['_SESSIONERROR']._serialized_start=1435
+  _globals['_SESSIONERROR']._serialized_end=1480
+  _globals['_SCHEDULER']._serialized_start=1807
+  _globals['_SCHEDULER']._serialized_end=2110
 # @@protoc_insertion_point(module_scope)

@@ -109,12 +109,14 @@ class ReportResponse(_message.Message):
     def __init__(self, unknown_requests: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("request_id", "reason")
+    __slots__ = ("request_id", "reason", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     reason: ReleaseReason
-    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., reason: _Optional[_Union[ReleaseReason, str]] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("found",)

@@ -403,14 +403,17 @@ class SchedulerCore:
             self._drop(self.health.failure(old_instance_id))
         return True
 
-    def release(self, request_id: str, reason: int = scheduler_pb2.RELEASE_REASON_UNSPECIFIED) -> bool:
+    def release(
+        self, request_id: str, reason: int = scheduler_pb2.RELEASE_REASON_UNSPECIFIED, answer_tokens: int = 0
+    ) -> bool:
         """Drop the request and its load (held and in-flight) at once; False if it was not held. Idempotent.
 
         `reason` (scheduler.proto ReleaseReason) feeds engine health: FINISHED is a success of the
         engine the request is held on, UPSTREAM_ERROR or UPSTREAM_RESET (the engine reset the stream
         mid-response, as Envoy's access log tells) a failure, and such a request keeps its load
         there while the engine's run of failures lasts (health.py), so failing fast does not make
-        the engine look idle; the others say nothing of the engine.
+        the engine look idle; the others say nothing of the engine. `answer_tokens`: the answer's length as
+        the gateway learned it at the end (ReleaseRequest.generated_tokens), counted if above the last report.
         """
         entry = self._lrs.get(request_id)
         inflight = self.account.release(request_id)
@@ -419,7 +422,7 @@ class SchedulerCore:
         if reason in _ENGINE_FAILURES:
             self._drop(self.health.failure(entry.instance_id, request_id))
             return True
-        self._lrs.release(request_id)
+        self._lrs.release(request_id, answer_tokens)
         if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
             self._drop(self.health.success(entry.instance_id))
         return True

@@ -133,8 +133,11 @@ class ReportGuard:
                 break
             held_.popitem(last=False)
 
-    def released(self, request_id: str) -> None:
-        self._held.pop(request_id, None)
+    def released(self, request_id: str, generated_tokens: int = 0) -> int:
+        """Forget the request; returns the answer length its release may count, clamped as a report's."""
+        held = self._held.pop(request_id, None)
+        cap = self.max_model_len if held is None else held[0]
+        return min(generated_tokens, cap)
 
     def admit(self, report: scheduler_pb2.TokenReport) -> tuple[int, str]:
         """(generated_tokens to apply, why it was changed or dropped: "" / "clamped" / "no_progress").

@@ -202,12 +202,12 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             guard.scheduled(req.request_id, req.prompt_tokens, req.max_tokens)
         return decision  # type: ignore[return-value]
 
-    def _release(self, request_id: str, reason: int) -> bool:
+    def _release(self, request_id: str, reason: int, answer_tokens: int = 0) -> bool:
         """A waiting request leaves the queue (never dispatched); a held one is released."""
         flow = self.flow
         if flow is not None and flow.cancel(request_id):
             return True
-        found = self.core.release(request_id, reason)
+        found = self.core.release(request_id, reason, answer_tokens)
         if flow is not None:
             flow.poke()
         return found
@@ -222,13 +222,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.stats.refuse(call, "rate_limited", n)
         return False
 
-    def _release_ok(self, request_id: str) -> bool:
-        """A release the guard may forget; False for an id no Schedule could have held."""
-        if self._bounds.check_id(request_id):
+    def _release_ok(self, release: scheduler_pb2.ReleaseRequest) -> int | None:
+        """A release the guard may forget: the answer tokens it may count (clamped as a report's); None
+        for an id no Schedule could have held."""
+        if self._bounds.check_id(release.request_id):
             self.stats.refuse("release", "request_id_length")
-            return False
-        self._guard.released(request_id)
-        return True
+            return None
+        return self._guard.released(release.request_id, release.generated_tokens)
 
     async def end_sessions(self) -> None:
         """End every open Session with UNAVAILABLE; its gateway falls back, or opens a new one. A
@@ -306,9 +306,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         if not self._admit("release", 1, self._buckets(context)):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "over this gateway's release rate; retry")
-        if not self._release_ok(request.request_id):
+        answer_tokens = self._release_ok(request)
+        if answer_tokens is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is longer than any held")
-        return scheduler_pb2.ReleaseResponse(found=self._release(request.request_id, request.reason))
+        found = self._release(request.request_id, request.reason, answer_tokens or 0)
+        return scheduler_pb2.ReleaseResponse(found=found)
 
     async def Session(
         self, request_iterator: AsyncIterator[scheduler_pb2.SessionRequest], context: grpc.aio.ServicerContext
@@ -379,27 +381,25 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 return _session_error(message.seq, grpc.StatusCode.INTERNAL, "internal scheduler error")
             return scheduler_pb2.SessionResponse(seq=message.seq, schedule=decision_to_proto(decision))
         if kind in ("report", "release"):
+            release = message.release
+            answer_tokens: int | None = 0
             if kind == "report":
                 if not self._admit("report", len(message.report.reports), buckets):
                     return None
-            elif not message.release.request_id or not (
-                self._admit("release", 1, buckets) and self._release_ok(message.release.request_id)
-            ):
+            elif not release.request_id or not self._admit("release", 1, buckets):
                 return None  # an empty id is dropped
+            elif (answer_tokens := self._release_ok(release)) is None:
+                return None
             try:
-                self._apply(message)
+                if kind == "report":
+                    self._report(message.report.reports)
+                else:
+                    self._release(release.request_id, release.reason, answer_tokens or 0)
             except Exception:  # a bug loses this message only; the gateway's schedules go on
                 log.exception("Session: a %s failed", kind)
         else:  # a newer gateway's message kind: skipped, the stream goes on
             log.debug("Session: skipped a message of unknown kind")
         return None
-
-    def _apply(self, message: scheduler_pb2.SessionRequest) -> None:
-        """A report or a release: nobody waits for an answer."""
-        if message.HasField("report"):
-            self._report(message.report.reports)
-        elif message.release.request_id:  # an empty id is dropped
-            self._release(message.release.request_id, message.release.reason)
 
 
 class SessionRequests:

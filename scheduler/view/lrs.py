@@ -151,14 +151,16 @@ class LocalRealtimeState:
         self.touch(entry)
         return True
 
-    def release(self, request_id: str) -> bool:
-        """Drop the request and its load at once; False if it was not held (idempotent)."""
+    def release(self, request_id: str, answer_tokens: int = 0) -> bool:
+        """Drop the request and its load at once; False if it was not held (idempotent). `answer_tokens`: the
+        answer's length where the gateway learned it only at the end (reports stopped at the first token)."""
         entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
         if self._count_releases:
             # counted before the unload, whose change notice re-keys the instance with them
-            self._count_answers(entry.load, entry.instance_id, 1, entry.generated_tokens)
+            answered = entry.generated_tokens if entry.generated_tokens >= answer_tokens else answer_tokens
+            self._count_answers(entry.load, entry.instance_id, 1, answered)
         self._unload(entry)
         return True
 

@@ -105,3 +105,17 @@ def test_an_engine_with_no_answers_yet_goes_by_the_fleets() -> None:
     other = "b" if cold.instance_id == "a" else "a"
     core.apply_status(_status(other, 2, 4, 40))  # answers of 10 tokens there: the fleet's level is 8
     assert cold.lrs.fleet_output_level == 8 and cold.lrs.num_released == 0
+
+
+def test_a_release_counts_the_answer_the_gateway_sized_at_the_end_in_lite_mode() -> None:
+    """A lite gateway reading each stream to its first token reports 1 token, then tells the answer's
+    length with the release: that length is the answer counted, never less than the last report."""
+    core = SchedulerCore(SchedulerConfig(model=["m"], instances=["a=h:1"]))
+    core.schedule(RequestInfo("r", "m", prompt_tokens=10))
+    assert core.report("r", 1, True)
+    assert core.release("r", answer_tokens=120)
+    assert _answers(core, "a") == (1, 120)
+    core.schedule(RequestInfo("s", "m", prompt_tokens=10))
+    assert core.report("s", 50, True)
+    assert core.release("s", answer_tokens=20)  # an estimate under what was counted counts nothing less
+    assert _answers(core, "a") == (2, 170)

@@ -76,6 +76,14 @@ def test_report_guard_clamps_to_what_the_stream_can_generate_and_drops_no_progre
     assert guard.admit(report("a", 4_000_000_000)) == (1000, "clamped")  # forgotten: the model length only
 
 
+def test_a_release_counts_no_longer_answer_than_the_stream_could_generate() -> None:
+    guard = ReportGuard(max_model_len=1000, staleness_seconds=300, clock=Clock())
+    guard.scheduled("r", prompt_tokens=100, max_tokens=50)
+    assert guard.released("r", 70) == 50  # clamped as a report is
+    assert guard.released("r", 70) == 70  # forgotten: only the model length bounds it
+    assert guard.released("x", 5000) == 1000
+
+
 def test_report_guard_forgets_what_the_account_would_have_expired() -> None:
     clock = Clock()
     guard = ReportGuard(max_model_len=1000, staleness_seconds=10, clock=clock)

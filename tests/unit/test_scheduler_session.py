@@ -17,7 +17,7 @@ from pilotfish.scheduler.view.types import Endpoint, RequestInfo
 
 class FakeCore:
     def __init__(self) -> None:
-        self.released: list[str] = []
+        self.released: list[tuple[str, int]] = []
 
     def schedule(self, req: RequestInfo) -> Decision:
         if req.model == "unknown":
@@ -29,8 +29,8 @@ class FakeCore:
     def report_many(self, reports: Any) -> int:
         raise RuntimeError("a bug in the account")
 
-    def release(self, request_id: str, reason: int = 0) -> bool:
-        self.released.append(request_id)
+    def release(self, request_id: str, reason: int = 0, answer_tokens: int = 0) -> bool:
+        self.released.append((request_id, answer_tokens))
         return True
 
     def orphan(self, request_ids: Any) -> None:  # the Session ended with these held
@@ -65,7 +65,8 @@ async def test_each_message_gets_the_unary_answer_and_the_stream_goes_on() -> No
         schedule(3, "bug"),
         scheduler_pb2.SessionRequest(report=report),  # the core raises: logged, the stream goes on
         scheduler_pb2.SessionRequest(release=scheduler_pb2.ReleaseRequest(request_id="")),  # dropped
-        scheduler_pb2.SessionRequest(release=scheduler_pb2.ReleaseRequest(request_id="r1")),
+        # the answer's length where the gateway learned it only at the end (clamped as a report: here not)
+        scheduler_pb2.SessionRequest(release=scheduler_pb2.ReleaseRequest(request_id="r1", generated_tokens=7)),
         scheduler_pb2.SessionRequest(seq=9),  # no kind (a newer gateway's): skipped
         schedule(4, "m"),
     ]
@@ -82,4 +83,4 @@ async def test_each_message_gets_the_unary_answer_and_the_stream_goes_on() -> No
         "internal scheduler error",
     )
     assert replies[3].schedule.target.instance_id == "r4"
-    assert core.released == ["r1"]
+    assert core.released == [("r1", 7)]

@@ -83,7 +83,7 @@ class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
     """Envoy's AccessLogService: each finished request the scheduler placed is released once, after
     a served-elsewhere report where Envoy retried it on another engine."""
 
-    def __init__(self, release: Callable[[str, int, str], None]) -> None:
+    def __init__(self, release: Callable[[str, int, str, int], None]) -> None:
         self._release = release
         self.streams = 0  # Envoy's open access-log streams; >0 means releases come from here
 
@@ -104,4 +104,6 @@ class AccessLogReleaser(als_pb2_grpc.AccessLogServiceServicer):
             return
         request_id = entry.request.request_headers.get(REQUEST_ID_HEADER, "")
         if request_id:
-            self._release(request_id, release_reason(entry), served_elsewhere(entry))
+            self._release(
+                request_id, release_reason(entry), served_elsewhere(entry), entry.response.response_body_bytes
+            )

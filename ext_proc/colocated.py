@@ -102,11 +102,11 @@ class LocalScheduler:
         if served_address and self.flow is not None:
             self.flow.poke()  # its first engine may have room now
 
-    def release(self, request_id: str, reason: int) -> None:
+    def release(self, request_id: str, reason: int, answer_tokens: int = 0) -> None:
         if self.flow is not None and self.flow.cancel(request_id):
             return  # it was still waiting: it leaves the queue, never dispatched
         # the reason feeds the core's engine health (an upstream error is a failure of that engine)
-        self._core.release(request_id, reason)  # type: ignore[attr-defined]
+        self._core.release(request_id, reason, answer_tokens)  # type: ignore[attr-defined]
         if self.flow is not None:
             self.flow.poke()
 

@@ -135,12 +135,15 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
         ),
     ] = 0
     response_bodies: Annotated[
-        Literal["count", "observe", "skip"],
+        Literal["count", "first-token", "observe", "skip"],
         Meta(
-            description="count: read streamed response bodies to count generated tokens (lite mode needs them) "
-            "and release each request at its stream's end; observe: the same counts from a second Envoy filter "
-            "in observability mode (the sidecar's), which sends each chunk without waiting for a reply: "
-            "cheaper, but the usage chunk cannot be added and removed, so tokens are counted per event unless "
+            description="count: read streamed response bodies to count generated tokens and release each request "
+            "at its stream's end (any gateway); first-token: read each stream up to its first token only (the "
+            "prefill is done), then let Envoy pass the rest without a message per chunk, and release from "
+            "Envoy's access log with the answer's length estimated from the response's size (the sidecar sends "
+            "the access log to this process; lite mode's default there); observe: the same counts as count from "
+            "a second Envoy filter in observability mode (the sidecar's), which sends each chunk without waiting "
+            "for a reply, but the usage chunk cannot be added and removed, so tokens are counted per event unless "
             "the client asked for usage; skip: leave response bodies alone (full mode: the llumlets count "
             "tokens; the sidecar then asks Envoy for none), and release each request from Envoy's access log, "
             "which the sidecar sends to this process"

@@ -38,6 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages, tracing
+from pilotfish.ext_proc.answer_size import AnswerSizes
 from pilotfish.ext_proc.flow import FlowHeaders
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
@@ -97,6 +98,7 @@ class _Stream:
         "observed",
         "owed",
         "path",
+        "read_bytes",
         "rejected",
         "released",
         "request_id",
@@ -121,6 +123,7 @@ class _Stream:
         self.flow: tuple[int, str] = (0, "")  # flow control: band and flow key (ext_proc/flow.py)
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
+        self.read_bytes = 0  # response body bytes counted (--response-bodies first-token: up to the first token)
         self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
         self.status = 0
         self.released = False
@@ -149,14 +152,20 @@ class ExtProcServicer:
     ) -> None:
         self._prefix_block_size = prefix_block_size
         self._flow_headers = flow_headers or FlowHeaders()
-        # --response-bodies: "count" reads them on this stream; "skip" (full mode: the llumlets count
+        # --response-bodies: "count" reads them on this stream; "first-token" reads each stream up to its
+        # first token (the prefill is done), then ends this stream with OK so Envoy passes the rest without
+        # a message per chunk, and releases from the access log with the answer's length estimated from
+        # its size (answer_size.py); "skip" (full mode: the llumlets count
         # tokens) asks Envoy for none, and every release comes from Envoy's access log once Envoy has
         # really finished the request; the sidecar then sends no response message either (Envoy tags the
         # response from the routing metadata) and this stream ends with Envoy's graceful close at the
         # request's end, never with an early OK, which Envoy answers with a reset; "observe" leaves
         # counting and releasing to the sidecar's observing filter (_observe)
         self._count_tokens = response_bodies == "count"
-        self._access_log_releases = response_bodies == "skip"  # "observe": the observing filter releases
+        self._first_token_only = response_bodies == "first-token"
+        # "observe": the observing filter releases
+        self._access_log_releases = response_bodies in ("skip", "first-token")
+        self._answer_sizes = AnswerSizes()
         self._destination_fallbacks = destination_fallbacks
         self._router = router
         self._tokenize = tokenize
@@ -430,7 +439,7 @@ class ExtProcServicer:
             and h.get("content-type", "").startswith("text/event-stream")
         )
         if stream_body:
-            if self._count_tokens:
+            if self._count_tokens or self._first_token_only:
                 s.counter = s.stripper.counter if s.stripper is not None else TokenCounter()
             else:  # not read: the stream's end comes from Envoy's access log
                 stream_body = False
@@ -462,6 +471,8 @@ class ExtProcServicer:
                 if full_duplex
                 else (messages.CONTINUE_RESPONSE_BODY)
             )
+        if self._first_token_only:
+            return self._until_first_token(s, counter, body)
         stripper = s.stripper
         out = body.body
         if stripper is not None:
@@ -483,6 +494,31 @@ class ExtProcServicer:
             # event straddles): no body mutation for Envoy to apply
             return messages.CONTINUE_RESPONSE_BODY
         return messages.replace_response_body(out)
+
+    def _until_first_token(self, s: _Stream, counter: TokenCounter, body: ep.HttpBody) -> ep.ProcessingResponse:
+        """--response-bodies first-token: count up to the first token, report the prefill done, and
+        remember what was read for the answer's estimate at the release (the access log's); then this
+        stream ends with OK, and Envoy takes the server's close as nothing more to process for the rest
+        of the response. In full duplex every byte is owed back, so the stream stays, uncounted."""
+        counter.feed(body.body)
+        s.read_bytes += len(body.body)
+        full_duplex = s.response_mode == FULL_DUPLEX
+        if counter.tokens or body.end_of_stream:
+            decision = s.decision
+            assert decision is not None
+            if decision.source == SCHEDULER:
+                if counter.tokens:
+                    self._router.report(s.request_id, counter.tokens, prefill_done=True)
+                complete = s.read_bytes - counter.pending_bytes
+                self._answer_sizes.read(s.request_id, complete, counter.events, counter.tokens)
+            s.counter = None
+            s.released = True  # the access log releases it
+            s.done = body.end_of_stream or not full_duplex
+            if s.done and not body.end_of_stream:
+                self._metrics.first_token_ends.inc()
+        if full_duplex:
+            return messages.streamed_response_body(body.body, body.end_of_stream)
+        return messages.CONTINUE_RESPONSE_BODY
 
     # -- the observing filter (--response-bodies observe) ---------------------------------------------
 
@@ -540,22 +576,29 @@ class ExtProcServicer:
         if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):
             self._send_release(s.request_id, reason)
 
-    def release_from_access_log(self, request_id: str, reason: int, served_elsewhere: str = "") -> None:
+    def release_from_access_log(
+        self, request_id: str, reason: int, served_elsewhere: str = "", body_bytes: int = 0
+    ) -> None:
         """Envoy finished a request the scheduler placed (access_log.py); the release path when
-        response bodies are skipped, ignored when the streams themselves release. `served_elsewhere`:
-        the engine Envoy's retry served it on instead of the scheduler's pick, reported first (the
-        scheduler counts it against the engine it picked; the release then goes where it is held)."""
+        response bodies are skipped or read to the first token only, ignored when the streams themselves
+        release. `served_elsewhere`: the engine Envoy's retry served it on instead of the scheduler's pick,
+        reported first (the scheduler counts it against the engine it picked; the release then goes where
+        it is held). `body_bytes`: the response body's size, which sizes the answer of a stream read to
+        its first token."""
         if not self._access_log_releases:
             return
         if served_elsewhere:
             self._metrics.served_elsewhere.inc()
             log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)
             self._router.report(request_id, 0, False, served_address=served_elsewhere)
-        self._send_release(request_id, reason)
+        answer_tokens = self._answer_sizes.estimate(request_id, body_bytes) if self._first_token_only else 0
+        if answer_tokens:
+            self._metrics.generated_tokens.inc(answer_tokens)
+        self._send_release(request_id, reason, answer_tokens)
 
-    def _send_release(self, request_id: str, reason: int) -> None:
+    def _send_release(self, request_id: str, reason: int, answer_tokens: int = 0) -> None:
         self._metrics.releases.labels(_REASON_LABELS[reason]).inc()
-        self._router.release(request_id, reason)
+        self._router.release(request_id, reason, answer_tokens)
 
     def _reject(self, s: _Stream, exc: RequestError) -> ep.ProcessingResponse:
         s.rejected = True

@@ -389,23 +389,30 @@ class GrpcScheduler:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.Report(report, timeout=self._timeout * 5, metadata=self._metadata)
 
-    def release(self, request_id: str, reason: int) -> None:
-        """Tell the scheduler the request is over; never delays the response path."""
+    def release(self, request_id: str, reason: int, answer_tokens: int = 0) -> None:
+        """Tell the scheduler the request is over (with the answer's length where only the end told it);
+        never delays the response path."""
         pending = self._pending_reports.pop(request_id, None)
         # a move not yet sent goes first: the scheduler counts a served-elsewhere request as a
         # failure of the engine it scheduled, and the release as a success of where it is held
         moved = pending if pending is not None and pending.served_address else None
-        task = asyncio.get_running_loop().create_task(self._release(request_id, reason, moved))
+        task = asyncio.get_running_loop().create_task(self._release(request_id, reason, moved, answer_tokens))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _release(self, request_id: str, reason: int, moved: scheduler_pb2.TokenReport | None = None) -> None:
+    async def _release(
+        self, request_id: str, reason: int, moved: scheduler_pb2.TokenReport | None = None, answer_tokens: int = 0
+    ) -> None:
         if moved is not None:
             report = scheduler_pb2.ReportRequest(reports=[moved])
             if not await self._send(scheduler_pb2.SessionRequest(report=report)):
                 with contextlib.suppress(grpc.aio.AioRpcError):
                     await self._stub.Report(report, timeout=self._timeout * 5, metadata=self._metadata)
-        release = scheduler_pb2.ReleaseRequest(request_id=request_id, reason=reason)  # type: ignore[arg-type]
+        release = scheduler_pb2.ReleaseRequest(
+            request_id=request_id,
+            reason=reason,  # type: ignore[arg-type]
+            generated_tokens=min(answer_tokens, 0xFFFFFFFF),
+        )
         if await self._send(scheduler_pb2.SessionRequest(release=release)):
             return
         try:

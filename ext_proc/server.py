@@ -50,6 +50,11 @@ class ExtProcServer:
         # TLS and the token on its own listener (Envoy's link) and to the scheduler (pilotfish/security.py)
         self.security = security = Security.from_config(config)
         security.check_listener(config.host, "--host")
+        if config.response_bodies == "first-token" and config.grpc_server == "grpcio":
+            # each such stream ends with Envoy's reset after the ext_proc's OK, and grpc.aio never frees
+            # the native op array a reset cuts (~120-150 bytes a request)
+            raise ConfigError("--response-bodies first-token needs --grpc-server loop: grpc.aio's server leaks "
+                              "native memory on every stream Envoy resets; use --response-bodies count with grpcio")
         try:
             instances = parse_instances(config.instances)
         except ValueError as exc:

@@ -37,6 +37,11 @@ class TokenCounter:
         for event in complete:
             self.count_event(event)
 
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes fed that end no event yet (an event split across chunks)."""
+        return len(self._tail)
+
     def finish(self) -> None:
         """The body ended: an unterminated last event still counts."""
         if self._tail.strip():

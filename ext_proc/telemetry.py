@@ -19,7 +19,14 @@ class ExtProcMetrics:
         )
         self.generated_tokens = Counter(
             "pilotfish_ext_proc_generated_tokens",
-            "Generated tokens counted in streamed responses.",
+            "Generated tokens counted in streamed responses (with --response-bodies first-token: estimated from "
+            "their size).",
+            registry=self.registry,
+        )
+        self.first_token_ends = Counter(
+            "pilotfish_ext_proc_first_token_ends",
+            "Streams read up to their first token and ended there (--response-bodies first-token): Envoy passes "
+            "the rest of each response unwatched, and resets the ext_proc stream after its OK.",
             registry=self.registry,
         )
         self.releases = Counter(

@@ -88,6 +88,7 @@ def render_sidecar(
     request_body_mode: str = "BUFFERED",
     response_body_mode: str = "STREAMED",
     observe_response_bodies: bool = False,
+    release_from_access_log: bool = False,
     destination_fallbacks: int = 0,
     engines: list[tuple[str, int]] | None = None,
     eds_path: str | Path = "",
@@ -102,6 +103,10 @@ def render_sidecar(
     Body modes are BUFFERED, STREAMED or FULL_DUPLEX_STREAMED each way (measured side by side by
     `pilotfish bench gateway`). A STREAMED request body is sent without waiting for the headers
     reply, so the ext_proc can hold that reply until the body has chosen the engine.
+
+    Envoy's access log goes to the ext_proc, which releases requests by it, when response bodies are
+    not sent (`response_body_mode` NONE without the observing filter) or when
+    `release_from_access_log` (the ext_proc's --response-bodies first-token) says so.
 
     `destination_fallbacks` is the ext_proc's --destination-fallbacks: 0 routes each request to
     its one picked address (ORIGINAL_DST, any engine); N > 0 routes through the override_host
@@ -137,7 +142,10 @@ def render_sidecar(
         members = "load_assignment: " + json.dumps(
             {"cluster_name": PICKED_POOL, "endpoints": [{"lb_endpoints": _endpoint_list(engines or default_endpoints)}]}
         )
-    access_log_releases = response_body_mode == "NONE" and not observe_response_bodies
+    skipped = response_body_mode == "NONE" and not observe_response_bodies
+    # the ext_proc releases from the access log when it reads no response body, or only each stream's
+    # first token (--response-bodies first-token)
+    access_log_releases = skipped or release_from_access_log
     template = Template(config_path("sidecar.yaml").read_text())
     text = template.substitute(
         listen_host=listen_host,
@@ -150,7 +158,7 @@ def render_sidecar(
         # response bodies skipped: requests are released from Envoy's access log (ext_proc/access_log.py)
         access_log=json.dumps([_ACCESS_LOG] if access_log_releases else []),
         # ...and then the response needs nothing from the ext_proc: the stream ends with the routing reply
-        response_header_mode="SKIP" if access_log_releases else "SEND",
+        response_header_mode="SKIP" if skipped else "SEND",
         observer_filter=f"- {json.dumps(_observer_filter(ext_proc_timeout_s))}" if observe_response_bodies else "",
         send_body_early="true" if request_body_mode == "STREAMED" else "false",
         # In full duplex a body that ends in trailers has no end_of_stream chunk: the ext_proc must

@@ -42,9 +42,10 @@ class StackSpec:
     gateway: str = "sidecar"
     request_body_mode: str = "BUFFERED"
     # "" = the mode's own: full mode skips response bodies (the llumlets count tokens; releases come
-    # from Envoy's access log), lite mode streams them to count tokens
+    # from Envoy's access log), lite mode streams them to read each stream's first token
     response_body_mode: str = ""
-    # the ext_proc's --response-bodies: "" = the mode's own (skip in full mode, count in lite);
+    # the ext_proc's --response-bodies: "" = the mode's own (the sidecar's: skip in full mode, first-token
+    # in lite; another gateway sends the ext_proc no access log: count); "count" reads every chunk,
     # "observe" counts through the sidecar's observing filter
     response_bodies: str = ""
     failure_mode_allow: bool = False
@@ -74,6 +75,7 @@ class Stack:
     # the sidecar's EDS file of engines for its retries (write_eds rewrites it; empty: none)
     eds_path: str = ""
     scheduler_ui_port: int = 0  # the live page; 0: not served
+    response_bodies: str = ""  # the ext_proc's --response-bodies
 
     @property
     def base_url(self) -> str:
@@ -197,13 +199,19 @@ def start_stack(spec: StackSpec, group: ChildGroup, log_dir: Path) -> Stack:
         engines, spec.listen_host, listen_port, admin_port, scheduler_port, metrics_port, ext_proc_port,
         ext_proc_metrics_port, {child.name: child for child in group.children}, ready,
         eds_path=str(eds_path) if eds_path else "", scheduler_ui_port=ui_port,
+        response_bodies=_response_bodies(spec),
     )  # fmt: skip
 
 
 def _response_bodies(spec: StackSpec) -> str:
     if spec.response_bodies:
         return spec.response_bodies
-    return "skip" if spec.cms_url and spec.gateway == "sidecar" and not spec.response_body_mode else "count"
+    if spec.gateway != "sidecar":  # only the sidecar sends the ext_proc Envoy's access log
+        return "count"
+    if spec.cms_url:
+        return "count" if spec.response_body_mode else "skip"
+    # grpc.aio's server leaks what Envoy's reset of an early-ended stream cuts (the ext_proc refuses it)
+    return "count" if "grpcio" in spec.ext_proc_args else "first-token"
 
 
 def _response_body_mode(spec: StackSpec) -> str:
@@ -238,6 +246,7 @@ def _bootstrap(
         request_body_mode=spec.request_body_mode,
         response_body_mode=_response_body_mode(spec),
         observe_response_bodies=_response_bodies(spec) == "observe",
+        release_from_access_log=_response_bodies(spec) == "first-token",
         destination_fallbacks=spec.destination_fallbacks,
         eds_path=eds_path or "",
     )

@@ -13,6 +13,7 @@ import aiohttp
 import pytest
 
 from pilotfish.procs import wait_until
+from pilotfish.prom_scrape import metric
 from pilotfish.stack import Stack
 
 pytestmark = pytest.mark.integration
@@ -41,13 +42,31 @@ def send(stack: Stack, n: int) -> list[int]:
     return asyncio.run(run())
 
 
-def test_envoy_resets_no_ext_proc_stream(stack: Stack) -> None:
+def test_a_counting_gateway_has_no_ext_proc_stream_reset(make_stack) -> None:
+    """--response-bodies count (what grpc.aio's server needs): every stream ends with the ext_proc's OK."""
+    stack = make_stack(engines=2, response_bodies="count")
     before_resets, before_completed = stack.envoy_stat(RESETS), stack.envoy_stat(COMPLETED)
     statuses = send(stack, 40)
     assert statuses == [200] * 40
     # Envoy counts a stream once it is over, which a graceful close may leave a moment after the response
     wait_until(lambda: stack.envoy_stat(COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
     assert stack.envoy_stat(RESETS) - before_resets == 0
+
+
+def test_lite_resets_only_the_streams_read_to_their_first_token_and_holds_none(stack: Stack) -> None:
+    """The lite default behind the sidecar (--response-bodies first-token) ends each stream's ext_proc stream at
+    its first token, and Envoy resets it after the OK: exactly those, and the loop server keeps none open."""
+    assert stack.response_bodies == "first-token"
+    port = stack.ext_proc_metrics_port
+    early_before = metric(port, "pilotfish_ext_proc_first_token_ends_total")
+    before_resets, before_completed = stack.envoy_stat(RESETS), stack.envoy_stat(COMPLETED)
+    statuses = send(stack, 40)
+    assert statuses == [200] * 40
+    wait_until(lambda: stack.envoy_stat(COMPLETED) - before_completed >= 40, 30, "every ext_proc stream ended")
+    early = metric(port, "pilotfish_ext_proc_first_token_ends_total") - early_before
+    assert early == 30  # the streamed three in four; a whole response ends at its headers, with OK
+    assert stack.envoy_stat(RESETS) - before_resets == early
+    wait_until(lambda: metric(port, "pilotfish_ext_proc_active_streams") == 0, 30, "no ext_proc stream left open")
 
 
 def test_full_mode_streams_end_with_the_routing_reply_and_none_is_reset(make_stack, redis_service) -> None:

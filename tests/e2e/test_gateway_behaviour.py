@@ -47,7 +47,10 @@ async def stream(session: aiohttp.ClientSession, stack: Stack, i: int, max_token
     return [json.loads(p) for p in payloads[:-1]]
 
 
-def test_counted_tokens_equal_engine_usage_and_usage_reaches_only_who_asked(stack: Stack) -> None:
+def test_counted_tokens_equal_engine_usage_and_usage_reaches_only_who_asked(make_stack) -> None:
+    """--response-bodies count: every chunk read, the counts exact (the lite default behind the sidecar reads
+    to the first token and estimates the rest: test_gateway_skip_bodies.py)."""
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="count")
     gateway_before = metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total")
     engine_before = engine_generated(stack)
     finished_before = releases(stack, "finished")

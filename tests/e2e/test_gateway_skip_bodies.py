@@ -98,3 +98,33 @@ def test_an_observing_filter_counts_streams_exactly_without_a_reply_per_chunk(ma
     )
     wait_until(lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_requests") == 0, 30,
                "the scheduler's account drained")  # fmt: skip
+
+
+def test_first_token_mode_reads_each_stream_to_its_first_token_and_sizes_the_answer_at_the_release(
+    make_stack,
+) -> None:
+    """Lite mode, --response-bodies first-token: the ext_proc reads each stream up to its first token,
+    then ends its own stream; Envoy passes the rest untouched and unwatched, and the access log
+    releases each request with the answer's length estimated from the body's size."""
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="first-token")
+    sent_before = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent")
+
+    for status, raw, stream in send_mixed(stack, max_tokens=100):
+        assert status == 200, raw[:300]
+        if stream:  # the client gets every event, unchanged
+            payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
+            assert payloads[-1] == b"[DONE]" and len(payloads) == 101
+            assert all(b'"usage"' not in p or b'"usage":null' in p for p in payloads)  # nothing added
+        else:
+            assert json.loads(raw)["usage"]["completion_tokens"] == 100
+    wait_until(lambda: releases(stack, "finished") == 8, 30, "one release per request, from the access log")
+    assert releases(stack) == 8
+    # per stream: request headers and body, response headers, and the body only to the first token (the
+    # simulated engine sends one event per chunk), not the 101 chunks of the whole answer
+    sent = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent") - sent_before
+    assert 3 * 8 <= sent <= 3 * 8 + 6 * 2, sent
+    # each stream's answer, sized from the body: 100 tokens each, within a few percent
+    estimated = metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total")
+    assert abs(estimated - 6 * 100) <= 6 * 5, estimated
+    wait_until(lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_requests") == 0, 30,
+               "the scheduler's account drained")  # fmt: skip

@@ -39,6 +39,7 @@ class FakeBackend:
     scheduled: list[scheduler_pb2.ScheduleRequest] = field(default_factory=list)
     reports: list[tuple[str, int, str]] = field(default_factory=list)
     releases: list[tuple[str, int]] = field(default_factory=list)
+    answers: list[int] = field(default_factory=list)  # each release's answer tokens
 
     async def schedule(self, request: scheduler_pb2.ScheduleRequest) -> Decision:
         if self.crash:
@@ -51,8 +52,9 @@ class FakeBackend:
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
         self.reports.append((request_id, generated_tokens, served_address))
 
-    def release(self, request_id: str, reason: int) -> None:
+    def release(self, request_id: str, reason: int, answer_tokens: int = 0) -> None:
         self.releases.append((request_id, reason))
+        self.answers.append(answer_tokens)
 
     def instance_added(self, instance: object) -> None: ...
     def instance_removed(self, instance_id: str) -> None: ...
@@ -451,7 +453,7 @@ def test_the_access_log_says_how_a_request_ended(flags: tuple[str, ...], status:
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int]] = []
-    AccessLogReleaser(lambda rid, why, _: released.append((rid, why))).entry(log_entry(flags, status))
+    AccessLogReleaser(lambda rid, why, *_: released.append((rid, why))).entry(log_entry(flags, status))
     assert released == [("rid", reason)]
 
 
@@ -478,7 +480,7 @@ def test_the_access_log_says_where_a_request_was_served(entry, elsewhere: str) -
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int, str]] = []
-    AccessLogReleaser(lambda *args: released.append(args)).entry(entry)
+    AccessLogReleaser(lambda *args: released.append(args[:3])).entry(entry)
     assert released == [("rid", scheduler_pb2.RELEASE_REASON_FINISHED, elsewhere)]
 
 
@@ -492,7 +494,7 @@ class OrderedBackend(FakeBackend):
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool, served_address: str = "") -> None:
         self.events.append(("report", request_id, served_address))
 
-    def release(self, request_id: str, reason: int) -> None:
+    def release(self, request_id: str, reason: int, answer_tokens: int = 0) -> None:
         self.events.append(("release", request_id))
 
 
@@ -506,12 +508,64 @@ def test_a_request_served_elsewhere_is_reported_moved_before_its_release() -> No
     assert metrics.served_elsewhere._value.get() == 1
 
 
+def chat_event(text: str, role: bool = False) -> bytes:
+    """One event of a vLLM chat stream: the same envelope every time, one token's text."""
+    delta = {"role": "assistant", "content": ""} if role else {"content": text}
+    chunk = {"id": "chatcmpl-7d1f", "object": "chat.completion.chunk", "created": 1764300000, "model": "m",
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}  # fmt: skip
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def test_first_token_mode_reads_a_stream_to_its_first_token_then_ends_and_sizes_the_answer_at_the_release() -> None:
+    svc, backend, metrics = servicer(response_bodies="first-token")
+    words = ["Hello", ",", " world", " and", " the", " rest", " of", " it", "."]
+    events = [chat_event("", role=True)] + [chat_event(words[i % len(words)]) for i in range(200)]
+    whole = b"".join(events) + b"data: [DONE]\n\n"
+    # the role event, then the first token split across two chunks, then chunks the ext_proc must not need
+    first = events[1]
+    replies = run(svc, [
+        headers(), body(STREAMING), response_headers(),
+        response_body(events[0]), response_body(first[:20]), response_body(first[20:]),
+        response_body(events[2]), response_body(events[3]),
+    ])  # fmt: skip
+    rid = backend.scheduled[0].request_id
+    assert backend.reports == [(rid, 1, "")]  # the prefill is done: reported at the first token
+    # replies to the three chunks up to the first token, then the stream ends: the rest is not read
+    assert sum(r.HasField("response_body") for r in replies) == 3
+    assert backend.releases == []  # not at the stream's end: the access log releases
+    svc.release_from_access_log(rid, scheduler_pb2.RELEASE_REASON_FINISHED, "", len(whole))
+    assert backend.releases == [(rid, scheduler_pb2.RELEASE_REASON_FINISHED)]
+    assert abs(backend.answers[0] - 200) <= 10, backend.answers  # sized from the body: within 5%
+    assert metrics.generated_tokens._value.get() == backend.answers[0]
+    svc.release_from_access_log(rid, scheduler_pb2.RELEASE_REASON_FINISHED, "", len(whole))
+    assert backend.answers[1] == 0  # what was read is forgotten at the release
+
+
+def test_first_token_mode_releases_a_whole_response_from_the_access_log_only() -> None:
+    svc, backend, _ = servicer(response_bodies="first-token")
+    replies = run(svc, [headers(), body(COMPLETION), response_headers(200, "application/json")])
+    assert replies[-1].mode_override.response_body_mode == Mode.NONE and backend.releases == []
+    svc.release_from_access_log(backend.scheduled[0].request_id, scheduler_pb2.RELEASE_REASON_FINISHED, "", 300)
+    assert backend.releases == [(backend.scheduled[0].request_id, scheduler_pb2.RELEASE_REASON_FINISHED)]
+    assert backend.answers == [0]  # nothing read, nothing estimated
+
+
+def test_the_access_log_passes_the_response_body_size() -> None:
+    from pilotfish.ext_proc.access_log import AccessLogReleaser
+
+    entry = log_entry()
+    entry.response.response_body_bytes = 12345
+    released: list[tuple[object, ...]] = []
+    AccessLogReleaser(lambda *args: released.append(args)).entry(entry)
+    assert released == [("rid", scheduler_pb2.RELEASE_REASON_FINISHED, "", 12345)]
+
+
 @pytest.mark.parametrize("source", ["fallback", None])
 def test_the_access_log_releases_only_what_the_scheduler_placed(source: str | None) -> None:
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int]] = []
-    AccessLogReleaser(lambda rid, why, _: released.append((rid, why))).entry(log_entry(source=source))
+    AccessLogReleaser(lambda rid, why, *_: released.append((rid, why))).entry(log_entry(source=source))
     assert released == []
 
 

@@ -108,6 +108,29 @@ def test_an_observed_stream_ends_at_its_last_chunk() -> None:
     assert read == 4 and backend.releases == [("gw-1", FINISHED)]
 
 
+def test_a_stream_read_to_its_first_token_ends_there_unless_every_byte_is_owed() -> None:
+    """--response-bodies first-token: the stream ends with the reply to the chunk with the first token, so
+    Envoy passes the rest without a message each; in full duplex every byte is owed back, so it reads on."""
+    svc, backend, _ = servicer(response_bodies="first-token")
+    replies, read = run_to_the_end(svc, [headers(), body(STREAMING), *stream()])
+    assert read == 4 and replies[-1].HasField("response_body")  # headers, body, response headers, first chunk
+    assert backend.reports == [(backend.scheduled[0].request_id, 1, "")] and backend.releases == []
+    svc, backend, _ = servicer(response_bodies="first-token")
+    messages = [headers(response_mode=Mode.FULL_DUPLEX_STREAMED), body(STREAMING), *stream()]
+    replies, read = run_to_the_end(svc, messages)
+    assert read == len(messages) and len(backend.reports) == 1 and backend.releases == []
+    assert [r.response_body.response.body_mutation.streamed_response.body for r in replies[-3:]] == SSE
+
+
+def test_reading_to_the_first_token_needs_the_loop_server() -> None:
+    from pilotfish.config import ConfigError
+    from pilotfish.ext_proc.config import ExtProcConfig
+    from pilotfish.ext_proc.server import ExtProcServer
+
+    with pytest.raises(ConfigError, match="first-token needs --grpc-server loop"):
+        ExtProcServer(ExtProcConfig(response_bodies="first-token", grpc_server="grpcio", scheduler_address=""))
+
+
 def test_a_full_duplex_response_that_is_not_a_stream_is_read_to_its_last_byte() -> None:
     """Envoy may refuse the mode override that turns its body off, and then every byte is owed."""
     svc, _, _ = servicer()

@@ -66,7 +66,10 @@ class ClusterConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     profile: StepTimeProfile | None = None  # None: the engine config's profile
     observation_delay: float = 0.0  # seconds between an engine event and the router hearing of it
-    report_every: int = 16  # token progress goes to the router at the first token, then every N
+    # token progress goes to the router at the first token, then every N; 0: at the first token only, and the
+    # answer's length just before its release, as a lite gateway reading each stream to its first token learns it
+    # (ext_proc --response-bodies first-token, its sidecar default)
+    report_every: int = 0
     engine_id_prefix: str = "sim"
     rescheduling_interval: float = 0.5  # seconds between rescheduler calls, when the sim has one
     heartbeat: float = 1.0  # seconds an idle engine goes without a status before it writes one (full mode)
@@ -426,12 +429,16 @@ class ClusterSim:
             generated = record.num_output_tokens
             if generated == 1:
                 record.first_token = t
-            if (generated == 1 or generated % self.config.report_every == 0) and out.finish_reason is None:
+            every = self.config.report_every
+            if (generated == 1 or (every and generated % every == 0)) and out.finish_reason is None:
                 self._observe(t, lambda: router.on_progress(rid, k, generated, t + delay))
         if out.finish_reason is not None:
             record.finished = t
             record.finish_reason = out.finish_reason.value
             if out.finish_reason is not FinishReason.ABORT:
+                if not self.config.report_every and record.num_output_tokens > 1:
+                    total = record.num_output_tokens  # the answer's length, told with its release
+                    self._observe(t, lambda: router.on_progress(rid, k, total, t + delay))
                 self._observe(t, lambda: router.on_finish(rid, k, t + delay))
 
     def _check_outputs(self) -> None:

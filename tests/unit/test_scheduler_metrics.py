@@ -221,14 +221,14 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
 ) -> None:
     """A 6000-token prompt onto 4 decoding requests: the TTFT, plus 4 x (prefill time - per token x (1 + the
     mean output of the requests released there)), and at least 4 x a fifth of the least prefill time at its
-    prompt level (4096 tokens): 25 ms per token in lite mode (the gateway's reported counts trail the
-    answers), 15 in full mode (the engines' exact counts)."""
+    prompt level (4096 tokens): 15 ms per answer token in both modes (full: the engines' counts; lite: the
+    gateway's, at the release)."""
     from pilotfish.scheduler.policy.metrics.latency import PredictedStall
 
     share = PredictedStall.least_stall_share
     assert 0 < share < 1
     if charged is not None:
-        charged *= 15.0 if full else 25.0
+        charged *= PredictedStall.absorbed_ms_per_token
     req = RequestInfo("long", "m", prompt_tokens=6000)
     tables = LatencyTables(LatencyProfile())
     c = ctx(full=full, tables=tables)
@@ -252,7 +252,7 @@ def test_predicted_stall_charges_the_stall_past_what_the_answers_absorb(
 @pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
 def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> None:
     """Nothing released here yet, but the fleet's answers are 2 tokens: the stall past the per-token amount
-    (lite 25 ms, full 15) x 3 is charged; its own history, once it has one, wins over the fleet's (long
+    (15 ms) x 3 is charged; its own history, once it has one, wins over the fleet's (long
     answers: only the least share of the stall)."""
     from pilotfish.scheduler.policy.metrics.latency import PredictedStall
 
@@ -262,7 +262,7 @@ def test_predicted_stall_on_a_cold_instance_goes_by_the_fleet(full: bool) -> Non
     inst = _loaded("batchy", 0, 4, full)
     ttft = value("predicted_ttft", inst, c, req)
     inst.lrs.fleet_output_level = 2
-    absorbed = (15.0 if full else 25.0) * 3
+    absorbed = PredictedStall.absorbed_ms_per_token * 3
     stall = tables.prefill_ms(6000)
     assert value("predicted_stall", inst, c, req) == pytest.approx(ttft + 4 * (stall - absorbed))
     inst.lrs.num_released, inst.lrs.released_generated_tokens = 1, 100_000  # its own: long answers

@@ -263,17 +263,15 @@ class PredictedStall(PredictedDelay):
         "Predicted latency a dispatch adds: own time to first token plus the decode batch's stall past what "
         "its answers absorb",
     )
-    # lite mode: a quarter of a 100 ms TPOT target, what a request's tokens can take on top of a step without
-    # missing it, per token the gateway reported. Those counts trail the answer (a report at the first token,
-    # then every few tokens or ms, none at the end), most for short answers: on the Azure code trace's cells
-    # the absorbed amount read a median 400 ms from them against 615 ms from the engines' exact counts
-    absorbed_ms_per_token = 25.0
-    # full mode, per token the engine counted. 25 on exact counts charges too little: Azure code trace below
-    # round-robin at 64 engines x 1 and 1.2 of the knee (seeds 2-5: 0.988, 0.981). 10 charges too much: rag,
-    # 64 x 1.2, 0.981 x round-robin (long prompts held back from batches whose 144-token answers absorb
-    # them). 15 is within 0.4% of round-robin or above it in every one of those cells, and on two short-answer
-    # families no value was chosen on (bench/RESULTS.md, 2026-11-28)
-    absorbed_ms_per_token_full = 15.0
+    # per answer token, in both modes: each sees an answer's whole length (full mode: the engines' counts; lite:
+    # the gateway's count or its estimate at the release). 25 charges too little: Azure code trace below
+    # round-robin at 64 engines x 1 and 1.2 of the knee (full mode, seeds 2-5: 0.988, 0.981; lite, seeds 0-1:
+    # 2 of 64 cells below round-robin and 11 below the best router-local peer, 0 and 10 at 15; lite took 25
+    # while its gateway's counts trailed the answers). 10 charges too much: rag, 64 x 1.2,
+    # 0.981 x round-robin in full mode (long prompts held back from batches whose 144-token answers absorb
+    # them), and 8 costs lite 3% there. 15 is within 0.4% of round-robin or above it in every one of those
+    # cells, and on two short-answer families no value was chosen on (bench/RESULTS.md, 2026-11-28)
+    absorbed_ms_per_token = 15.0
     # the share of each stall charged however much the answers absorb. Answers absorb a stall's cost to their
     # TPOT one stall at a time, but a short answer meets several, and a least-TTFT ranking meets them most:
     # the engine whose prefill queue just emptied holds the batch it just prefilled. On system-prompt (16
@@ -289,15 +287,11 @@ class PredictedStall(PredictedDelay):
     # loses 24% on system-prompt at 1.2x the knee, whose bench cells are decided before any release
     cold_output_tokens = math.inf
 
-    def __init__(self, ctx: PolicyContext | None = None) -> None:
-        super().__init__(ctx)
-        self._per_token = self.absorbed_ms_per_token_full if self.ctx.full_mode else self.absorbed_ms_per_token
-
     def state(self, inst: InstanceView) -> tuple[float, float, float, float]:  # type: ignore[override]
         ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
         lrs = inst.lrs
         released = lrs.num_released
-        per_token = self._per_token
+        per_token = self.absorbed_ms_per_token
         if released > 0:
             absorbed = per_token * (1.0 + lrs.released_generated_tokens / released)
         elif lrs.fleet_output_level >= 0:

@@ -73,6 +73,12 @@ TARGETS: dict[str, TargetInfo] = {
             "which has cache affinity already)",
         ),
         TargetInfo(
+            "pilotfish-lite-count",
+            "pilotfish",
+            "pilotfish-lite with --response-bodies count: the ext_proc reads every chunk of every stream "
+            "(the lite default reads each stream to its first token and sizes the answer at the release)",
+        ),
+        TargetInfo(
             "pilotfish-lite-grpcio",
             "pilotfish",
             "pilotfish-lite with the ext_proc on grpc.aio's server (--grpc-server grpcio), the transport "
@@ -260,6 +266,8 @@ def _start_pilotfish(name: str, fleet: FleetSpec, group: Any, log_dir: Path) -> 
         spec.scheduler_args = ["--enable-cache-aware-scheduling"]
     if name.endswith("-grpcio"):
         spec.ext_proc_args = ["--grpc-server", "grpcio"]
+    if name.endswith("-count"):
+        spec.response_bodies = "count"
     if full:
         redis = start_redis(log_dir / "redis")
         assert redis.child is not None

@@ -42,6 +42,8 @@ MODEL = "bench-sim"
 SIDECAR = "sidecar"
 # the response through the sidecar's observing filter (--response-bodies observe), not a body mode
 OBSERVE = "OBSERVE"
+# STREAMED, read to each stream's first token and released from the access log (--response-bodies first-token)
+FIRST = "FIRST"
 DEFAULT_BODY_MODES = (
     "BUFFERED/STREAMED",
     "STREAMED/STREAMED",
@@ -49,6 +51,7 @@ DEFAULT_BODY_MODES = (
     "BUFFERED/BUFFERED",
     "BUFFERED/NONE",  # full mode: response bodies skipped, releases from Envoy's access log
     "BUFFERED/OBSERVE",  # lite mode, counted through an observing filter: no reply per chunk
+    "BUFFERED/FIRST",  # lite mode behind the sidecar by default: each stream read to its first token
     "istio",
     "ai-gateway",
 )
@@ -85,7 +88,9 @@ class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
         Meta(
             description="Envoy ext_proc configurations to compare: REQUEST/RESPONSE body modes of the sidecar "
             "(each BUFFERED, STREAMED or FULL_DUPLEX_STREAMED; the response also NONE: full mode, the ext_proc "
-            "skips response bodies and releases from Envoy's access log), or a gateway's (istio, ai-gateway); "
+            "skips response bodies and releases from Envoy's access log; OBSERVE: counted by an observing filter; "
+            "FIRST: streamed, each stream read to its first token, released from the access log, lite's default), "
+            "or a gateway's (istio, ai-gateway); "
             "@grpcio after either runs that arm's ext_procs on grpc.aio's server instead of the loop's"
         ),
     ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
@@ -138,11 +143,11 @@ def parse_body_mode(text: str) -> BodyMode:
     if spec in GATEWAYS:
         return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", spec, server)
     request, _, response = spec.partition("/")
-    if request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE):
+    if request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE, FIRST):
         return BodyMode(request, response, grpc_server=server)
     raise ConfigError(
         f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)} (the response "
-        f"also NONE or {OBSERVE}), or a gateway: {', '.join(GATEWAYS)}; either may end in @SERVER, the "
+        f"also NONE, {OBSERVE} or {FIRST}), or a gateway: {', '.join(GATEWAYS)}; either may end in @SERVER, the "
         f"ext_proc's --grpc-server ({', '.join(GRPC_SERVERS)})"
     )
 
@@ -237,8 +242,9 @@ def _bootstrap(
         ext_proc_ports=ext_proc_ports,
         default_endpoints=endpoints,
         request_body_mode=sidecar.request,
-        response_body_mode="NONE" if sidecar.response == OBSERVE else sidecar.response,
+        response_body_mode={OBSERVE: "NONE", FIRST: "STREAMED"}.get(sidecar.response, sidecar.response),
         observe_response_bodies=sidecar.response == OBSERVE,
+        release_from_access_log=sidecar.response == FIRST,
         **(security or {}),  # type: ignore[arg-type]
     )
     return render_plain_proxy(text) if mode is None else text
@@ -292,16 +298,20 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_paced = ext_proc("ext_proc-paced", on_paced, False)
     # response bodies skipped (full mode): the ext_proc releases from Envoy's access log
     skip, observe = ("--response-bodies", "skip"), ("--response-bodies", "observe")
+    first = ("--response-bodies", "first-token")
     xp_skip = ext_proc("ext_proc-skip", on_fast, True, *on_socket, *skip) if _uses(modes, "NONE") else None
     xp_paced_skip = ext_proc("ext_proc-paced-skip", on_paced, False, *skip) if _uses(modes, "NONE") else None
     xp_obs = ext_proc("ext_proc-observe", on_fast, True, *on_socket, *observe) if _uses(modes, OBSERVE) else None
     xp_paced_obs = ext_proc("ext_proc-paced-observe", on_paced, False, *observe) if _uses(modes, OBSERVE) else None
-    by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs)}
+    xp_first = ext_proc("ext_proc-first", on_fast, True, *on_socket, *first) if _uses(modes, FIRST) else None
+    xp_paced_first = ext_proc("ext_proc-paced-first", on_paced, False, *first) if _uses(modes, FIRST) else None
+    by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs), FIRST: (xp_first, xp_paced_first)}
     # a mode on another gRPC server gets its own ext_procs (fast and paced), its response flags kept
     by_label: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
     for label, mode in modes.items():
         if mode.grpc_server != DEFAULT_GRPC_SERVER:
-            flags = (*{"NONE": skip, OBSERVE: observe}.get(mode.response, ()), "--grpc-server", mode.grpc_server)
+            flags = (*{"NONE": skip, OBSERVE: observe, FIRST: first}.get(mode.response, ()), "--grpc-server",
+                     mode.grpc_server)  # fmt: skip
             slug = re.sub(r"[^\w.-]+", "-", label)
             by_label[label] = (
                 ext_proc(f"ext_proc-{slug}", on_fast, True, *on_socket, *flags),

@@ -66,8 +66,12 @@ def test_each_mode_renders_its_body_modes(text: str) -> None:
     xp = _ext_proc_filter(bench._bootstrap(mode, 10000, [10001], 10002))
     assert xp is not None
     assert xp["processing_mode"]["request_body_mode"] == mode.request
-    # OBSERVE: the routing filter reads no response body; an observing filter does
-    assert xp["processing_mode"]["response_body_mode"] == ("NONE" if mode.response == bench.OBSERVE else mode.response)
+    # OBSERVE: the routing filter reads no response body, an observing filter does; FIRST: streamed, read to the
+    # first token, and released from Envoy's access log
+    expected = {bench.OBSERVE: "NONE", bench.FIRST: "STREAMED"}.get(mode.response, mode.response)
+    assert xp["processing_mode"]["response_body_mode"] == expected
+    text_ = bench._bootstrap(mode, 10000, [10001], 10002)
+    assert ("envoy.access_loggers.http_grpc" in text_) == (mode.response in (bench.FIRST, "NONE"))
 
 
 def test_envoy_alone_has_no_ext_proc() -> None:

@@ -905,6 +905,9 @@ def _remove(lst: list, item: tuple) -> None:
 # absolute in the value's unit) keeps rounding from stopping a walk one instance early
 _BOUND_REL_SLACK = 1e-9
 _BOUND_ABS_SLACK = 1e-9
+# step 2 walks the holders of a prefix lazily, in floor order, when at least 1/_LAZY_HOLDER_SHARE of the members
+# hold it (else their floors are gathered and sorted)
+_LAZY_HOLDER_SHARE = 4
 
 
 def _bounded_plan(pipeline: Pipeline) -> tuple[Metric | None, list[Metric]] | None:
@@ -1124,22 +1127,16 @@ class BoundedLoadIndex(LoadIndex):
         # a hit's own part is the prompt past it: its floor is the member's at the largest prompt level under
         # that (as the walk's for a whole prompt), where the metric charges what grows with the prompt (a
         # stall per decoding request) that much tighter; under the first level, the member's key
-        levels, level_entries = self._levels, self._level_entries
+        levels = self._levels
         at_level = {hit: bisect.bisect_right(levels, req.prompt_tokens - hit) - 1 for hit in offsets}
-        # the members with a hit that may be in reach, with their hits
-        if reach < len(hits):
-            # the members in reach that hold the prefix, found in C (a widespread prefix: half of them or more)
-            near = hits.keys() & set(itertools.islice(self._ids, reach))
-            held: Iterable[tuple[str, int]] = ((i, hits[i]) for i in near)
+        floors: Iterable[tuple[float, str]]
+        if len(hits) * _LAZY_HOLDER_SHARE >= len(entries):
+            # a prefix most members hold (a shared system prompt): walked in each hit level's floor order, lazily,
+            # since the visit below stops after a few; gathering every holder's floor first cost more than the
+            # rest of the decision (full mode, 256 engines, 64 prefixes all held everywhere)
+            floors = self._holders_by_floor(hits, offsets, at_level, cut)
         else:
-            held = ((i, hit) for i, hit in hits.items() if i in key)
-        # (floor, id) of each whose floor is within the cut, sorted
-        floors = [
-            (floor, i)
-            for i, hit in held
-            if (floor := (key[i][0] if (li := at_level[hit]) < 0 else level_entries[i][li][0]) + offsets[hit]) <= cut
-        ]
-        floors.sort()
+            floors = self._gathered_floors(hits, offsets, at_level, cut, reach)
         evaluate, admit = first.evaluate, visit.admit
         # a banded selector's band, once no member left can be below the least value (the hits come by floor):
         # the in-band candidates' (signed cache value, load) and their hits
@@ -1185,6 +1182,61 @@ class BoundedLoadIndex(LoadIndex):
                 if band_limit is not None:
                     threshold = max(threshold, band_limit(least))
                 cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
+
+    def _gathered_floors(
+        self, hits: dict[str, int], offsets: dict[int, float], at_level: dict[int, int], cut: float, reach: int
+    ) -> list[tuple[float, str]]:
+        """(floor, id) of each member with a hit whose floor is within the cut, sorted: a hit's floor is the
+        member's entry at `at_level[hit]` (its key under the first level) plus the hit's offset."""
+        key, level_entries = self._key, self._level_entries
+        if reach < len(hits):
+            # the members in reach that hold the prefix, found in C (a widespread prefix: half of them or more)
+            near = hits.keys() & set(itertools.islice(self._ids, reach))
+            held: Iterable[tuple[str, int]] = ((i, hits[i]) for i in near)
+        else:
+            held = ((i, hit) for i, hit in hits.items() if i in key)
+        floors = [
+            (floor, i)
+            for i, hit in held
+            if (floor := (key[i][0] if (li := at_level[hit]) < 0 else level_entries[i][li][0]) + offsets[hit]) <= cut
+        ]
+        floors.sort()
+        return floors
+
+    def _holders_by_floor(
+        self, hits: dict[str, int], offsets: dict[int, float], at_level: dict[int, int], cut: float
+    ) -> Iterator[tuple[float, str]]:
+        """The same (floor, id) pairs as `_gathered_floors`, in the same order, made as they are taken: the
+        members walked in each hit level's order (their keys under the first level), merged over the levels."""
+        by_level: dict[int, dict[int, float]] = {}
+        for hit, offset in offsets.items():
+            by_level.setdefault(at_level[hit], {})[hit] = offset
+        walks = [
+            self._holders_at(self._sorted if li < 0 else self._by_level[li], hits, offsets_here, cut)
+            for li, offsets_here in by_level.items()
+        ]
+        return walks[0] if len(walks) == 1 else heapq.merge(*walks)
+
+    @staticmethod
+    def _holders_at(
+        entries: list[tuple], hits: dict[str, int], offsets: dict[int, float], cut: float
+    ) -> Iterator[tuple[float, str]]:
+        """The members holding one of these hits (length -> offset), by floor (entry + its hit's offset): walked in
+        entry order, each held back until no member not yet walked can come before it."""
+        get, least = hits.get, min(offsets.values())
+        waiting: list[tuple[float, str]] = []
+        for entry in entries:
+            low = entry[0] + least  # no member from here on has a floor under this
+            if low > cut:
+                break
+            while waiting and waiting[0][0] <= low:
+                yield heapq.heappop(waiting)
+            instance_id = entry[3]
+            offset = offsets.get(get(instance_id, -1))
+            if offset is not None and (floor := entry[0] + offset) <= cut:
+                heapq.heappush(waiting, (floor, instance_id))
+        while waiting:
+            yield heapq.heappop(waiting)
 
     def _band(
         self, visit: _Visit, hits: dict[str, int], head: Metric, limit: float

@@ -42,15 +42,8 @@ def send_mixed(stack: Stack, max_tokens: int) -> list[tuple[int, bytes, bool]]:
     return asyncio.run(run())
 
 
-def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
-    make_stack, redis_service: RunningService
-) -> None:
-    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, cms_url=redis_service.url)
-    port = stack.scheduler_metrics_port
-    wait_until(lambda: len(scrape(port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 2, 60,
-               "both engines in the scheduler's CMS view")  # fmt: skip
-    sent_before = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent")
-
+def whole_and_released_once_from_the_access_log(stack: Stack) -> None:
+    """Six 100-token streams and two whole completions arrive whole, nothing added, each released once."""
     for status, raw, stream in send_mixed(stack, max_tokens=100):
         assert status == 200, raw[:300]
         if stream:
@@ -61,6 +54,18 @@ def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
             assert json.loads(raw)["usage"]["completion_tokens"] == 100
     wait_until(lambda: releases(stack, "finished") == 8, 30, "one release per request, from the access log")
     assert releases(stack) == 8
+
+
+def test_streams_are_released_once_from_the_access_log_without_reading_bodies(
+    make_stack, redis_service: RunningService
+) -> None:
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, cms_url=redis_service.url)
+    port = stack.scheduler_metrics_port
+    wait_until(lambda: len(scrape(port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 2, 60,
+               "both engines in the scheduler's CMS view")  # fmt: skip
+    sent_before = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent")
+
+    whole_and_released_once_from_the_access_log(stack)
     assert metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_generated_tokens_total") == 0  # bodies unread
     # request headers and body only: no response message at all (the stream ends with the routing reply)
     sent = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent") - sent_before
@@ -109,16 +114,7 @@ def test_first_token_mode_reads_each_stream_to_its_first_token_and_sizes_the_ans
     stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="first-token")
     sent_before = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent")
 
-    for status, raw, stream in send_mixed(stack, max_tokens=100):
-        assert status == 200, raw[:300]
-        if stream:  # the client gets every event, unchanged
-            payloads = [line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:")]
-            assert payloads[-1] == b"[DONE]" and len(payloads) == 101
-            assert all(b'"usage"' not in p or b'"usage":null' in p for p in payloads)  # nothing added
-        else:
-            assert json.loads(raw)["usage"]["completion_tokens"] == 100
-    wait_until(lambda: releases(stack, "finished") == 8, 30, "one release per request, from the access log")
-    assert releases(stack) == 8
+    whole_and_released_once_from_the_access_log(stack)  # the client gets every event, unchanged
     # per stream: request headers and body, response headers, and the body only to the first token (the
     # simulated engine sends one event per chunk), not the 101 chunks of the whole answer
     sent = stack.envoy_stat("http.inference.ext_proc.stream_msgs_sent") - sent_before

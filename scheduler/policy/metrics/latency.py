@@ -228,8 +228,8 @@ class PredictedStall(PredictedDelay):
     batch x max(prefill time of the uncached tokens - absorbed, `least_stall_share` x that time), where
     absorbed is
     `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
-    far: LrsLoad.released_generated_tokens / num_released; in lite mode as the gateway reported them, in full
-    mode as the engine's status records count its finished requests). An instance nothing was released
+    far: LrsLoad.released_generated_tokens / num_released; in lite mode as the gateway told them with the
+    releases, in full mode as the engine's status records count its finished requests). An instance nothing was released
     from yet goes by the fleet's mean output instead (at a power of two, LrsLoad.fleet_output_level, which the
     LRS keeps and notifies), and only the least share is charged while nothing was released anywhere (no
     evidence the answers are short).
@@ -242,11 +242,10 @@ class PredictedStall(PredictedDelay):
     typical answer spreads below `absorbed_ms_per_token` per token costs only its least share, so the
     ranking is close to `predicted_ttft`'s wherever answers are long, and `predicted_delay`-like where they
     are short. The least share stays because stalls add up over a short answer, and TTFT alone leans to
-    the larger batches (`least_stall_share`). The
-    instance's own history stands for the victims' unknown remaining output (the reports come every few
-    tokens, so short answers read short). The fleet's level matters: with cold instances charged nothing
-    they draw the long prompts the metric should keep off batches (Azure code trace, 64 engines, load 1:
-    71 req/s without it, 79 with it).
+    the larger batches (`least_stall_share`). The instance's own history stands for the victims' unknown
+    remaining output. The fleet's level matters: with cold instances charged nothing they draw the long
+    prompts the metric should keep off batches (Azure code trace, 64 engines, load 1: 71 req/s without it,
+    79 with it).
 
     The absorbed part belongs to the instance (its `state`, re-made at every release there), so the floor is
     `predicted_delay`'s with batch x the same charge of prefill_floor(level), at the same prompt-size levels

@@ -68,6 +68,9 @@ BUFFERED = _Mode.BUFFERED
 # when it is short and plain: it can never name, merge with or erase another request's load.
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
+# seconds of streams read to their first token with no access-log entry, after which the missing log is reported
+_NO_ACCESS_LOG_AFTER = 300.0
+
 _INTERNAL_ERROR = RequestError(500, "the gateway failed on this request; it was not sent to an engine")
 
 
@@ -166,6 +169,12 @@ class ExtProcServicer:
         # "observe": the observing filter releases
         self._access_log_releases = response_bodies in ("skip", "first-token")
         self._answer_sizes = AnswerSizes()
+        # when the first stream ended at its first token while no access-log entry had come; a gateway that sends
+        # this process no access log never releases such streams (the scheduler only expires them): said once,
+        # _NO_ACCESS_LOG_AFTER seconds on, longer than nearly any answer runs
+        self._first_unlogged_end: float | None = None
+        self._access_log_seen = False
+        self._clock = time.monotonic
         self._destination_fallbacks = destination_fallbacks
         self._router = router
         self._tokenize = tokenize
@@ -516,6 +525,8 @@ class ExtProcServicer:
             s.done = body.end_of_stream or not full_duplex
             if s.done and not body.end_of_stream:
                 self._metrics.first_token_ends.inc()
+                if not self._access_log_seen:
+                    self._no_access_log_yet()
         if full_duplex:
             return messages.streamed_response_body(body.body, body.end_of_stream)
         return messages.CONTINUE_RESPONSE_BODY
@@ -576,6 +587,19 @@ class ExtProcServicer:
         if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):
             self._send_release(s.request_id, reason)
 
+    def _no_access_log_yet(self) -> None:
+        now = self._clock()
+        if self._first_unlogged_end is None:
+            self._first_unlogged_end = now
+        elif now - self._first_unlogged_end >= _NO_ACCESS_LOG_AFTER:
+            self._access_log_seen = True  # said once
+            log.error(
+                "--response-bodies first-token: streams have ended at their first token for %.0f s and no "
+                "access-log entry has come; behind a gateway that sends this process no access log (only "
+                "Pilotfish's sidecar does) nothing releases them: use --response-bodies count there",
+                now - self._first_unlogged_end,
+            )
+
     def release_from_access_log(
         self, request_id: str, reason: int, served_elsewhere: str = "", body_bytes: int = 0
     ) -> None:
@@ -587,6 +611,7 @@ class ExtProcServicer:
         its first token."""
         if not self._access_log_releases:
             return
+        self._access_log_seen = True
         if served_elsewhere:
             self._metrics.served_elsewhere.inc()
             log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)

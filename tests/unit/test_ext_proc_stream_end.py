@@ -211,3 +211,25 @@ def test_a_message_read_while_scheduling_is_handled_next() -> None:
         "response_body"
     ] * 3
     assert [r for _, r in backend.releases] == [FINISHED]
+
+
+def test_reading_to_the_first_token_without_an_access_log_is_reported_once(caplog: pytest.LogCaptureFixture) -> None:
+    """Behind a gateway that sends no access log, streams ended at their first token are never released: the
+    ext_proc says so once, when they have gone unlogged longer than nearly any answer runs, and not where
+    entries come."""
+    import logging
+
+    from pilotfish.ext_proc import processor
+
+    now = [0.0]
+    for logged in (False, True):
+        svc, backend, _ = servicer(response_bodies="first-token")
+        svc._clock = lambda: now[0]  # type: ignore[method-assign]
+        caplog.clear()
+        for step in range(3):
+            now[0] = step * processor._NO_ACCESS_LOG_AFTER * 0.6
+            run_to_the_end(svc, [headers(), body(STREAMING), *stream()])
+            if logged:
+                svc.release_from_access_log(backend.scheduled[-1].request_id, FINISHED, "", 300)
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR and "no access-log entry" in r.message]
+        assert len(errors) == (0 if logged else 1)

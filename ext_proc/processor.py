@@ -168,6 +168,10 @@ class ExtProcServicer:
         self._first_token_only = response_bodies == "first-token"
         # "observe": the observing filter releases
         self._access_log_releases = response_bodies in ("skip", "first-token")
+        # where a retry served the request: from the response headers wherever they come here (at once: the
+        # scheduler's engine health counts it against the engine it picked), else from the access log, once
+        # the request is over (skip: the sidecar sends no response message)
+        self._served_from_access_log = response_bodies == "skip"
         self._answer_sizes = AnswerSizes()
         # when the first stream ended at its first token while no access-log entry had come; a gateway that sends
         # this process no access log never releases such streams (the scheduler only expires them): said once,
@@ -429,8 +433,8 @@ class ExtProcServicer:
     ) -> ep.ProcessingResponse:
         h = messages.header_map(headers)
         decision = s.decision
-        # with releases from the access log, the access log reports where it was served (once)
-        served = "" if self._access_log_releases else messages.served_endpoint(metadata)
+        # with response bodies skipped, the access log reports where it was served (once)
+        served = "" if self._served_from_access_log else messages.served_endpoint(metadata)
         if served and decision is not None and served != self._destination(decision):
             # The gateway retried elsewhere: the load moves to where it is served.
             self._metrics.served_elsewhere.inc()
@@ -606,13 +610,13 @@ class ExtProcServicer:
         """Envoy finished a request the scheduler placed (access_log.py); the release path when
         response bodies are skipped or read to the first token only, ignored when the streams themselves
         release. `served_elsewhere`: the engine Envoy's retry served it on instead of the scheduler's pick,
-        reported first (the scheduler counts it against the engine it picked; the release then goes where
-        it is held). `body_bytes`: the response body's size, which sizes the answer of a stream read to
-        its first token."""
+        reported first where the response headers did not report it (the scheduler counts it against the engine
+        it picked; the release then goes where it is held). `body_bytes`: the response body's size, which sizes
+        the answer of a stream read to its first token."""
         if not self._access_log_releases:
             return
         self._access_log_seen = True
-        if served_elsewhere:
+        if served_elsewhere and self._served_from_access_log:
             self._metrics.served_elsewhere.inc()
             log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)
             self._router.report(request_id, 0, False, served_address=served_elsewhere)

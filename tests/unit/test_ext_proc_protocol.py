@@ -416,6 +416,18 @@ def test_skipping_bodies_leaves_served_elsewhere_to_the_access_log() -> None:
     assert replies[-1].mode_override.response_body_mode == Mode.NONE and backend.reports == []
 
 
+def test_first_token_mode_reports_served_elsewhere_at_the_response_headers_once() -> None:
+    """A retry elsewhere is reported when the response headers come (engine health counts it against the
+    engine picked at once, not when a long stream ends), and not again from the access log."""
+    svc, backend, metrics = servicer(response_bodies="first-token")
+    run(svc, [headers(), body(STREAMING), response_headers(served=E1)])
+    rid = backend.scheduled[0].request_id
+    assert backend.reports == [(rid, 0, E1)]
+    svc.release_from_access_log(rid, scheduler_pb2.RELEASE_REASON_FINISHED, E1, 300)
+    assert backend.reports == [(rid, 0, E1)] and len(backend.releases) == 1
+    assert metrics.served_elsewhere._value.get() == 1
+
+
 def test_counting_streams_ignore_the_access_log() -> None:
     svc, backend, _ = servicer()
     run(svc, [headers(), body(COMPLETION), response_headers(200, "application/json")])

@@ -101,7 +101,6 @@ class _Stream:
         "observed",
         "owed",
         "path",
-        "read_bytes",
         "rejected",
         "released",
         "request_id",
@@ -126,7 +125,6 @@ class _Stream:
         self.flow: tuple[int, str] = (0, "")  # flow control: band and flow key (ext_proc/flow.py)
         self.decision: Decision | None = None
         self.counter: TokenCounter | None = None
-        self.read_bytes = 0  # response body bytes counted (--response-bodies first-token: up to the first token)
         self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
         self.status = 0
         self.released = False
@@ -177,7 +175,7 @@ class ExtProcServicer:
         # this process no access log never releases such streams (the scheduler only expires them): said once,
         # _NO_ACCESS_LOG_AFTER seconds on, longer than nearly any answer runs
         self._first_unlogged_end: float | None = None
-        self._access_log_seen = False
+        self._watching_access_log = True  # until an entry comes, or the missing log was reported
         self._clock = time.monotonic
         self._destination_fallbacks = destination_fallbacks
         self._router = router
@@ -514,7 +512,6 @@ class ExtProcServicer:
         stream ends with OK, and Envoy takes the server's close as nothing more to process for the rest
         of the response. In full duplex every byte is owed back, so the stream stays, uncounted."""
         counter.feed(body.body)
-        s.read_bytes += len(body.body)
         full_duplex = s.response_mode == FULL_DUPLEX
         if counter.tokens or body.end_of_stream:
             decision = s.decision
@@ -522,14 +519,13 @@ class ExtProcServicer:
             if decision.source == SCHEDULER:
                 if counter.tokens:
                     self._router.report(s.request_id, counter.tokens, prefill_done=True)
-                complete = s.read_bytes - counter.pending_bytes
-                self._answer_sizes.read(s.request_id, complete, counter.events, counter.tokens)
+                self._answer_sizes.read(s.request_id, counter.complete_bytes, counter.events, counter.tokens)
             s.counter = None
             s.released = True  # the access log releases it
             s.done = body.end_of_stream or not full_duplex
             if s.done and not body.end_of_stream:
                 self._metrics.first_token_ends.inc()
-                if not self._access_log_seen:
+                if self._watching_access_log:
                     self._no_access_log_yet()
         if full_duplex:
             return messages.streamed_response_body(body.body, body.end_of_stream)
@@ -596,7 +592,7 @@ class ExtProcServicer:
         if self._first_unlogged_end is None:
             self._first_unlogged_end = now
         elif now - self._first_unlogged_end >= _NO_ACCESS_LOG_AFTER:
-            self._access_log_seen = True  # said once
+            self._watching_access_log = False  # said once
             log.error(
                 "--response-bodies first-token: streams have ended at their first token for %.0f s and no "
                 "access-log entry has come; behind a gateway that sends this process no access log (only "
@@ -615,7 +611,7 @@ class ExtProcServicer:
         the answer of a stream read to its first token."""
         if not self._access_log_releases:
             return
-        self._access_log_seen = True
+        self._watching_access_log = False
         if served_elsewhere and self._served_from_access_log:
             self._metrics.served_elsewhere.inc()
             log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)

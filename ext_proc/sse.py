@@ -27,8 +27,10 @@ class TokenCounter:
     done: bool = False
     events: int = 0
     _tail: bytes = field(default=b"", repr=False)
+    _fed: int = field(default=0, repr=False)  # bytes fed
 
     def feed(self, chunk: bytes) -> None:
+        self._fed += len(chunk)
         data = self._tail + chunk
         # events end with a blank line; tolerate \r\n framing
         if b"\r" in data:
@@ -38,9 +40,9 @@ class TokenCounter:
             self.count_event(event)
 
     @property
-    def pending_bytes(self) -> int:
-        """Bytes fed that end no event yet (an event split across chunks)."""
-        return len(self._tail)
+    def complete_bytes(self) -> int:
+        """Bytes fed that end an event: all of them but an event split across chunks."""
+        return self._fed - len(self._tail)
 
     def finish(self) -> None:
         """The body ended: an unterminated last event still counts."""

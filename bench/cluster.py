@@ -136,8 +136,8 @@ def _counted(router: Router, progress: Progress) -> Router:
         def on_progress(self, request_id: str, engine: int, generated_tokens: int, now: float) -> None:
             router.on_progress(request_id, engine, generated_tokens, now)
 
-        def on_finish(self, request_id: str, engine: int, now: float) -> None:
-            router.on_finish(request_id, engine, now)
+        def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
+            router.on_finish(request_id, engine, now, answer_tokens)
 
         def on_status(self, engine: int, status: Any, now: float) -> None:
             router.on_status(engine, status, now)

@@ -53,7 +53,7 @@ class _Outstanding(Router):
     def bind(self, engine_ids: list[str]) -> None:
         self.load = [0] * len(engine_ids)
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
         self.load[engine] -= 1
 
 
@@ -338,7 +338,7 @@ class DynamoKvRouter(Router):
             self.prefill_tokens[entry[0]] -= entry[1]  # prefill done: its tokens leave the prefill load
             self.requests[request_id] = (entry[0], 0, entry[2], entry[3])
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
         entry = self.requests.pop(request_id, None)
         if entry is None:
             return

@@ -436,10 +436,9 @@ class ClusterSim:
             record.finished = t
             record.finish_reason = out.finish_reason.value
             if out.finish_reason is not FinishReason.ABORT:
-                if not self.config.report_every and record.num_output_tokens > 1:
-                    total = record.num_output_tokens  # the answer's length, told with its release
-                    self._observe(t, lambda: router.on_progress(rid, k, total, t + delay))
-                self._observe(t, lambda: router.on_finish(rid, k, t + delay))
+                # the answer's length, told with its release where the reports stopped at the first token
+                total = 0 if self.config.report_every else record.num_output_tokens
+                self._observe(t, lambda: router.on_finish(rid, k, t + delay, total))
 
     def _check_outputs(self) -> None:
         """Every finished request has exactly the tokens it asked for (indices were checked as they came)."""

@@ -43,8 +43,9 @@ class Router:
     def on_progress(self, request_id: str, engine: int, generated_tokens: int, now: float) -> None:
         """Cumulative tokens generated (the first report also means the prefill is done)."""
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
-        """The request's stream ended (the gateway's Release)."""
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
+        """The request's stream ended (the gateway's Release), with the answer's length where the gateway
+        learned it only at the end (0: the reports said it)."""
 
     def on_status(self, engine: int, status: InstanceStatus, now: float) -> None:
         """An engine's status as the llumlet would have written it, `observation_delay` late."""
@@ -80,7 +81,7 @@ class LeastRequestsRouter(Router):
         load[best] += 1
         return best
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
         self._load[engine] -= 1
 
 

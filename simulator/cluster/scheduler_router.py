@@ -138,9 +138,9 @@ class SchedulerRouter(Router):
         self._now = now
         self.core.report(request_id, generated_tokens, True)
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
         self._now = now
-        self.core.release(request_id)
+        self.core.release(request_id, answer_tokens=answer_tokens)
 
     def on_status(self, engine: int, status: InstanceStatus, now: float) -> None:
         self._now = now

@@ -69,7 +69,7 @@ class Spy(Router):
         self.now = now
         return 0
 
-    def on_finish(self, request_id: str, engine: int, now: float) -> None:
+    def on_finish(self, request_id: str, engine: int, now: float, answer_tokens: int = 0) -> None:
         self.heard.append(("finish", request_id, now, self.now))
 
     def on_status(self, engine: int, status: Any, now: float) -> None:

@@ -44,6 +44,9 @@ SIDECAR = "sidecar"
 OBSERVE = "OBSERVE"
 # STREAMED, read to each stream's first token and released from the access log (--response-bodies first-token)
 FIRST = "FIRST"
+# response modes made by the ext_proc's --response-bodies: (its ext_procs' name, the flag's value); NONE is full
+# mode's, the response bodies skipped and the requests released from Envoy's access log
+_RESPONSE_BODIES = {"NONE": ("skip", "skip"), OBSERVE: ("observe", "observe"), FIRST: ("first", "first-token")}
 DEFAULT_BODY_MODES = (
     "BUFFERED/STREAMED",
     "STREAMED/STREAMED",
@@ -296,22 +299,22 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
     xp_unary = ext_proc("ext_proc-unary", on_fast, True, "--no-scheduler-session")
     xp_colo = ext_proc("ext_proc-colocated", on_fast, False, "--colocated-scheduling")
     xp_paced = ext_proc("ext_proc-paced", on_paced, False)
-    # response bodies skipped (full mode): the ext_proc releases from Envoy's access log
-    skip, observe = ("--response-bodies", "skip"), ("--response-bodies", "observe")
-    first = ("--response-bodies", "first-token")
-    xp_skip = ext_proc("ext_proc-skip", on_fast, True, *on_socket, *skip) if _uses(modes, "NONE") else None
-    xp_paced_skip = ext_proc("ext_proc-paced-skip", on_paced, False, *skip) if _uses(modes, "NONE") else None
-    xp_obs = ext_proc("ext_proc-observe", on_fast, True, *on_socket, *observe) if _uses(modes, OBSERVE) else None
-    xp_paced_obs = ext_proc("ext_proc-paced-observe", on_paced, False, *observe) if _uses(modes, OBSERVE) else None
-    xp_first = ext_proc("ext_proc-first", on_fast, True, *on_socket, *first) if _uses(modes, FIRST) else None
-    xp_paced_first = ext_proc("ext_proc-paced-first", on_paced, False, *first) if _uses(modes, FIRST) else None
-    by_response = {"NONE": (xp_skip, xp_paced_skip), OBSERVE: (xp_obs, xp_paced_obs), FIRST: (xp_first, xp_paced_first)}
+    # the response modes an ext_proc flag makes (not Envoy's body modes): each used gets its own ext_procs, fast
+    # and paced
+    by_response = {
+        response: (
+            ext_proc(f"ext_proc-{slug}", on_fast, True, *on_socket, "--response-bodies", flag),
+            ext_proc(f"ext_proc-paced-{slug}", on_paced, False, "--response-bodies", flag),
+        )
+        for response, (slug, flag) in _RESPONSE_BODIES.items()
+        if _uses(modes, response)
+    }
     # a mode on another gRPC server gets its own ext_procs (fast and paced), its response flags kept
     by_label: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
     for label, mode in modes.items():
         if mode.grpc_server != DEFAULT_GRPC_SERVER:
-            flags = (*{"NONE": skip, OBSERVE: observe, FIRST: first}.get(mode.response, ()), "--grpc-server",
-                     mode.grpc_server)  # fmt: skip
+            response = _RESPONSE_BODIES.get(mode.response)
+            flags = (*(("--response-bodies", response[1]) if response else ()), "--grpc-server", mode.grpc_server)
             slug = re.sub(r"[^\w.-]+", "-", label)
             by_label[label] = (
                 ext_proc(f"ext_proc-{slug}", on_fast, True, *on_socket, *flags),

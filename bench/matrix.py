@@ -133,12 +133,17 @@ def config_from_args(args: argparse.Namespace) -> MatrixConfig:
 # ---- set-up: traces and runs (each a pure function of its arguments, so workers can run them) ------------
 
 
+# the most requests read from a trace file: the cells' windows come from its start, and a production trace of
+# millions of rows (BurstGPT's) would otherwise be read whole by every worker
+SHARED_TRACE_REQUESTS = 1 << 16
+
+
 @lru_cache(maxsize=8)
 def _shared_trace(name: str, traces_dir: str | None) -> Any:
-    from pilotfish.simulator.traces import load_azure, load_mooncake, resolve_trace
+    from pilotfish.simulator.traces import load_trace_file, resolve_trace
 
     path = resolve_trace(name, traces_dir)  # read in place, never copied
-    return (load_azure if path.suffix == ".csv" else load_mooncake)(path)
+    return load_trace_file(path, limit=SHARED_TRACE_REQUESTS)
 
 
 @lru_cache(maxsize=64)

@@ -16,7 +16,7 @@ _SYNTHETIC_FIELDS = {"prompts": "prompts_per_group", "system": "system_prompt_le
 
 def load_trace(spec: str, trace_dir: str | None, seed: int) -> tuple[Trace, str]:
     """The trace named by `spec`, and a label for the report."""
-    from pilotfish.simulator.traces import load_azure, load_mooncake, resolve_trace
+    from pilotfish.simulator.traces import load_trace_file, resolve_trace
 
     if spec.startswith("family:"):  # a seeded workload family (simulator/traces/families.py)
         from pilotfish.simulator.traces.families import family_trace
@@ -28,8 +28,10 @@ def load_trace(spec: str, trace_dir: str | None, seed: int) -> tuple[Trace, str]
     if spec == "synthetic" or spec.startswith("synthetic:"):
         return _synthetic(spec, seed), spec
     path = resolve_trace(spec, trace_dir)
-    loader = load_azure if path.suffix == ".csv" else load_mooncake
-    return loader(path), path.name
+    try:
+        return load_trace_file(path), path.name
+    except ValueError as exc:
+        raise SystemExit(f"--trace {spec}: {exc}") from None
 
 
 def _synthetic(spec: str, seed: int) -> Trace:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from pilotfish.simulator.traces.model import Trace, TraceRequest
 
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
 
 def parse_timestamp(text: str) -> float:
     """Seconds since the epoch (naive, as written); the trace has 7 fractional digits, more than

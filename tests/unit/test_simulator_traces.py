@@ -15,7 +15,9 @@ from pilotfish.simulator.traces import (
     SharedPrefixSpec,
     compress,
     load_azure,
+    load_burstgpt,
     load_mooncake,
+    load_trace_file,
     loop_to,
     prompt_text,
     prompt_token_ids,
@@ -80,6 +82,61 @@ def test_mooncake_rejects_lengths_that_do_not_match_the_blocks(tmp_path: Path) -
     path.write_text(json.dumps({"timestamp": 0, "input_length": 2000, "output_length": 1, "hash_ids": [1]}) + "\n")
     with pytest.raises(ValueError, match=r"bad\.jsonl:1"):
         load_mooncake(path)
+
+
+def test_mooncake_style_blocks_of_16_and_seconds_are_read_off_the_file(tmp_path: Path) -> None:
+    # Alibaba's Qwen traces: the same fields, blocks of 16 tokens, timestamps in seconds, more fields
+    path = tmp_path / "qwen.jsonl"
+    rows = [
+        {"chat_id": 1, "parent_chat_id": -1, "timestamp": 100.25, "input_length": 40, "output_length": 9,
+         "type": "text", "turn": 1, "hash_ids": [7, 8, 9]},
+        {"chat_id": 2, "parent_chat_id": 1, "timestamp": 101.5, "input_length": 33, "output_length": 4,
+         "type": "text", "turn": 2, "hash_ids": [7, 8, 10]},
+        {"chat_id": 3, "parent_chat_id": -1, "timestamp": 100.0, "input_length": 5, "output_length": 1,
+         "type": "text", "turn": 1, "hash_ids": []},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trace = load_trace_file(path)
+    assert [r.arrival for r in trace] == [0.0, 0.25, 1.5]  # seconds, from the first request's
+    assert [r.input_length for r in trace] == [5, 40, 33]
+    assert trace[1].segments == (("mc:7", 16), ("mc:8", 16), ("mc:9", 8))
+    assert trace[2].segments[:2] == trace[1].segments[:2]  # ids 7, 8 shared: 32 tokens
+    assert trace[0].segments == (("mc:own:2", 5),)  # no hash ids: a prompt of its own
+    # the block size given, the same trace
+    assert load_mooncake(path, block_tokens=16) == trace
+
+
+def test_a_block_size_is_the_largest_every_record_fits(tmp_path: Path) -> None:
+    path = tmp_path / "b.jsonl"
+    # 300 tokens in 2 blocks: 256 fits (256 < 300 <= 512), 512 does not (300 <= 512 in one block)
+    path.write_text(json.dumps({"timestamp": 0, "input_length": 300, "output_length": 1, "hash_ids": [1, 2]}) + "\n"
+                    + json.dumps({"timestamp": 5, "input_length": 200, "output_length": 1, "hash_ids": [1]}) + "\n")
+    trace = load_mooncake(path)
+    assert trace[0].segments == (("mc:1", 256), ("mc:2", 44))
+    assert trace[1].segments == (("mc:1", 200),)
+
+
+def test_burstgpt_rows_leave_out_failures_and_sort(tmp_path: Path) -> None:
+    path = tmp_path / "BurstGPT_1.csv"
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    "5,ChatGPT,472,18,490,Conversation log\n"
+                    "3.5,GPT-4,1200,0,1200,Conversation log\n"
+                    "2,ChatGPT,0,77,77,API log\n")
+    trace = load_burstgpt(path)
+    assert [(r.arrival, r.input_length, r.output_length) for r in trace] == [(0.0, 1, 77), (3.0, 472, 18)]
+    assert load_trace_file(path) == trace  # told from Azure's by the header
+    assert len({r.segments[0][0] for r in trace}) == 2  # nothing shared
+
+
+def test_a_csv_of_neither_format_is_refused_with_its_columns(tmp_path: Path) -> None:
+    path = tmp_path / "other.csv"
+    path.write_text("time,prompt,answer\n1,2,3\n")
+    with pytest.raises(ValueError, match=r"other\.csv: a CSV trace needs the columns .*its header has answer, prompt"):
+        load_trace_file(path)
+    bad = tmp_path / "bad.csv"
+    bad.write_text("Timestamp,Request tokens,Response tokens\n1,x,3\n")
+    with pytest.raises(ValueError, match=r"bad\.csv:2: not a BurstGPT trace row"):
+        load_trace_file(bad)
 
 
 def test_prompt_text_tokenizes_back_to_the_same_ids(mooncake: Path) -> None:

@@ -38,6 +38,7 @@ from msgspec import Meta
 GOALS_US = {256: 200.0, 4096: 1000.0}
 # the requests' prefixes: this many shared prefixes, each this many blocks of this many tokens
 PREFIXES, PREFIX_BLOCKS, BLOCK_SIZE = 64, 8, 16
+REPEATED_TOKENS = 4 * BLOCK_SIZE  # --repeat-share's prompt: whole blocks, so an engine holds all of it
 # the decision configurations: label, full mode, SchedulerConfig fields
 # the shipped default first (no flags: whatever SchedulerConfig defaults to), then the named policies
 LOAD_BALANCE = {"scheduling_policy": "load-balance"}
@@ -67,6 +68,9 @@ class SchedulerBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
     decisions_only: Annotated[bool, Meta(description="skip the status-update and gRPC figures (with --configs)")] = (
         False
     )
+    repeat_share: Annotated[float, Meta(ge=0, le=1, description=(
+        "share of the decisions that ask one short prompt again (64 tokens: retries, a fixed classification "
+        "prompt), which every engine that served it holds whole"))] = 0.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -134,8 +138,11 @@ def _status(k: int, update_id: int, rng: random.Random, admitted: list[str] = ()
     )
 
 
-def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> dict[str, Any]:
-    """Wall-clock and thread-CPU figures of `decisions` timed decisions (after a warm-up) in steady state."""
+def _decisions(
+    n: int, full: bool, decisions: int, seed: int, repeat_share: float = 0.0, **flags: Any
+) -> dict[str, Any]:
+    """Wall-clock and thread-CPU figures of `decisions` timed decisions (after a warm-up) in steady state;
+    `repeat_share` of them ask the same short prompt (their own draws: the rest are the same requests)."""
     from pilotfish.scheduler.config import SchedulerConfig
     from pilotfish.scheduler.core import SchedulerCore
 
@@ -152,11 +159,15 @@ def _decisions(n: int, full: bool, decisions: int, seed: int, **flags: Any) -> d
     in_flight = 2 * n  # steady state: about two requests held per instance
     outputs = random.Random(seed + 1)  # answer lengths apart, so the requests are the same with or without them
     prefixes = prefix_chains(rng)
+    repeats = random.Random(seed + 2)
+    repeated = prefix_chains(random.Random(seed + 3))[0]
     wall: list[float] = []
     cpu: list[float] = []
     warmup = min(2000, decisions // 5)
     for i in range(warmup + decisions):
         req = request(f"r{i}", rng.randrange(16, 4096), prefixes[i % PREFIXES])
+        if repeat_share and repeats.random() < repeat_share:
+            req = request(req.request_id, REPEATED_TOKENS, repeated)
         # the thread's CPU clock as well as the wall clock: on a shared machine the wall-clock tail is
         # other processes' time slices, the CPU time the decision's own work
         cpu_started = time.thread_time_ns()
@@ -343,7 +354,8 @@ def measure(cfg: SchedulerBenchConfig, configs: list[tuple[str, bool, dict[str, 
     decisions: dict[str, dict[str, Any]] = {}
     for label, full, flags in configs:
         for n in cfg.sizes:
-            decisions[f"{label} @ {n}"] = {**_decisions(n, full, cfg.decisions, cfg.seed, **flags), "instances": n}
+            fig = _decisions(n, full, cfg.decisions, cfg.seed, cfg.repeat_share, **flags)
+            decisions[f"{label} @ {n}"] = {**fig, "instances": n}
             print(f"{label} @ {n}: {decisions[f'{label} @ {n}']}", flush=True)
     result: dict[str, Any] = {
         "decisions": decisions,
@@ -370,12 +382,19 @@ def command(cfg: SchedulerBenchConfig, out: Path) -> str:
         given += f" --sizes {','.join(map(str, cfg.sizes))}"
     if cfg.decisions != default.decisions:
         given += f" --decisions {cfg.decisions}"
+    if cfg.repeat_share != default.repeat_share:
+        given += f" --repeat-share {cfg.repeat_share:g}"
     return f"pilotfish bench scheduler{given} --out {out}"
 
 
 def render_markdown(result: dict[str, Any]) -> str:
     """report.md from result.json alone."""
-    md = ["# Scheduler benchmark", "", "## Schedule decision, in-process", "", *_decision_rows(result["decisions"])]
+    md = ["# Scheduler benchmark", "", "## Schedule decision, in-process", ""]
+    share = result.get("settings", {}).get("repeat_share", 0)
+    if share:
+        md += [f"{share:.0%} of the decisions ask one 64-token prompt again, held whole by the engines that "
+               "served it.", ""]
+    md += _decision_rows(result["decisions"])
     if "status_update" in result:
         md += ["", *_status_lines(result["status_update"])]
     if "grpc" in result:

@@ -986,16 +986,24 @@ class BoundedLoadIndex(LoadIndex):
         # the members sorted again by the first metric's floor at each of its prompt levels (base.py,
         # `floor_levels`): a walk of the members without a hit uses the largest at or under the prompt
         self._levels = self._first.floor_levels
+        # and, after them, by the first metric's value on a request whose whole prompt the member holds (exact:
+        # no floor holds there, so without it every such holder is evaluated): its place in `_by_level`, or -1
+        self._cached_level = len(self._levels) if self._first.cached_prompt_value else -1
         # each member's entries per level, kept so a move finds its old ones without computing them again
         self._level_entries = {key[3]: self._level_keys(key) for key in self._sorted}
         per_member = list(self._level_entries.values())
-        self._by_level = [sorted(keys[i] for keys in per_member) for i in range(len(self._levels))]
+        lists = len(self._levels) + (self._cached_level >= 0)
+        self._by_level = [sorted(keys[i] for keys in per_member) for i in range(lists)]
         self._by_ts.sort()
 
     def _level_keys(self, key: tuple) -> list[tuple]:
-        """The member's entry at each prompt level, in `_levels`' order."""
+        """The member's entry at each prompt level, in `_levels`' order, then its entry for a prompt all cached."""
         rest = key[1:]
-        return [(floor, *rest) for floor in self._first.lower_bounds_at(key[1][0])]
+        first, state = self._first, key[1][0]
+        entries = [(floor, *rest) for floor in first.lower_bounds_at(state)]
+        if self._cached_level >= 0:
+            entries.append((first.cached_value(state), *rest))
+        return entries
 
     def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
         state_of = self._state_of
@@ -1029,7 +1037,7 @@ class BoundedLoadIndex(LoadIndex):
         offset = first.bound_offset(req, 0)
         # a member without a hit computes the whole prompt: the tightest floor is the largest level under it
         entries = self._sorted
-        for level, by_level in zip(self._levels, self._by_level, strict=True):
+        for level, by_level in zip(self._levels, self._by_level, strict=False):  # (the cached list: after them)
             if level > req.prompt_tokens:
                 break
             entries = by_level
@@ -1117,18 +1125,24 @@ class BoundedLoadIndex(LoadIndex):
         cut = threshold + abs(threshold) * _BOUND_REL_SLACK + _BOUND_ABS_SLACK
         # per distinct hit, as the prefix index counts them (not a pass over the hits)
         offsets = {hit: first.bound_offset(req, hit) for hit in first.ctx.prefix_hit_lengths(req)}
+        # a hit's own part is the prompt past it: its floor is the member's at the largest prompt level under
+        # that (as the walk's for a whole prompt), where the metric charges what grows with the prompt (a
+        # stall per decoding request) that much tighter; under the first level, the member's key; for a prompt
+        # all cached, the member's exact value there, from the list kept by it
+        levels, cached_level = self._levels, self._cached_level
+        at_level = {hit: bisect.bisect_right(levels, req.prompt_tokens - hit) - 1 for hit in offsets}
+        cached = False
+        if cached_level >= 0:
+            for hit in offsets:
+                if hit >= req.prompt_tokens:
+                    at_level[hit], offsets[hit], cached = cached_level, 0.0, True
         # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
         # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
         # order up to there are fewer to look at than the hits (a bisect tells how many)
         entries = self._sorted
         reach = len(entries)
-        if cut < math.inf:
+        if cut < math.inf and not cached:  # (a value for a prompt all cached can be under the member's key)
             reach = bisect.bisect_right(self._floors, cut - min(offsets.values()))
-        # a hit's own part is the prompt past it: its floor is the member's at the largest prompt level under
-        # that (as the walk's for a whole prompt), where the metric charges what grows with the prompt (a
-        # stall per decoding request) that much tighter; under the first level, the member's key
-        levels = self._levels
-        at_level = {hit: bisect.bisect_right(levels, req.prompt_tokens - hit) - 1 for hit in offsets}
         floors: Iterable[tuple[float, str]]
         if len(hits) * _LAZY_HOLDER_SHARE >= len(entries):
             # a prefix most members hold (a shared system prompt): walked in each hit level's floor order, lazily,

@@ -50,3 +50,30 @@ def test_table_has_the_cpu_columns_and_the_command_its_sizes(tmp_path: Path) -> 
     # a result written before the CPU column renders still, its CPU cells empty
     old = {k: {kk: vv for kk, vv in v.items() if kk != "cpu"} for k, v in result["decisions"].items()}
     assert "| 16 |" in bench.render_markdown({**result, "decisions": old})
+
+
+def test_a_repeat_share_asks_one_prompt_again_and_says_so(tmp_path: Path) -> None:
+    asked: list[tuple[int, tuple[int, ...]]] = []
+    request = bench.request
+
+    def recorded(request_id: str, prompt_tokens: int, prefix: tuple[int, ...]):  # type: ignore[no-untyped-def]
+        req = request(request_id, prompt_tokens, prefix)
+        asked.append((prompt_tokens, tuple(req.prefix_block_hashes)))
+        return req
+
+    bench.request = recorded  # type: ignore[assignment]
+    try:
+        bench._decisions(16, True, 400, seed=1, repeat_share=0.5)
+    finally:
+        bench.request = request  # type: ignore[assignment]
+    repeated = [a for a in asked if a[0] == bench.REPEATED_TOKENS]
+    # one prompt, all of its tokens in whole blocks, asked about half the time (400 timed + 80 warm-up)
+    assert len({hashes for _, hashes in repeated}) == 1
+    assert len(repeated[0][1]) * bench.BLOCK_SIZE == bench.REPEATED_TOKENS
+    assert 160 < len(repeated) < 320
+    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
+                "--repeat-share", "0.5")
+    result = bench.measure(cfg, bench.chosen_configs(cfg))
+    result["command"] = bench.command(cfg, tmp_path)
+    assert "--repeat-share 0.5" in result["command"]
+    assert "50% of the decisions ask one 64-token prompt again" in bench.render_markdown(result)

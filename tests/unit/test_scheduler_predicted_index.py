@@ -281,6 +281,28 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
                             assert ttft.lower_bound_at(state, level) + ttft.bound_offset(req, 0) <= value + slack
 
 
+@pytest.mark.parametrize("name", ["predicted_ttft", "predicted_delay", "predicted_stall"])
+@pytest.mark.parametrize("full", [False, True])
+def test_the_value_on_a_prompt_all_cached_is_the_cached_value(full: bool, name: str) -> None:
+    """An instance holding the whole prompt: `cached_value(state)` is the value, to the bit, whatever the prompt
+    (the index keeps members sorted by it, and walks them by it for such a request)."""
+    for profile in PROFILES:
+        hits = PrefixIndex()
+        hits.record_dispatch("i00", BLOCKS)
+        c = _context(full, profile, hits)
+        metric = METRICS.get(name)(c)
+        assert metric.cached_prompt_value
+        for ahead, batch, seq in itertools.product((0, 1, 511, 512, 9000), (0, 1, 7, 600), (0, 4000, 300_000)):
+            for released in ((0, 0, -1), (3, 30, 0), (1, 100_000, 1)):
+                v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
+                state = metric.state(v)
+                for blocks in range(1, len(BLOCKS) + 1):
+                    req = RequestInfo("r", "m", prompt_tokens=16 * blocks, prefix_block_hashes=BLOCKS[:blocks],
+                                      prefix_block_size=16)
+                    c.begin(req)
+                    assert metric.value(v, req) == metric.cached_value(state), (ahead, batch, seq, blocks)
+
+
 def _fleet(n: int, rng: random.Random, full: bool) -> list[InstanceView]:
     return _views(
         [
@@ -323,6 +345,44 @@ def test_a_default_decision_visits_few_of_4096_instances(full: bool) -> None:
         ttft.evaluate = evaluate  # type: ignore[method-assign]
         assert walked == [v.instance_id for v in _pipeline("default", filters, 1, c).run(views, req, 3)]
         ttft.evaluate = counted  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_a_prompt_every_instance_holds_whole_is_decided_with_few_visits(full: bool) -> None:
+    """The same short prompt asked again and again (retries, a fixed classification prompt) comes to be held
+    whole by every instance: no floor under the value holds there, and before the index kept its members by
+    that value it evaluated all 4,096 of them (2.97 ms a decision in full mode). Every instance has work ahead:
+    idle ones would all tie at a value of 0, and the ties are all visited for the TPOT after it."""
+    rng = random.Random(5)
+    hits = PrefixIndex()
+    views = _views([(rng.randrange(1, 20_000), rng.randrange(0, 64), rng.randrange(0, 200_000), True, 0.0, k % 7,
+                     k % 5, 0) for k in range(4096)], full)
+    for k in range(4096):
+        hits.record_dispatch(f"i{k:02d}", BLOCKS)
+    c = _context(full, "derived", hits)
+    c.tables = LatencyTables(PROFILES["derived"])
+    filters = ["schedulability", "staleness", "failover-node"] if full else []
+    pipeline = _pipeline("default", filters, 1, c)
+    index = load_index(pipeline, views)
+    ttft = pipeline.selector.metrics[1]
+    evaluate = ttft.evaluate
+    visits = 0
+
+    def counted(*args: object) -> float:
+        nonlocal visits
+        visits += 1
+        return evaluate(*args)  # type: ignore[arg-type]
+
+    for n, blocks in enumerate((1, len(BLOCKS))):
+        req = RequestInfo(f"r{n}", "m", prompt_tokens=16 * blocks, prefix_block_hashes=BLOCKS[:blocks],
+                          prefix_block_size=16)
+        c.begin(req)
+        visits = 0
+        ttft.evaluate = counted  # type: ignore[method-assign]
+        walked = [v.instance_id for v in pipeline.run(views, req, 3, index)]
+        ttft.evaluate = evaluate  # type: ignore[method-assign]
+        assert visits < 150, (blocks, visits)
+        assert walked == [v.instance_id for v in _pipeline("default", filters, 1, c).run(views, req, 3)]
 
 
 @pytest.mark.parametrize("full", [False, True])

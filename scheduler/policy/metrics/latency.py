@@ -115,8 +115,17 @@ class PredictedTtft(Metric):
 
     def bound_offset(self, req: RequestInfo, hit: int) -> float:
         own = req.prompt_tokens - hit
-        # no own token: an idle instance's TTFT is 0, below the one step the floor counts
+        # no own token: an idle instance's TTFT is 0, below the one step the floor counts (`cached_value` says it)
         return self.ctx.tables.prefill_floor(own) if own >= 1 else -math.inf
+
+    # with nothing of its own to prefill, a request's value is the instance's TTFT for the work ahead alone (the
+    # stall charges of the metrics below are of its own prefill: none)
+    cached_prompt_value = True
+
+    def cached_value(self, state: tuple[float, ...]) -> float:
+        ahead, batch, share = state[0], state[1], state[2]
+        # `evaluate`'s float operations at own = 0 (each subclass's adds nothing there)
+        return self.ctx.tables.ttft_with_share(ahead + 0, batch, share)
 
 
 class PredictedDelay(PredictedTtft):

@@ -949,7 +949,9 @@ class BoundedLoadIndex(LoadIndex):
     2. visits the members with a hit (few) by their own floor, while it is within what a hit can still
        matter at: for a banded selector the band limit of the least value or the `need`-th best value,
        whichever is higher; for a ranked one the `need`-th best (or every hit, with a cache head, which
-       ranks the hits first);
+       ranks the hits first). A member holding the whole prompt has no floor (`bound_offset` -inf): where
+       the metric says its value there (`cached_value`, the instance's alone), the members are kept sorted
+       by that as well, and such holders come by it;
     3. runs the selector's own `select` over the visited candidates in the scan's order.
 
     That gives the scan's answer: the least value, the in-band hits, whether an in-band candidate has no

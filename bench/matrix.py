@@ -74,7 +74,8 @@ DEFAULT_WORKLOADS = (
 Workloads = Annotated[
     list[str],
     Meta(description="family:<name>[:knob=value;...] (simulator/traces/families.py; knobs separated by ';' "
-                     "here) or trace:<file in the traces folder>"),
+                     "here) or trace:<file in the traces folder, or a path: Mooncake-style .jsonl, Azure or "
+                     "BurstGPT .csv>"),
 ]
 Policies = Annotated[
     list[str], Meta(description="bench cluster policy names; pilotfish and pilotfish-full are what ships")

@@ -42,7 +42,7 @@ SloTpot = Annotated[float, Meta(gt=0, description="goodput SLO: TPOT at most thi
 TraceSpec = Annotated[
     str,
     Meta(
-        description="Mooncake .jsonl or Azure .csv (a name in ../shared/traces or a path), "
+        description="Mooncake-style .jsonl, Azure or BurstGPT .csv (a name in ../shared/traces or a path), "
         "synthetic[:groups=8,prompts=32,system=1024,question=128,output=128,rate=10,seed=0], or "
         "family:<name>[:knob=value,...] (simulator/traces/families.py; ranges as low-high)"
     ),

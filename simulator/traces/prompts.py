@@ -44,11 +44,14 @@ _WORDS, _IDS = _build_pool()
 _CHUNK = 512  # Mooncake's block: one chunk per hash id, cached whole, so a partial last block is its prefix
 
 
-def _chunk_indices(key: str, index: int) -> array:
+def _chunk_indices(key: str, index: int, count: int = _CHUNK) -> array:
+    """The pool indices of the chunk's first `count` tokens. The PRNG's bytes come 32 bits at a time, lowest
+    first, so the bytes of whole words are a prefix of the whole chunk's: a short segment (a trace with small
+    blocks: 16 tokens a hash id) draws only what it uses, the same tokens."""
     seed = key if index == 0 else f"{key}/{index}"
-    draws = array("H", random.Random(seed).randbytes(2 * _CHUNK))
+    draws = array("H", random.Random(seed).randbytes(4 * ((count + 1) // 2)))
     mask = _POOL_SIZE - 1
-    return array("H", [d & mask for d in draws])
+    return array("H", [d & mask for d in draws[:count]])
 
 
 @functools.lru_cache(maxsize=32768)
@@ -58,6 +61,13 @@ def _chunk_ids(key: str, index: int) -> tuple[int, ...]:
     return tuple([ids[i] for i in _chunk_indices(key, index)])
 
 
+@functools.lru_cache(maxsize=65536)
+def _head_ids(key: str, length: int) -> tuple[int, ...]:
+    """The first `length` (under a chunk) token ids of the key: its first chunk's, drawn alone."""
+    ids = _IDS
+    return tuple([ids[i] for i in _chunk_indices(key, 0, length)])
+
+
 def _chunks(length: int) -> range:
     return range((length + _CHUNK - 1) // _CHUNK)
 
@@ -65,6 +75,8 @@ def _chunks(length: int) -> range:
 def segment_token_ids(segment: Segment) -> list[int]:
     # chunk by chunk, so a segment's tokens are a prefix of the same key's longer segments
     key, length = segment
+    if length < _CHUNK:
+        return list(_head_ids(key, length))
     out: list[int] = []
     for c in _chunks(length):
         out.extend(_chunk_ids(key, c))
@@ -77,7 +89,7 @@ def segment_text(segment: Segment) -> str:
     words = _WORDS
     indices: list[int] = []
     for c in _chunks(length):
-        indices.extend(_chunk_indices(key, c))
+        indices.extend(_chunk_indices(key, c, min(_CHUNK, length - c * _CHUNK)))
     return "".join(words[i] for i in indices[:length])
 
 
@@ -86,6 +98,8 @@ def prompt_token_ids(request: TraceRequest) -> list[int]:
     for key, length in request.segments:
         if length == _CHUNK:
             out.extend(_chunk_ids(key, 0))  # the common Mooncake block, without a copy
+        elif length < _CHUNK:
+            out.extend(_head_ids(key, length))
         else:
             out.extend(segment_token_ids((key, length)))
     return out

@@ -205,3 +205,15 @@ def test_traces_resolve_from_a_folder_or_the_environment(tmp_path: Path, monkeyp
     assert resolve_trace("t.jsonl") == tmp_path / "t.jsonl"
     with pytest.raises(FileNotFoundError, match=r"nope\.jsonl"):
         resolve_trace("nope.jsonl", tmp_path)
+
+
+def test_a_short_segment_draws_the_same_tokens_as_a_whole_chunk_begins_with() -> None:
+    """A short segment's tokens (a trace of 16-token blocks) are made alone, and are the first tokens of the
+    same key's longer segments, as before: simulated prefixes and hits do not change with the block size."""
+    from pilotfish.simulator.traces.prompts import segment_text, segment_token_ids
+
+    for key in ("mc:7", "qw:123456", "fam-sys:0:sys"):
+        whole = segment_token_ids((key, 1300))
+        for length in (1, 2, 3, 15, 16, 17, 255, 511, 512, 513):
+            assert segment_token_ids((key, length)) == whole[:length]
+            assert fallback_token_ids(segment_text((key, length))) == whole[:length]

@@ -68,6 +68,9 @@ class SchedulerBenchConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=Tr
     decisions_only: Annotated[bool, Meta(description="skip the status-update and gRPC figures (with --configs)")] = (
         False
     )
+    index_blocks: Annotated[int, Meta(ge=0, description=(
+        "also fill a full-mode scheduler's prefix index with this many blocks per engine (the largest --sizes), "
+        "4,096-token prompts a quarter of them shared, and time the garbage collector's full pass (0: not)"))] = 0
     repeat_share: Annotated[float, Meta(ge=0, le=1, description=(
         "share of the decisions that ask one short prompt again (64 tokens: retries, a fixed classification "
         "prompt), which every engine that served it holds whole"))] = 0.0
@@ -209,6 +212,36 @@ def request(request_id: str, prompt_tokens: int, prefix: tuple[int, ...]) -> Any
     return RequestInfo(
         request_id, "m", prompt_tokens=prompt_tokens, prefix_block_hashes=hashes, prefix_block_size=BLOCK_SIZE
     )
+
+
+def _collector_pause(n: int, blocks: int, seed: int) -> dict[str, Any]:
+    """A full-mode core's prefix index filled with `blocks` blocks on each of `n` engines (4,096-token prompts,
+    a quarter from 64 shared ones): the garbage collector's full pass over the process, and the objects it
+    tracks. The scheduler's loop stands still for such a pass."""
+    import gc
+
+    from pilotfish.scheduler.config import SchedulerConfig
+    from pilotfish.scheduler.core import SchedulerCore
+
+    rng = random.Random(seed)
+    core = SchedulerCore(SchedulerConfig(enable_full_mode_scheduling=True, model=["m"],
+                                         prefix_index_capacity_blocks=blocks))
+    index = core.prefix_index
+    assert index is not None
+    chain = 4096 // BLOCK_SIZE
+    shared = [tuple(rng.getrandbits(64) for _ in range(chain)) for _ in range(64)]
+    for k in range(n):
+        for _ in range(-(-blocks // chain)):
+            own = rng.random() >= 0.25
+            index.record_dispatch(f"i{k}", tuple(rng.getrandbits(64) for _ in range(chain)) if own
+                                  else rng.choice(shared))
+    pauses = []
+    for _ in range(3):
+        started = time.perf_counter()
+        gc.collect()
+        pauses.append((time.perf_counter() - started) * 1000)
+    return {"instances": n, "blocks_per_instance": blocks, "blocks": len(index),
+            "tracked_objects": len(gc.get_objects()), "full_pass_ms": round(min(pauses), 1)}
 
 
 def _status_cost(n: int, count: int, seed: int) -> dict[str, Any]:
@@ -363,6 +396,9 @@ def measure(cfg: SchedulerBenchConfig, configs: list[tuple[str, bool, dict[str, 
         "machine": {"python": platform.python_version(), "cpu": platform.processor() or platform.machine()},
         "settings": msgspec.structs.asdict(cfg),
     }
+    if cfg.index_blocks:
+        result["collector"] = _collector_pause(max(cfg.sizes), cfg.index_blocks, cfg.seed)
+        print(f"collector: {result['collector']}", flush=True)
     if cfg.decisions_only:
         return result
     result["status_update"] = {**_status_cost(max(cfg.sizes), 5000, cfg.seed), "instances": max(cfg.sizes)}
@@ -382,6 +418,8 @@ def command(cfg: SchedulerBenchConfig, out: Path) -> str:
         given += f" --sizes {','.join(map(str, cfg.sizes))}"
     if cfg.decisions != default.decisions:
         given += f" --decisions {cfg.decisions}"
+    if cfg.index_blocks != default.index_blocks:
+        given += f" --index-blocks {cfg.index_blocks}"
     if cfg.repeat_share != default.repeat_share:
         given += f" --repeat-share {cfg.repeat_share:g}"
     return f"pilotfish bench scheduler{given} --out {out}"
@@ -395,6 +433,12 @@ def render_markdown(result: dict[str, Any]) -> str:
         md += [f"{share:.0%} of the decisions ask one 64-token prompt again, held whole by the engines that "
                "served it.", ""]
     md += _decision_rows(result["decisions"])
+    if "collector" in result:
+        c = result["collector"]
+        md += ["", f"## The garbage collector's full pass ({c['instances']:,} engines, {c['blocks_per_instance']:,} "
+               "blocks each in the prefix index)", "",
+               f"- {c['full_pass_ms']} ms (the fastest of 3), over {c['tracked_objects']:,} tracked objects; "
+               f"{c['blocks']:,} distinct blocks"]
     if "status_update" in result:
         md += ["", *_status_lines(result["status_update"])]
     if "grpc" in result:

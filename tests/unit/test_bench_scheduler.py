@@ -77,3 +77,16 @@ def test_a_repeat_share_asks_one_prompt_again_and_says_so(tmp_path: Path) -> Non
     result["command"] = bench.command(cfg, tmp_path)
     assert "--repeat-share 0.5" in result["command"]
     assert "50% of the decisions ask one 64-token prompt again" in bench.render_markdown(result)
+
+
+def test_index_blocks_time_the_collector_over_a_filled_index(tmp_path: Path) -> None:
+    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "4", "--decisions", "20",
+                "--index-blocks", "600")
+    result = bench.measure(cfg, bench.chosen_configs(cfg))
+    result["command"] = bench.command(cfg, tmp_path)
+    collector = result["collector"]
+    # 4 engines of 600 blocks: 3 prompts of 256 blocks each (the last cut by the capacity), some shared
+    assert collector["instances"] == 4 and collector["blocks_per_instance"] == 600
+    assert 600 <= collector["blocks"] <= 4 * 600 and collector["full_pass_ms"] > 0
+    assert "--index-blocks 600" in result["command"]
+    assert "## The garbage collector's full pass (4 engines, 600 blocks each" in bench.render_markdown(result)

@@ -261,6 +261,12 @@ class PrefixIndex:
         if held is None:
             held = self._blocks[instance_id] = {}
             self._stores[instance_id] = _Stores()
+        else:
+            items = self._stores[instance_id].items
+            # the newest store again, every block of it still held (a retry, the same prompt to the same engine):
+            # already the most recently stored, so nothing changes
+            if items and items[-1][1] == chain and all(map(held.__contains__, chain)):
+                return
         # every block stamped with this store, and those new here (each once), in C: a chain can be thousands
         self._tick += 1
         stamped = dict.fromkeys(chain, self._tick)

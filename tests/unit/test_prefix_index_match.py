@@ -235,3 +235,16 @@ def test_blocks_held_cost_the_collector_nothing() -> None:
     assert len(index) > 30_000
     assert not gc.is_tracked(index._one) and not any(gc.is_tracked(held) for held in index._blocks.values())
     assert len(gc.get_objects()) - before < 1000
+
+
+def test_the_same_chain_stored_again_changes_nothing() -> None:
+    """A retry (the same prompt to the same engine) is already the most recently stored: the queue does not
+    grow, and the order is the plain LRU's."""
+    index, model = PrefixIndex(default_capacity_blocks=6), LruModel(6)
+    for op in [("dispatch", "a", [1, 2, 3]), ("dispatch", "a", [4]), ("dispatch", "a", [4]),
+               ("dispatch", "a", [1, 2, 3]), ("dispatch", "a", [1, 2, 3]), ("dispatch", "a", [5, 6, 7])]:
+        index.record_dispatch(op[1], op[2])  # type: ignore[arg-type]
+        model.apply(*op)
+        assert set(index._blocks["a"]) == set(model.held["a"])
+    assert set(index._blocks["a"]) == {1, 2, 3, 5, 6, 7}  # 4 was the least recently stored
+    assert index._stores["a"].queued <= 7

@@ -324,8 +324,12 @@ class EngineBlocks:
                     return self._drop("malformed", f"BlockStored: {exc}")
                 chain = completed[-1]
             pending = run[full:]
+            try:
+                packed = _pack(chain, pending, completed)
+            except struct.error:  # a token id outside [0, 2^32) among those no gateway block took yet
+                return self._drop("malformed", "BlockStored: token ids must be integers in [0, 2^32)")
             replaced = self._forget(engine_hash)  # stored again (its removal was missed)
-            self._blocks[engine_hash] = _pack(chain, pending, completed)
+            self._blocks[engine_hash] = packed
             self._numbered(engine_hash)
             for h in completed:
                 self._refs[h] = self._refs.get(h, 0) + 1

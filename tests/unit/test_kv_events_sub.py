@@ -276,6 +276,15 @@ def test_hostile_messages_are_counted_and_dropped(reason: str, frames: list[byte
     assert sink.held == set(prefix_block_hashes(TOKENS[:16], 16))
 
 
+def test_a_bad_token_id_short_of_a_gateway_block_is_malformed_too() -> None:
+    """Tokens that no gateway block takes yet are kept for the next engine block, not hashed: a token id out of
+    range among them is refused as one in a hashed block is."""
+    b, sink, stats = blocks(64)
+    b.on_message([b"", seq(0), encode_batch([stored([1], None, [2**32] * 16)])])
+    b.on_message([b"", seq(1), encode_batch([stored([2], None, [-1] * 16)])])
+    assert stats.dropped == {"malformed": 2} and len(b) == 0 and sink.held == set()
+
+
 def test_decode_batch_raises_only_malformed() -> None:
     with pytest.raises(MalformedBatch):
         decode_batch(b"\xc1")

@@ -582,6 +582,8 @@ class ExtProcServicer:
         s.released = True
         if s.counter is not None:
             self._metrics.generated_tokens.inc(s.counter.tokens)
+            if s.counter.oversized:
+                self._metrics.sse_oversized_events.inc(s.counter.oversized)
         # A round-robin fallback was never scheduled, so the scheduler holds nothing to release; with
         # response bodies skipped, the release comes from Envoy's access log instead.
         if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):

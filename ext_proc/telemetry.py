@@ -23,6 +23,11 @@ class ExtProcMetrics:
             "their size).",
             registry=self.registry,
         )
+        self.sse_oversized_events = Counter(
+            "pilotfish_ext_proc_sse_oversized_events",
+            "Response SSE events longer than 1 MiB: counted as one token each unparsed, never held whole.",
+            registry=self.registry,
+        )
         self.first_token_ends = Counter(
             "pilotfish_ext_proc_first_token_ends",
             "Streams read up to their first token and ended there (--response-bodies first-token): Envoy passes "

@@ -264,6 +264,26 @@ def test_every_body_mode_routes_counts_and_releases_once(request_mode: int, earl
     assert sent["stream_options"]["include_usage"] is True
 
 
+def test_an_oversized_event_is_counted_by_its_metric_and_passes_whole() -> None:
+    """An upstream event past the SSE bound (1 MiB) is not held: its chunks pass on as they come, it counts as one
+    token, and the gateway's metric says so."""
+    from pilotfish.ext_proc.sse import MAX_EVENT_BYTES
+
+    svc, backend, metrics = servicer()
+    huge = b'data: {"choices":[{"index":0,"text":" b","logprobs":"' + b"x" * (MAX_EVENT_BYTES + 70000) + b'"}]}\n\n'
+    pieces = [huge[i : i + 65536] for i in range(0, len(huge), 65536)]
+    response = [response_body(SSE[0]), *(response_body(p) for p in pieces), response_body(SSE[2], end=True)]
+    replies = run(svc, [headers(), body(STREAMING), response_headers(), *response])
+    passed = b"".join(
+        r.response_body.response.body_mutation.body if r.response_body.response.HasField("body_mutation") else m
+        for r, m in zip(replies[-len(response) :], [SSE[0], *pieces, SSE[2]], strict=True)
+    )
+    assert passed == SSE[0] + huge + SSE[2]
+    assert metrics.generated_tokens._value.get() == 2
+    assert metrics.sse_oversized_events._value.get() == 1
+    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+
+
 def test_streamed_response_chunks_pass_unchanged_but_the_usage_event_is_cut() -> None:
     """The client did not ask for usage (the gateway added it): every chunk passes as Envoy sent it,
     with no body mutation to apply, but the one holding the usage event, which is replaced."""

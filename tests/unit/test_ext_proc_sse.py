@@ -65,18 +65,18 @@ def test_unterminated_last_event_counts_at_finish():
     assert counter.tokens == 1
 
 
-def _with_a_huge_event(huge: int) -> tuple[bytes, bytes]:
-    """A stream whose second event is `huge` bytes (logprobs of every prompt token, say), and that event."""
+def _with_a_huge_event(huge: int) -> bytes:
+    """A stream whose second event is `huge` bytes (logprobs of every prompt token, say)."""
     big = b'data: {"id": "x", "choices": [{"index": 0, "text": " b", "logprobs": "' + b"x" * huge + b'"}]}\n\n'
     stream = sse_stream(1)
-    return stream[: stream.index(b"\n\n") + 2] + big + stream[stream.index(b"\n\n") + 2 :], big
+    return stream[: stream.index(b"\n\n") + 2] + big + stream[stream.index(b"\n\n") + 2 :]
 
 
 @given(cuts=st.lists(st.integers(0, 3 << 20), max_size=40))
 def test_an_event_past_the_bound_is_counted_and_not_held(cuts):
     from pilotfish.ext_proc import sse
 
-    stream, _ = _with_a_huge_event(2 * sse.MAX_EVENT_BYTES)
+    stream = _with_a_huge_event(2 * sse.MAX_EVENT_BYTES)
     counter, points, last, held = TokenCounter(), sorted({c % (len(stream) + 1) for c in cuts}), 0, 0
     for p in [*points, len(stream)]:
         for start in range(last, p, 65536):  # Envoy's chunks are at most 64 KiB
@@ -93,7 +93,7 @@ def test_an_event_past_the_bound_is_counted_and_not_held(cuts):
 def test_the_stripper_passes_an_event_past_the_bound_on_as_it_comes(cuts, usage):
     from pilotfish.ext_proc import sse
 
-    stream, big = _with_a_huge_event(2 * sse.MAX_EVENT_BYTES)
+    stream = _with_a_huge_event(2 * sse.MAX_EVENT_BYTES)
     if usage:  # the usage event the gateway asked for and the client did not: stripped
         usage_event = b'data: {"id": "x", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\n'
         sent = stream.replace(b"data: [DONE]", usage_event + b"data: [DONE]")

@@ -173,7 +173,7 @@ class PrefixIndex:
             return {}, {}
         if len(first) < _KEEP_FROM:
             # a few holders (a conversation's own turns): made again for about what finding a kept one costs
-            return self._match(hashes, scale)
+            return self._match(hashes, scale, first)
         changed = self._changed
         # each block's change version, in C; the held part ends at the first block nobody holds
         versions = list(map(changed.get, hashes))
@@ -188,7 +188,7 @@ class PrefixIndex:
         kept = self._kept.get(key)
         if kept is not None and kept[0] == stamp:
             return kept[1], kept[2]
-        hits, lengths = self._match(held, scale)
+        hits, lengths = self._match(held, scale, first)
         kept_matches = self._kept
         if kept is not None:
             self._kept_hits -= len(kept[1])
@@ -199,19 +199,15 @@ class PrefixIndex:
             self._kept_hits -= len(kept_matches.popitem(last=False)[1][1])
         return hits, lengths
 
-    def _match(self, hashes: tuple[int, ...], scale: int) -> tuple[dict[str, int], dict[int, int]]:
-        """`match` computed. A match passes over the holders of the chain's first block (dozens to hundreds
-        of a shared prefix), so the work stays in set operations and `dict.fromkeys`, never a Python loop
-        per holder, and the holders' sets are read, never copied: the holders of a block are usually all
-        holders of the one before it too (chained hashes), and then the subset test alone tells who stops
-        there."""
+    def _match(
+        self, hashes: tuple[int, ...], scale: int, alive: set[str]
+    ) -> tuple[dict[str, int], dict[int, int]]:
+        """`match` computed, given the holders of the chain's first block (two or more: `_kept_match` looked
+        them up). A match passes over them (dozens to hundreds of a shared prefix), so the work stays in set
+        operations and `dict.fromkeys`, never a Python loop per holder, and the holders' sets are read, never
+        copied: the holders of a block are usually all holders of the one before it too (chained hashes), and
+        then the subset test alone tells who stops there."""
         one_of, many_of = self._one, self._many
-        lone = one_of.get(hashes[0])
-        if lone is not None:
-            return self._match_one(lone, hashes, scale)
-        alive = many_of.get(hashes[0])
-        if not alive:
-            return {}, {}
         hits: dict[str, int] = {}
         lengths: dict[int, int] = {}  # hit -> instances with it
         depth = len(hashes)

@@ -7,7 +7,7 @@ import csv
 from datetime import datetime
 from pathlib import Path
 
-from pilotfish.simulator.traces.model import Trace, TraceRequest
+from pilotfish.simulator.traces.model import Trace, unshared_trace
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -34,11 +34,4 @@ def load_azure(path: str | Path, *, namespace: str = "az", limit: int | None = N
                              int(row["GeneratedTokens"])))
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{lineno}: not an Azure trace row: {exc}") from None
-    rows.sort()
-    start = rows[0][0] if rows else 0.0
-    out: Trace = []
-    for i, (ts, context, generated) in enumerate(rows):
-        context = max(1, context)
-        out.append(TraceRequest(f"{namespace}-{i}", ts - start, context, max(1, generated),
-                                ((f"{namespace}:{i}", context),)))
-    return out
+    return unshared_trace(rows, namespace)

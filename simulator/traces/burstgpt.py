@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
-from pilotfish.simulator.traces.model import Trace, TraceRequest
+from pilotfish.simulator.traces.model import Trace, unshared_trace
 
 COLUMNS = ("Timestamp", "Request tokens", "Response tokens")
 
@@ -29,9 +29,4 @@ def load_burstgpt(path: str | Path, *, namespace: str = "bg", limit: int | None 
                 raise ValueError(f"{path}:{lineno}: not a BurstGPT trace row: {exc}") from None
             if answer > 0:
                 rows.append((at, prompt, answer))
-    rows.sort()
-    start = rows[0][0] if rows else 0.0
-    return [
-        TraceRequest(f"{namespace}-{i}", at - start, max(1, prompt), answer, ((f"{namespace}:{i}", max(1, prompt)),))
-        for i, (at, prompt, answer) in enumerate(rows)
-    ]
+    return unshared_trace(rows, namespace)

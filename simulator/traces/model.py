@@ -32,3 +32,17 @@ class TraceRequest:
 
 
 Trace = list[TraceRequest]
+
+
+def unshared_trace(rows: list[tuple[float, int, int]], namespace: str) -> Trace:
+    """Requests that share nothing, from (arrival s, prompt tokens, output tokens) rows, as a trace without
+    prefix data gives them: in arrival order, arrivals from the first one's, each prompt one segment of its
+    own, prompt and output at least one token."""
+    rows = sorted(rows)
+    start = rows[0][0] if rows else 0.0
+    out: Trace = []
+    for i, (at, prompt, output) in enumerate(rows):
+        prompt = max(1, prompt)
+        segment = (f"{namespace}:{i}", prompt)
+        out.append(TraceRequest(f"{namespace}-{i}", at - start, prompt, max(1, output), (segment,)))
+    return out

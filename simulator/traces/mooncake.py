@@ -16,6 +16,7 @@ Fields beyond these (a conversation id, a turn, a type) are ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -58,13 +59,8 @@ def load_mooncake(
     # arrivals from the first request's (a trace of absolute times would start with a long idle)
     start = out[0].arrival if out else 0.0
     if start:
-        out = [_shifted(r, start) for r in out]
+        out = [dataclasses.replace(r, arrival=r.arrival - start) for r in out]
     return out
-
-
-def _shifted(request: TraceRequest, start: float) -> TraceRequest:
-    return TraceRequest(request.request_id, request.arrival - start, request.input_length, request.output_length,
-                        request.segments)
 
 
 def _fits(input_length: int, hash_ids: list[int], block: int) -> bool:

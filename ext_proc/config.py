@@ -76,6 +76,14 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             "anything else: the scheduler's default for the model)"
         ),
     ] = "x-request-priority"
+    client_priority_max: Annotated[
+        Literal["critical", "standard", "sheddable"],
+        Meta(
+            description="flow control: the highest band the priority header may claim; a higher claim is "
+            "ignored (the request gets its model's band) and counted. critical only where a trusted layer in "
+            "front of Envoy sets the header: clients set it otherwise"
+        ),
+    ] = "standard"
     flow_header: Annotated[
         str,
         Meta(

@@ -4,6 +4,10 @@ long the gateway can hold it (scheduler.proto ScheduleRequest priority, flow, qu
 - Band: the header --priority-header (default `x-request-priority`): `critical`, `standard` or
   `sheddable` (any case). Anything else, or no header, is sent as unspecified, which the scheduler
   reads as its model's band (--flow-model-priorities) or standard: a request is never refused for it.
+  A client sets that header, so it may claim at most --client-priority-max (default `standard`): a
+  higher claim would let any client jump every queue and never be shed. Such a claim is sent as
+  unspecified (the model's band, the operator's choice) and counted. Where a trusted layer in front
+  of Envoy sets the header (and drops the client's), `--client-priority-max critical` honours it.
 - Flow: the header --flow-header (default `x-tenant-id`; `authorization` keys flows on API keys),
   sent as a 64-bit BLAKE2b hash in hex. The value itself never leaves the gateway and is never
   logged; any length is hashed to the same 16 characters. No header: the default flow.
@@ -28,6 +32,7 @@ _BANDS = {
     "sheddable": scheduler_pb2.PRIORITY_SHEDDABLE,
 }
 _MAX_PRIORITY_LENGTH = 16  # longer than any band name: not one
+BAND_NAMES = tuple(_BANDS)  # highest first, as the enum numbers them
 
 
 def priority_of(value: str | None) -> int:
@@ -49,7 +54,11 @@ class FlowHeaders:
     priority_header: str = "x-request-priority"
     flow_header: str = "x-tenant-id"
     queue_timeout_ms: int = 0
+    max_claim: str = "standard"  # the highest band the header may claim (--client-priority-max)
 
-    def read(self, headers: Mapping[str, str]) -> tuple[int, str]:
-        """(priority, flow) of a request's headers."""
-        return priority_of(headers.get(self.priority_header)), flow_of(headers.get(self.flow_header))
+    def read(self, headers: Mapping[str, str]) -> tuple[int, str, bool]:
+        """(priority, flow, whether the header claimed a band above `max_claim`) of a request's headers;
+        such a claim is sent as unspecified."""
+        priority = priority_of(headers.get(self.priority_header))
+        over = priority != scheduler_pb2.PRIORITY_UNSPECIFIED and priority < _BANDS[self.max_claim]
+        return (scheduler_pb2.PRIORITY_UNSPECIFIED if over else priority), flow_of(headers.get(self.flow_header)), over

@@ -287,7 +287,10 @@ class ExtProcServicer:
         s.path = route_path(h.get(":path", ""))
         s.request_id = gateway_request_id(h.get(messages.REQUEST_ID_HEADER))
         s.subset = messages.subset_hint(metadata)
-        s.flow = self._flow_headers.read(h)
+        priority, flow, over = self._flow_headers.read(h)
+        s.flow = (priority, flow)
+        if over:
+            self._metrics.priority_claims_ignored.inc()
         s.trace = tracing.incoming(h)
         if s.subset is not None and not s.subset:
             return self._reject(s, RequestError(503, "the gateway's subset hint names no endpoint"))

@@ -77,7 +77,10 @@ class ExtProcServer:
             destination_fallbacks=config.destination_fallbacks,
             response_bodies=config.response_bodies,
             flow_headers=FlowHeaders(
-                config.priority_header.lower(), config.flow_header.lower(), config.schedule_queue_timeout_ms
+                config.priority_header.lower(),
+                config.flow_header.lower(),
+                config.schedule_queue_timeout_ms,
+                config.client_priority_max,
             ),
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)

@@ -28,6 +28,12 @@ class ExtProcMetrics:
             "Response SSE events longer than 1 MiB: counted as one token each unparsed, never held whole.",
             registry=self.registry,
         )
+        self.priority_claims_ignored = Counter(
+            "pilotfish_ext_proc_priority_claims_ignored",
+            "Requests whose priority header claimed a band above --client-priority-max: sent with their model's "
+            "band instead.",
+            registry=self.registry,
+        )
         self.first_token_ends = Counter(
             "pilotfish_ext_proc_first_token_ends",
             "Streams read up to their first token and ended there (--response-bodies first-token): Envoy passes "

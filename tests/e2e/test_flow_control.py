@@ -78,7 +78,9 @@ def flow_stack(make_stack) -> Stack:
         scheduler_metrics=True,
         ext_proc_metrics=True,
         scheduler_args=FLOW_ARGS,
-        ext_proc_args=["--schedule-queue-timeout-ms", "30000", "--flow-header", "x-tenant-id"],
+        # the test is the trusted layer that sets the band header: it may claim critical
+        ext_proc_args=["--schedule-queue-timeout-ms", "30000", "--flow-header", "x-tenant-id",
+                       "--client-priority-max", "critical"],
         engine_args=["--step-ms", "25"],  # one token every 25 ms: 40 tokens hold the engine about a second
     )
 

@@ -1,6 +1,7 @@
 """`pilotfish bench cluster`: scheduling policies side by side on the virtual-time cluster.
 
-Every policy runs on identical engines (same profile, KV size, token budget) and identical
+Every policy runs on the same engines (same profile, KV size, token budget; `--step-scales` makes some
+slower, the same ones for every policy) and identical
 arrivals: one trace, sliced once, compressed by the load factor, the same for all; routers that
 draw random numbers are seeded from `--seed`. A sweep repeats the whole set per load to find the
 knee. Outputs DIR/result.json, DIR/report.md and, with matplotlib, latency CDFs and P99 TTFT
@@ -36,7 +37,7 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.bench.cluster_policies import DEFAULT_POLICIES
-from pilotfish.bench.options import DEFAULT_TRACE, ClusterRunOptions
+from pilotfish.bench.options import DEFAULT_TRACE, ClusterRunOptions, StepScales, fleet_step_scales, step_scales_note
 from pilotfish.bench.traces import load_trace
 
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ class ClusterBenchConfig(ClusterRunOptions, frozen=True):
     sweep: Annotated[
         list[float], Meta(description="loads to run; --load is always one of them (empty: --load only)")
     ] = msgspec.field(default_factory=lambda: [1.0, 2.0, 3.0])
+    step_scales: StepScales = msgspec.field(default_factory=list)
     matrix_at: Annotated[
         Literal["load", "sweep"],
         Meta(
@@ -216,7 +218,8 @@ def set_up(cfg: ClusterBenchConfig) -> Plan:
     return Plan(
         specs=specs, skipped=skipped, base=base, label=label, loads=loads,
         traces={load: compressed(base, load) for load in loads},
-        cluster=ClusterConfig(engines=cfg.instances, engine=engine, observation_delay=cfg.observation_delay),
+        cluster=ClusterConfig(engines=cfg.instances, engine=engine, observation_delay=cfg.observation_delay,
+                              step_scales=fleet_step_scales(cfg.step_scales, cfg.instances)),
         runs=[(load, spec) for load in loads for spec in specs if cfg.runs_at(spec, load)],
     )  # fmt: skip
 
@@ -264,7 +267,7 @@ def report(
         "trace": plan.label, "duration": cfg.duration, "requests": len(plan.base),
         "span_seconds": arrival_span(plan.base), "instances": cfg.instances, "profile": cfg.profile,
         "num_gpu_blocks": cfg.num_gpu_blocks, "loads": plan.loads, "load": cfg.load, "seed": cfg.seed,
-        "observation_delay": cfg.observation_delay, "slo": cfg.slo(),
+        "observation_delay": cfg.observation_delay, "slo": cfg.slo(), "step_scales": cfg.step_scales,
         "policies": {s.name: {"family": s.family, "description": s.description, "toggles": s.toggles,
                               "toggled_from": s.toggled_from} for s in plan.specs},
         "matrix_at": cfg.matrix_at,
@@ -311,7 +314,8 @@ def render_markdown(result: dict[str, Any]) -> str:
         "",
         f"Trace `{result['trace']}`" + (f", first {duration:g} s" if duration > 0 else "")
         + f" ({result['requests']} requests over {result.get('span_seconds', 0):.0f} s before compression); "
-        f"{result['instances']} engines, profile `{result['profile']}`, {result['num_gpu_blocks']} KV blocks each; "
+        f"{result['instances']} engines, profile `{result['profile']}`, {result['num_gpu_blocks']} KV blocks each"
+        + step_scales_note(result.get("step_scales")) + "; "
         f"loads {', '.join(f'{x:g}' for x in loads)} (time compression"
         + ("; the feature arms at load " + f"{result['load']:g} only" if result.get("matrix_at", "load") == "load"
            and any(p.get("toggles") for p in result["policies"].values()) else "")

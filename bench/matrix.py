@@ -50,7 +50,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pilotfish.bench.options import SloOptions, TraceDir
+from pilotfish.bench.options import SloOptions, StepScales, TraceDir, fleet_step_scales, step_scales_note
 
 PEERS = ("llm-d", "dynamo", "sglang")  # the reproductions of other routers (bench/peers.py)
 LOCAL_PEERS = ("sglang", "power-of-two", "least-requests")  # router-local: what lite mode is held against
@@ -104,6 +104,7 @@ class MatrixConfig(SloOptions, frozen=True):
     knee_steps: Annotated[int, Meta(ge=0, description="bisections after the doubling")] = 2
     knee_doublings: Annotated[int, Meta(ge=1, description="most doublings (or halvings) while bracketing the knee")] = 8
     traces_dir: TraceDir = None
+    step_scales: StepScales = msgspec.field(default_factory=list)
     jobs: Annotated[int, Meta(ge=1, description="worker processes (the machine is shared: keep it low)")] = 2
     quick: Annotated[bool, Meta(description=(
         "a smoke-size matrix (two workloads, 16 engines, two loads, one seed, short traces) for what is left "
@@ -192,7 +193,8 @@ def run_cell(config: MatrixConfig, workload: str, engines: int, seed: int, facto
                           max_model_len=config.max_model_len)
     trace = compress(base_trace(workload, config.requests_per_cell, seed, config.traces_dir), factor)
     spec = policy_spec(policy, engine)
-    result = run_policy(ClusterConfig(engines=engines, engine=engine), trace, spec, seed, Progress(1, False))
+    cluster = ClusterConfig(engines=engines, engine=engine, step_scales=fleet_step_scales(config.step_scales, engines))
+    result = run_policy(cluster, trace, spec, seed, Progress(1, False))
     m = policy_metrics(result, len(trace), config.slo_ttft, config.slo_tpot)
     keep = ("goodput_rps", "slo_attainment", "prefix_cache_hit_rate", "preemptions", "finished", "requests",
             "integrity_errors")
@@ -477,7 +479,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"seeds {', '.join(map(str, cfg['seeds']))}; "
         f"{cfg['requests_per_cell']} requests per cell (whatever the fleet); SLO TTFT <= {cfg['slo_ttft']:g} s "
         f"and TPOT <= {cfg['slo_tpot'] * 1000:g} ms; profile `{cfg['profile']}`, {cfg['num_gpu_blocks']} KV blocks "
-        "per engine. "
+        "per engine" + step_scales_note(cfg.get("step_scales")) + ". "
         f"Wall time {result['wall_seconds']:.0f} s with {cfg['jobs']} worker(s) on {result['host']} "
         f"({result['cpus']} CPUs, load average {' / '.join(f'{x:.1f}' for x in result['load_average'])} "
         "at the end).",

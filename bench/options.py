@@ -60,6 +60,14 @@ ObservationDelay = Annotated[
         description="seconds the router hears engine events late (token reports, finishes, full-mode statuses)",
     ),
 ]
+StepScales = Annotated[
+    list[Annotated[float, Meta(gt=0)]],
+    Meta(
+        description="each engine's step time as a multiple of the profile's, a pattern repeated over the fleet "
+        "(1,2: every other engine half as fast, as a fleet of two GPU kinds; 1,1,1,4: every fourth engine gone "
+        "slow); empty: every engine alike"
+    ),
+]
 Seed = Annotated[int, Meta(description="seed of the routers' random draws and of synthetic traces")]
 Progress = Annotated[bool, Meta(description="a progress line on stderr (--no-progress: none)")]
 
@@ -113,3 +121,15 @@ class ClusterRunOptions(SloOptions, frozen=True):
 
         trace, label = load_trace(self.trace, self.trace_dir, self.seed)
         return (take_duration(trace, self.duration) if self.duration > 0 else trace), label
+
+
+def fleet_step_scales(pattern: list[float], engines: int) -> tuple[float, ...]:
+    """The StepScales pattern repeated over `engines` engines (ClusterConfig.step_scales); () if empty."""
+    return tuple(pattern[k % len(pattern)] for k in range(engines)) if pattern else ()
+
+
+def step_scales_note(pattern: list[float] | None) -> str:
+    """How the fleet's engines differ in speed, for a report's first line ("" when all are alike)."""
+    if not pattern:
+        return ""
+    return f"; engine step times {', '.join(f'{x:g}' for x in pattern)} x the profile's, repeated over the fleet"

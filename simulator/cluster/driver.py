@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from pilotfish.protos.cms_pb2 import InstanceStatus
 from pilotfish.simulator.cluster.metrics import RequestRecord, summarize
 from pilotfish.simulator.cluster.migration import (
@@ -73,6 +75,9 @@ class ClusterConfig:
     engine_id_prefix: str = "sim"
     rescheduling_interval: float = 0.5  # seconds between rescheduler calls, when the sim has one
     heartbeat: float = 1.0  # seconds an idle engine goes without a status before it writes one (full mode)
+    # each engine's step time as a multiple of the profile's, in engine order (a fleet of mixed GPUs, or an
+    # engine gone slow); empty: every engine at the profile's speed
+    step_scales: tuple[float, ...] = ()
 
 
 @dataclass(slots=True)
@@ -128,6 +133,19 @@ class _Recorder(EngineObserver):
         self.records[request.request_id].preemptions += 1
 
 
+def _engine_profiles(config: ClusterConfig, profile: StepTimeProfile) -> list[StepTimeProfile]:
+    """Each engine's profile: the fleet's, with its step-time coefficients times the engine's scale."""
+    scales = config.step_scales or (1.0,) * config.engines
+    if len(scales) != config.engines or min(scales) <= 0:
+        raise ValueError(f"step_scales: {len(scales)} positive scales for {config.engines} engines")
+    keys = ("base_ms", "prefill_ms_per_token", "decode_ms_per_token", "context_ms_per_token")
+    scaled: dict[float, StepTimeProfile] = {1.0: profile}
+    for scale in scales:
+        if scale not in scaled:
+            scaled[scale] = msgspec.structs.replace(profile, **{k: getattr(profile, k) * scale for k in keys})
+    return [scaled[scale] for scale in scales]
+
+
 class ClusterSim:
     def __init__(self, config: ClusterConfig, router: Router, *, prompt_builder: PromptBuilder = prompt_token_ids,
                  observers: Iterable[Callable[[int, V1Engine], None]] = (),
@@ -141,7 +159,7 @@ class ClusterSim:
         # the profile read once for the fleet, not once per engine (a YAML file: 64 engines' reads
         # cost a bench matrix cell more than its router)
         profile = config.profile or profile_for(config.engine)
-        self.cores = [V1Engine(config.engine, profile, [_Recorder(self.records)]) for _ in range(config.engines)]
+        self.cores = [V1Engine(config.engine, p, [_Recorder(self.records)]) for p in _engine_profiles(config, profile)]
         for attach in observers:  # e.g. a test's event recorder, per engine
             for i, core in enumerate(self.cores):
                 attach(i, core)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from pilotfish.bench import matrix
+from pilotfish.bench.options import step_scales_note
 
 
 def _args(out: Path, **overrides: object) -> argparse.Namespace:
@@ -142,3 +143,16 @@ def test_jobs_start_when_what_they_need_is_known_and_knees_go_first(jobs: int) -
     assert seen.index("knee-a") < seen.index("run-a") and seen.index("knee-b") < seen.index("run-b")
     if jobs == 1:  # one at a time, by priority then by when it was added
         assert seen == ["knee-a", "knee-b", "run-0", "run-a", "run-b"]
+
+
+def test_step_scales_slow_the_fleet_each_cell_runs_on(tmp_path: Path) -> None:
+    even = matrix.config_from_args(_args(tmp_path))
+    slowed = matrix.config_from_args(_args(tmp_path, step_scales="1,3"))
+    assert slowed.step_scales == [1.0, 3.0]
+    cell = ("family:rag:context=1024-2048", 2, 0, 1.0, "round-robin")
+    alike, mixed = matrix.run_cell(even, *cell), matrix.run_cell(slowed, *cell)
+    assert alike["finished"] == mixed["finished"] > 0
+    # half the engines three times slower: later first tokens, at the median and in the tail
+    assert mixed["ttft_p50"] > alike["ttft_p50"] and mixed["ttft_p99"] > alike["ttft_p99"]
+    assert step_scales_note(slowed.step_scales) == "; engine step times 1, 3 x the profile's, repeated over the fleet"
+    assert step_scales_note(even.step_scales) == ""

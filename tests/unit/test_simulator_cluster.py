@@ -164,3 +164,25 @@ async def test_http_and_virtual_drivers_schedule_each_request_the_same() -> None
     hits = [entry[1] for log in virtual_log.values() for entry in log if entry[0] == "hit"]
     assert len(hits) == len(requests) and any(h > 0 for h in hits)
     assert any(entry == ("prefill", 32) for log in virtual_log.values() for entry in log)  # chunked
+
+
+def test_a_slow_engine_takes_its_scale_times_as_long_for_each_request() -> None:
+    # requests far apart, so none waits for another: every step of a request on the slow engine is 3x
+    requests = trace(2, 3, rate=0.01)
+    fast = ClusterSim(ClusterConfig(engines=2, engine=ENGINE, profile=PROFILE), router_by_name("round-robin"))
+    mixed = ClusterSim(ClusterConfig(engines=2, engine=ENGINE, profile=PROFILE, step_scales=(1.0, 3.0)),
+                       router_by_name("round-robin"))
+    before, after = fast.run(requests).records, mixed.run(requests).records
+    assert [r.engine for r in before] == [r.engine for r in after]
+    for was, now in zip(before, after, strict=True):
+        scale = 3.0 if now.engine == 1 else 1.0
+        assert now.first_token - now.arrival == pytest.approx(scale * (was.first_token - was.arrival))
+        assert now.finished - now.arrival == pytest.approx(scale * (was.finished - was.arrival))
+    assert {r.engine for r in after} == {0, 1}
+
+
+@pytest.mark.parametrize("scales", [(1.0,), (1.0, 0.0), (1.0, 2.0, 3.0)])
+def test_step_scales_need_one_positive_scale_per_engine(scales: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="step_scales"):
+        ClusterSim(ClusterConfig(engines=2, engine=ENGINE, profile=PROFILE, step_scales=scales),
+                   router_by_name("round-robin"))

@@ -138,6 +138,25 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     step_time_prior_weight: Annotated[
         float, Meta(gt=0, description="how many observed steps the profile's step-time prior is worth")
     ] = 2.0
+    slow_engine_ratio: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=1000,
+            description="full mode: an engine whose steps take this many times what the profile says, against "
+            "the fleet's fast engines, has its predicted latencies scaled by that ratio; 0: off",
+        ),
+    ] = 1.5
+    slow_engine_ratio_lite: Annotated[
+        float,
+        Meta(
+            ge=0,
+            le=1000,
+            description="lite mode: the same, judged by each engine's first tokens against the TTFT the profile "
+            "predicted at dispatch; 0 (the default): off, since lite's view mispredicts TTFT by up to 3x on "
+            "alike engines (cache misses it cannot see)",
+        ),
+    ] = 0.0
     instance_staleness_seconds: Annotated[
         float,
         Meta(

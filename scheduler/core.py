@@ -44,8 +44,9 @@ from pilotfish.scheduler.policy.registry import build_policy, context_from_confi
 from pilotfish.scheduler.telemetry import Telemetry
 from pilotfish.scheduler.view.account import InflightAccount
 from pilotfish.scheduler.view.cms_view import CmsTrust, CmsView
-from pilotfish.scheduler.view.lrs import LocalRealtimeState
+from pilotfish.scheduler.view.lrs import LocalRealtimeState, RequestEntry
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
+from pilotfish.scheduler.view.speed import EngineSpeeds
 from pilotfish.scheduler.view.types import Endpoint, InferType, InstanceView, LrsLoad, RequestInfo
 
 log = logging.getLogger(__name__)
@@ -102,11 +103,21 @@ class SchedulerCore:
         # the LRS's changes re-key an index only where a metric reads the LRS (every lite metric; in
         # full mode those that say so): a full-mode default re-keyed an instance for each Release
         reads_lrs = not self.full_mode or any(m.lrs_in_full_mode for m in metrics)
+        # engines slower than the fleet (view/speed.py): lite mode learns it from the first tokens' times, full
+        # mode from each engine's step-time fit
+        profile = self.ctx.tables.profile
+        self.speeds = EngineSpeeds(
+            config.slow_engine_ratio if self.full_mode else config.slow_engine_ratio_lite,
+            self._changed,
+            profile,
+            allowance_ms=10 * profile.base_ms,
+        )
         self._lrs = LocalRealtimeState(
             config.request_local_account_staleness_seconds,
             clock,
             on_change=self._dirty.add if reads_lrs else None,
             count_releases=not self.full_mode,  # full mode counts answers from the engines' records
+            on_first_token=None if self.full_mode or not config.slow_engine_ratio_lite else self._first_token,
         )
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
@@ -142,6 +153,7 @@ class SchedulerCore:
                 wall_clock=wall_clock,
                 # the engines' finished answers, counted where lite mode counts its releases (predicted_stall)
                 answered=self._lrs.answered,
+                speeds=self.speeds,
             )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))
@@ -159,7 +171,7 @@ class SchedulerCore:
         """Add or replace an instance; a replaced one keeps its load (same engine, new details)."""
         old = self._instances.get(inst.instance_id)
         if old is not None:
-            inst.lrs = old.lrs
+            inst.lrs, inst.speed_scale = old.lrs, old.speed_scale
         self._instances[inst.instance_id] = inst
         self._by_model.clear()
 
@@ -170,6 +182,7 @@ class SchedulerCore:
         self._lrs.drop_instance(instance_id)
         self.account.drop_instance(instance_id)
         self.health.forget(instance_id)
+        self.speeds.forget(instance_id)
         self._by_model.clear()
         self._dirty.discard(instance_id)
         return True
@@ -363,7 +376,9 @@ class SchedulerCore:
         return ranked[0], ranked[1:], None
 
     def _record(self, req: RequestInfo, target: InstanceView, decode: InstanceView | None, decision: Decision) -> None:
-        self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
+        predicted = self._predicted_ttft(req, target) if self._lrs.observes_first_tokens else 0.0
+        entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
+        entry.predicted_ttft_ms = predicted
         if self.full_mode:
             cached = self.ctx.prefix_hits(req).get(target.instance_id, 0) if self.prefix_index is not None else 0
             self.account.dispatch(req.request_id, target, req.prompt_tokens, cached)
@@ -373,6 +388,21 @@ class SchedulerCore:
             self.prefix_index.record_dispatch(target.instance_id, req.prefix_block_hashes)
             if decode is not None:
                 self.prefix_index.record_dispatch(decode.instance_id, req.prefix_block_hashes)
+
+    def _predicted_ttft(self, req: RequestInfo, inst: InstanceView) -> float:
+        """Lite mode: the request's TTFT on `inst` at the profile's speed, from the LRS before its dispatch (what
+        `predicted_ttft` ranks by, unscaled): what its first token's time is compared with (view/speed.py)."""
+        lrs, tables = inst.lrs, self.ctx.tables
+        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0) if self.prefix_index is not None else 0
+        own = max(0, req.prompt_tokens - hit)
+        batch = lrs.num_decode_requests
+        share = tables.decode_share_ms(batch, lrs.num_tokens - lrs.prefill_tokens)
+        return tables.ttft_with_share(lrs.prefill_tokens + own, batch, share)
+
+    def _first_token(self, entry: RequestEntry, now: float) -> None:
+        inst = self._instances.get(entry.instance_id)
+        if inst is not None and entry.predicted_ttft_ms > 0:
+            self.speeds.observe_ttft(inst, (now - entry.dispatched_at) * 1000.0, entry.predicted_ttft_ms)
 
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool = False) -> bool:
         """Cumulative generated tokens of a held request; False if it is not held."""

@@ -13,6 +13,7 @@ labelled `engine` (its instance id): `instance` is the target label Prometheus s
 | `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
 | `pilotfish_scheduler_ejections_total{engine,reason}` | engine ejections: `upstream_errors`, `health_probes` |
 | `pilotfish_scheduler_instance_ejected{engine}` | 1 while the engine is ejected (no candidate), else 0 |
+| `pilotfish_scheduler_engine_speed_scale{engine}` | the engine's latencies over the profile's: 1 unless found slow |
 | `pilotfish_scheduler_policy_<metric>{engine}` | each policy metric, a family each (the metric's `exported`) |
 | `pilotfish_scheduler_inflight_account_entries` | full: dispatched, unconfirmed by any engine |
 | `pilotfish_scheduler_inflight_account_removed_total{reason}` | full: confirmed, gap, expired |
@@ -107,6 +108,12 @@ class _ViewCollector(Collector):
             "1 while the engine is ejected and not picked, else 0.",
             labels=["engine"],
         )
+        speed = GaugeMetricFamily(
+            "pilotfish_scheduler_engine_speed_scale",
+            "How many times the profile's predicted latencies each engine is ranked at: 1 unless it was found "
+            "slower than the fleet's fast engines (--slow-engine-ratio, view/speed.py).",
+            labels=["engine"],
+        )
         health = core.health
         now = core.ctx.wall_clock()
         for inst in core.instances():
@@ -115,6 +122,7 @@ class _ViewCollector(Collector):
             for reason in (PASSIVE, PROBE):
                 ejections.add_metric([inst.instance_id, reason], counts[reason])
             ejected.add_metric(labels, 1.0 if health.is_ejected(inst.instance_id) else 0.0)
+            speed.add_metric(labels, inst.speed_scale)
             dispatched.add_metric(labels, inst.lrs.num_dispatched)
             requests.add_metric(labels, inst.lrs.num_requests)
             tokens.add_metric(labels, inst.lrs.num_tokens)
@@ -131,7 +139,7 @@ class _ViewCollector(Collector):
             "Held requests dropped for staleness (their Release never came).",
             value=core.num_expired,
         )
-        yield from (dispatched, requests, tokens, size, expired, ejections, ejected)
+        yield from (dispatched, requests, tokens, size, expired, ejections, ejected, speed)
         yield from (family for family, _ in values.values())
         if not core.full_mode:
             return

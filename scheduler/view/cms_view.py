@@ -47,6 +47,7 @@ from pilotfish.scheduler.view.account import InflightAccount
 from pilotfish.scheduler.view.predictor import StepTimeModel
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
 from pilotfish.scheduler.view.profile import LatencyProfile
+from pilotfish.scheduler.view.speed import EngineSpeeds
 from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InferType, InstanceView
 
 if TYPE_CHECKING:
@@ -108,10 +109,12 @@ class CmsView:
         trust: CmsTrust | None = None,
         wall_clock: Callable[[], float] = time.time,
         answered: Callable[[InstanceView, int, int], None] | None = None,
+        speeds: EngineSpeeds | None = None,
     ) -> None:
         """`answered(inst, requests, tokens)`: told the requests that left an engine with their answers
         (and those answers' tokens) between two of its statuses, from the records' finished totals."""
         self._answered = answered
+        self._speeds = speeds  # told each engine's step-time fit as it moves (view/speed.py)
         self._window_ms = admitted_window_ms
         self._prior_weight = prior_weight
         self._instances = instances
@@ -196,6 +199,7 @@ class CmsView:
             inst = InstanceView(endpoint, models=models)
             if old is not None:
                 inst.status, inst.inflight, inst.step_model = old.status, old.inflight, old.step_model
+                inst.speed_scale = old.speed_scale
             if inst.step_model is None:
                 inst.step_model = StepTimeModel(self._profile, self._prior_weight)
         inst.node_id, inst.unit_id = meta.node_id, meta.unit_id
@@ -285,13 +289,23 @@ class CmsView:
         model = inst.step_model
         if model is None:
             model = inst.step_model = StepTimeModel(self._profile, self._prior_weight)
-        model.observe(
-            status.step_id,
-            status.last_step_duration_us,
-            status.last_step_prefill_tokens,
-            status.last_step_decode_batch,
-            status.last_step_seq_len_sum,
-        )
+        if (
+            model.observe(
+                status.step_id,
+                status.last_step_duration_us,
+                status.last_step_prefill_tokens,
+                status.last_step_decode_batch,
+                status.last_step_seq_len_sum,
+            )
+            and self._speeds is not None
+        ):
+            self._speeds.observe_step(
+                inst,
+                status.last_step_duration_us / 1000.0,
+                status.last_step_prefill_tokens,
+                status.last_step_decode_batch,
+                status.last_step_seq_len_sum,
+            )
         self.received_at[instance_id] = self._clock()
         self.num_applied += 1
         self._changed(inst)

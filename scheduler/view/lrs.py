@@ -28,6 +28,9 @@ class RequestEntry:
     decoding: bool = False
     # what Schedule answered, returned again when the gateway retries the same request id
     decision: object = None
+    dispatched_at: float = 0.0
+    # the TTFT the profile predicted on its instance at dispatch, ms (lite mode; 0: none, or it moved since)
+    predicted_ttft_ms: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -48,13 +51,16 @@ class LocalRealtimeState:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[str], None] | None = None,
         count_releases: bool = True,
+        on_first_token: Callable[[RequestEntry, float], None] | None = None,
     ) -> None:
         """`count_releases` False (full mode): a release's generated tokens are not the answer's (the
-        gateway did not count them), so answers are counted from the engines' records (`answered`)."""
+        gateway did not count them), so answers are counted from the engines' records (`answered`).
+        `on_first_token(entry, now)`: told each request whose prefill is reported done, once."""
         self.staleness_seconds = staleness_seconds
         self._clock = clock
         # told the instance id whenever its counts change, so load-ordered indexes re-key it
         self._on_change = on_change or (lambda instance_id: None)
+        self._on_first_token = on_first_token
         self._entries: OrderedDict[str, RequestEntry] = OrderedDict()
         self.num_expired = 0  # monotonic; exported as pilotfish_scheduler_expired_total
         # the fleet's released requests and their generated tokens, and its mean at a power of two
@@ -67,6 +73,11 @@ class LocalRealtimeState:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def observes_first_tokens(self) -> bool:
+        """Someone is told each first token (the dispatch then records the TTFT it predicted)."""
+        return self._on_first_token is not None
 
     def __iter__(self) -> Iterator[RequestEntry]:
         return iter(self._entries.values())
@@ -85,14 +96,16 @@ class LocalRealtimeState:
         if request_id in self._entries:
             raise KeyError(f"request {request_id!r} is already held")
         load = inst.lrs
+        now = self._clock()
         entry = RequestEntry(
             request_id=request_id,
             model=model,
             instance_id=inst.instance_id,
             load=load,
             prompt_tokens=prompt_tokens,
-            last_touch=self._clock(),
+            last_touch=now,
             decision=decision,
+            dispatched_at=now,
         )
         self._entries[request_id] = entry
         if load.num_released == 0:
@@ -125,6 +138,8 @@ class LocalRealtimeState:
             entry.load.num_decode_requests += 1
             entry.load.prefill_tokens -= entry.prompt_tokens
             changed = True
+            if self._on_first_token is not None:
+                self._on_first_token(entry, self._clock())
         if changed:
             self._on_change(entry.instance_id)
         self.touch(entry)
@@ -140,6 +155,7 @@ class LocalRealtimeState:
             return True
         self._unload(entry)
         entry.instance_id, entry.load = inst.instance_id, inst.lrs
+        entry.predicted_ttft_ms = 0.0  # predicted for the engine it left
         load = inst.lrs
         load.num_requests += 1
         load.num_tokens += entry.tokens

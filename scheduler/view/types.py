@@ -163,6 +163,9 @@ class InstanceView:
     max_num_seqs: int = 0
     # the online step-time fit (forward prediction); None in lite mode
     step_model: StepTimeModel | None = None
+    # how much slower than the fleet this engine runs (view/speed.py): the predicted latencies are this many
+    # times the profile's; exactly 1 unless it was found slow
+    speed_scale: float = 1.0
 
     @property
     def instance_id(self) -> str:

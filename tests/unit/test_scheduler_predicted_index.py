@@ -105,6 +105,7 @@ instance_state = st.tuples(
     st.integers(0, 3),  # node
     st.integers(0, 3),  # unit
     st.sampled_from([0, 0, 1, 3]),  # in-flight requests (full mode)
+    st.sampled_from([1.0, 1.0, 1.0, 1.5, 4.0, 10.0]),  # speed scale (view/speed.py): most engines alike
     # (requests released, tokens they generated, the fleet's mean output level): predicted_stall's absorbed
     # stall: the instance's own history, else the fleet's, else none
     st.sampled_from([(0, 0, -1), (0, 0, 0), (0, 0, 16), (1, 1, -1), (3, 30, 4), (2, 400, 0), (1, 100_000, 1)]),
@@ -112,7 +113,10 @@ instance_state = st.tuples(
 
 
 def _apply(v: InstanceView, state: tuple, full: bool) -> None:
-    ahead, batch, seq, ok, age, node, unit, inflight, *released = state
+    ahead, batch, seq, ok, age, node, unit, inflight, *rest = state
+    # then the speed scale, where given, then the release counts, where given
+    v.speed_scale = rest[0] if len(rest) == 2 else 1.0
+    released = rest[-1:]
     # both modes keep the LRS's release counts (Release comes through the core in full mode too)
     lrs = v.lrs
     lrs.num_released, lrs.released_generated_tokens, lrs.fleet_output_level = released[0] if released else (0, 0, -1)
@@ -263,8 +267,8 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
         for ahead in (0, 1, 300, 511, 512, 513, 1500, 9000):
             for batch in (0, 1, 7, 511, 512, 2000):
                 histories = ((0, 0, -1), (0, 0, 2), (1, 1, -1), (3, 30, 0))  # released, generated, fleet level
-                for seq, released in itertools.product((0, 10, 4000, 300_000), histories):
-                    v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
+                for seq, released, scale in itertools.product((0, 10, 4000, 300_000), histories, (1.0, 3.5)):
+                    v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, scale, released)], full)[0]
                     state = ttft.state(v)
                     # the levels' floors in one go are the same floats as level by level (an index finds its
                     # old entries by them)
@@ -293,8 +297,8 @@ def test_the_value_on_a_prompt_all_cached_is_the_cached_value(full: bool, name: 
         metric = METRICS.get(name)(c)
         assert metric.cached_prompt_value
         for ahead, batch, seq in itertools.product((0, 1, 511, 512, 9000), (0, 1, 7, 600), (0, 4000, 300_000)):
-            for released in ((0, 0, -1), (3, 30, 0), (1, 100_000, 1)):
-                v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, released)], full)[0]
+            for released, scale in itertools.product(((0, 0, -1), (3, 30, 0), (1, 100_000, 1)), (1.0, 3.5)):
+                v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, scale, released)], full)[0]
                 state = metric.state(v)
                 for blocks in range(1, len(BLOCKS) + 1):
                     req = RequestInfo("r", "m", prompt_tokens=16 * blocks, prefix_block_hashes=BLOCKS[:blocks],
@@ -378,6 +382,8 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
     """Two cores, one indexed and one that scans, fed the same dispatches, reports, releases and statuses:
     the index follows every change it is told of, and every decision is the same."""
 
+    now = [0.0]
+
     def build() -> SchedulerCore:
         if full:
             core = SchedulerCore(
@@ -392,7 +398,9 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
                 )
             return core
         instances = [f"i{k:02d}=10.0.0.{k}:8000" for k in range(40)]
-        return SchedulerCore(SchedulerConfig(instances=instances, model=["m"]), rng=random.Random(3))
+        # one clock for both, so the first tokens' times (view/speed.py) are the same to both
+        return SchedulerCore(SchedulerConfig(instances=instances, model=["m"]), rng=random.Random(3),
+                             clock=lambda: now[0])
 
     indexed = build()
     indexed._groups("m")  # its candidate groups and their index, before the scanning one's are made without
@@ -422,6 +430,7 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
         )
         decisions = [core.schedule(req) for core in (indexed, scanned)]
         assert decisions[0] == decisions[1]
+        now[0] += 0.013
         for core in (indexed, scanned):
             if i % 3 == 0:
                 core.report(f"r{i}", 0, prefill_done=True)  # joins the decode batch
@@ -447,5 +456,5 @@ def test_the_full_mode_load_is_the_load_metrics(states: list[tuple], waiting: in
         if v.status is not None:
             v.status.num_waiting, v.status.num_waiting_prefill, v.status.num_loading = waiting, prefill, 1
         ahead, batch, seq = (m.value(v, req) for m in loads)
-        assert ttft.state(v) == (ahead, batch, c.tables.decode_share_ms(batch, seq))
-        assert tpot.state(v) == (batch, seq)
+        assert ttft.state(v) == (ahead, batch, c.tables.decode_share_ms(batch, seq), v.speed_scale)
+        assert tpot.state(v) == (batch, seq, v.speed_scale)

@@ -11,6 +11,11 @@ they are per request:
   generated tokens its sequence lengths.
 
 The cached prefix (prefix index) comes off the request's own prompt in both modes.
+
+Every predicted latency of an engine is its `speed_scale` times the profile's (view/speed.py): 1 exactly
+unless the engine was found to run slower than the fleet. The scale is the last item of each state, and
+multiplies the value and its floor alike; since it is at least 1 and the request's part of a floor
+(`bound_offset`) is not negative where it is used, floor x scale + offset stays under the value.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import math
 from pilotfish.scheduler.policy.base import ExportedFamily, Metric
 from pilotfish.scheduler.policy.context import PolicyContext
 from pilotfish.scheduler.policy.metrics.load import AllDecodesTokensNum, AllPrefillsTokensNum, DecodeBatchSize
+from pilotfish.scheduler.view.speed import MAX_SPEED_SCALE
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
 
 
@@ -86,22 +92,25 @@ class PredictedTtft(Metric):
         # a forward-predicted prefill ahead moves with the clock: no state to keep between changes
         self.instance_state = not (self.ctx.full_mode and self.ctx.predictor_enhanced)
 
-    def state(self, inst: InstanceView) -> tuple[float, float, float]:
+    def state(self, inst: InstanceView) -> tuple[float, float, float, float]:
         ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
-        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum)
+        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), inst.speed_scale
 
-    def evaluate(self, state: tuple[float, float, float], inst: InstanceView, req: RequestInfo) -> float:
-        ahead, batch, share = state
+    def evaluate(self, state: tuple[float, float, float, float], inst: InstanceView, req: RequestInfo) -> float:
+        ahead, batch, share, scale = state
         # the endpoint's id, not the view's property: one call less for every candidate of every decision
         own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         # max(0, own) without the call (a load index evaluates this for every member it visits)
-        return self.ctx.tables.ttft_with_share(ahead + own if own > 0 else ahead + 0, batch, share)
+        return self.ctx.tables.ttft_with_share(ahead + own if own > 0 else ahead + 0, batch, share) * scale
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         return self.evaluate(self.state(inst), inst, req)
 
-    def lower_bound(self, state: tuple[float, float, float]) -> float:
-        ahead, batch, share = state
+    def lower_bound(self, state: tuple[float, ...]) -> float:
+        return self._ttft_floor(state[0], state[1], state[2]) * state[-1]
+
+    def _ttft_floor(self, ahead: float, batch: float, share: float) -> float:
+        """The floor at the profile's speed (the scale is the caller's to apply)."""
         if not ahead >= 0:  # (NaN too) the floor assumes a queue of zero or more tokens
             return -math.inf
         tables = self.ctx.tables
@@ -116,7 +125,12 @@ class PredictedTtft(Metric):
     def bound_offset(self, req: RequestInfo, hit: int) -> float:
         own = req.prompt_tokens - hit
         # no own token: an idle instance's TTFT is 0, below the one step the floor counts (`cached_value` says it)
-        return self.ctx.tables.prefill_floor(own) if own >= 1 else -math.inf
+        if own < 1:
+            return -math.inf
+        offset = self.ctx.tables.prefill_floor(own)
+        # a floor below 0 (a profile table's line extended down to few tokens) is scaled down by the slowest
+        # engine's scale at most: the bound holds for every scale up to MAX_SPEED_SCALE
+        return offset if offset >= 0 else offset * MAX_SPEED_SCALE
 
     # with nothing of its own to prefill, a request's value is the instance's TTFT for the work ahead alone (the
     # stall charges of the metrics below are of its own prefill: none)
@@ -125,7 +139,7 @@ class PredictedTtft(Metric):
     def cached_value(self, state: tuple[float, ...]) -> float:
         ahead, batch, share = state[0], state[1], state[2]
         # `evaluate`'s float operations at own = 0 (each subclass's adds nothing there)
-        return self.ctx.tables.ttft_with_share(ahead + 0, batch, share)
+        return self.ctx.tables.ttft_with_share(ahead + 0, batch, share) * state[-1]
 
 
 class PredictedDelay(PredictedTtft):
@@ -166,35 +180,33 @@ class PredictedDelay(PredictedTtft):
         "Predicted latency a dispatch adds: own time to first token plus the stall of the decode batch",
     )
 
-    def evaluate(self, state: tuple[float, float, float], inst: InstanceView, req: RequestInfo) -> float:
-        ahead, batch, share = state
+    def evaluate(self, state: tuple[float, float, float, float], inst: InstanceView, req: RequestInfo) -> float:
+        ahead, batch, share, scale = state
         own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         if own <= 0:
             own = 0
         tables = self.ctx.tables
         ttft = tables.ttft_with_share(ahead + own, batch, share)
-        return ttft + batch * tables.prefill_ms(own) if batch > 0 else ttft
+        return (ttft + batch * tables.prefill_ms(own) if batch > 0 else ttft) * scale
 
-    def lower_bound(self, state: tuple[float, float, float]) -> float:
+    def lower_bound(self, state: tuple[float, ...]) -> float:
         return self.lower_bound_at(state, 1)
 
-    def lower_bound_at(self, state: tuple[float, float, float], own_at_least: int) -> float:
+    def lower_bound_at(self, state: tuple[float, ...], own_at_least: int) -> float:
         return self._floor_past(state, own_at_least, 0.0)
 
-    def lower_bounds_at(self, state: tuple[float, float, float]) -> list[float]:
+    def lower_bounds_at(self, state: tuple[float, ...]) -> list[float]:
         return self._floors_past(state, 0.0)
 
-    def _floors_past(
-        self, ttft_state: tuple[float, float, float], absorbed: float, share: float = 0.0
-    ) -> list[float]:
+    def _floors_past(self, state: tuple[float, ...], absorbed: float, share: float = 0.0) -> list[float]:
         """`_floor_past` at every level, the TTFT floor and the levels' least prefill times computed once:
         the same floats as level by level (tests/unit/test_scheduler_predicted_index.py holds them equal)."""
-        floor = PredictedTtft.lower_bound(self, ttft_state)
-        batch = ttft_state[1]
+        batch, scale = state[1], state[-1]
+        floor = self._ttft_floor(state[0], batch, state[2])
         if not batch > 0:
-            return [floor] * len(self.floor_levels)
+            return [floor * scale] * len(self.floor_levels)
         leasts = self._level_leasts or self._make_level_leasts()
-        return [floor + batch * charged if (charged := _charged(least, absorbed, share)) > 0 else floor
+        return [(floor + batch * charged if (charged := _charged(least, absorbed, share)) > 0 else floor) * scale
                 for least in leasts]
 
     # the least prefill time at each of `floor_levels` (the tables are the profile's, fixed): made at first use
@@ -207,21 +219,19 @@ class PredictedDelay(PredictedTtft):
         ]
         return self._level_leasts
 
-    def _floor_past(
-        self, ttft_state: tuple[float, float, float], own_at_least: int, absorbed: float, share: float = 0.0
-    ) -> float:
+    def _floor_past(self, state: tuple[float, ...], own_at_least: int, absorbed: float, share: float = 0.0) -> float:
         """`predicted_ttft`'s floor plus batch x the least prefill time of `own_at_least` tokens or more past
         `absorbed` ms, and at least `share` of it (none absorbed here; `predicted_stall`'s instance state
-        says how much, and its `least_stall_share` the share)."""
-        floor = PredictedTtft.lower_bound(self, ttft_state)
-        batch = ttft_state[1]
+        says how much, and its `least_stall_share` the share); times the engine's scale."""
+        batch, scale = state[1], state[-1]
+        floor = self._ttft_floor(state[0], batch, state[2])
         if not batch > 0:
-            return floor
+            return floor * scale
         tables = self.ctx.tables
         # the least prefill time of an own prompt of `own_at_least` tokens or more (0 where the curve may fall)
         least = tables.prefill_floor(own_at_least) if tables.prefill_slope >= 0 else 0.0
         charged = _charged(least, absorbed, share)
-        return floor + batch * charged if charged > 0 else floor
+        return (floor + batch * charged if charged > 0 else floor) * scale
 
 
 def _charged(stall: float, absorbed: float, share: float) -> float:
@@ -295,7 +305,7 @@ class PredictedStall(PredictedDelay):
     # loses 24% on system-prompt at 1.2x the knee, whose bench cells are decided before any release
     cold_output_tokens = math.inf
 
-    def state(self, inst: InstanceView) -> tuple[float, float, float, float]:  # type: ignore[override]
+    def state(self, inst: InstanceView) -> tuple[float, float, float, float, float]:  # type: ignore[override]
         ahead, batch, seq_sum = self._load(inst, _NO_REQUEST)
         lrs = inst.lrs
         released = lrs.num_released
@@ -306,12 +316,12 @@ class PredictedStall(PredictedDelay):
             absorbed = per_token * (1.0 + lrs.fleet_output_level)
         else:
             absorbed = per_token * (1.0 + self.cold_output_tokens)
-        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), absorbed
+        return ahead, batch, self.ctx.tables.decode_share_ms(batch, seq_sum), absorbed, inst.speed_scale
 
     def evaluate(  # type: ignore[override]
-        self, state: tuple[float, float, float, float], inst: InstanceView, req: RequestInfo
+        self, state: tuple[float, float, float, float, float], inst: InstanceView, req: RequestInfo
     ) -> float:
-        ahead, batch, share, absorbed = state
+        ahead, batch, share, absorbed, scale = state
         own = req.prompt_tokens - self.ctx.prefix_hits(req).get(inst.endpoint.instance_id, 0)
         if own <= 0:
             own = 0
@@ -324,8 +334,8 @@ class PredictedStall(PredictedDelay):
             least = self.least_stall_share * self._least_at(own)
             charged = over if over > least else least
             if charged > 0:
-                return ttft + batch * charged
-        return ttft
+                return (ttft + batch * charged) * scale
+        return ttft * scale
 
     def _least_at(self, own: int) -> float:
         """The least prefill time at the largest of `floor_levels` at or under `own` (of one token under the
@@ -338,11 +348,11 @@ class PredictedStall(PredictedDelay):
         tables = self.ctx.tables
         return tables.prefill_floor(1) if own >= 1 and tables.prefill_slope >= 0 else 0.0
 
-    def lower_bound_at(self, state: tuple[float, float, float, float], own_at_least: int) -> float:  # type: ignore[override]
-        return self._floor_past(state[:3], own_at_least, state[3], self.least_stall_share)
+    def lower_bound_at(self, state: tuple[float, ...], own_at_least: int) -> float:
+        return self._floor_past(state, own_at_least, state[3], self.least_stall_share)
 
-    def lower_bounds_at(self, state: tuple[float, float, float, float]) -> list[float]:  # type: ignore[override]
-        return self._floors_past(state[:3], state[3], self.least_stall_share)
+    def lower_bounds_at(self, state: tuple[float, ...]) -> list[float]:
+        return self._floors_past(state, state[3], self.least_stall_share)
 
 
 class PredictedTpot(Metric):
@@ -365,14 +375,14 @@ class PredictedTpot(Metric):
         self._load = _Load(self.ctx)
         self.instance_state = not (self.ctx.full_mode and self.ctx.predictor_enhanced)
 
-    def state(self, inst: InstanceView) -> tuple[float, float]:
+    def state(self, inst: InstanceView) -> tuple[float, float, float]:
         _, batch, seq_sum = self._load(inst, _NO_REQUEST)
-        return batch, seq_sum
+        return batch, seq_sum, inst.speed_scale
 
-    def evaluate(self, state: tuple[float, float], inst: InstanceView, req: RequestInfo) -> float:
-        batch, seq_sum = state
+    def evaluate(self, state: tuple[float, float, float], inst: InstanceView, req: RequestInfo) -> float:
+        batch, seq_sum, scale = state
         batch += 1
-        return self.ctx.tables.tpot_ms(batch, (seq_sum + req.prompt_tokens) / batch)
+        return self.ctx.tables.tpot_ms(batch, (seq_sum + req.prompt_tokens) / batch) * scale
 
     def value(self, inst: InstanceView, req: RequestInfo) -> float:
         return self.evaluate(self.state(inst), inst, req)

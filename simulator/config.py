@@ -40,6 +40,11 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
         float | None,
         Meta(description="step cost per decoding request in ms (overrides the profile)"),
     ] = None
+    step_scale: Annotated[
+        float,
+        Meta(gt=0, description="every step's time as a multiple of the profile's (after the overrides): a slower "
+             "GPU, or one gone slow"),
+    ] = 1.0  # fmt: skip
     migration_bandwidth_gbps: Annotated[
         float, Meta(gt=0, description="migration by KV transfer: link bandwidth between engines, gigabits/s")
     ] = 100.0
@@ -93,6 +98,11 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
              "empty: none"),
     ] = ""  # fmt: skip
     cms_cluster: Annotated[str, Meta(description="cluster name: the namespace of the llumlets' CMS keys")] = "default"
+    step_scales: Annotated[
+        list[Annotated[float, Meta(gt=0)]],
+        Meta(description="each engine's --step-scale, a pattern repeated over the fleet (1,4: every other engine "
+             "four times slower); empty: the engine config's for all"),
+    ] = msgspec.field(default_factory=list)
     infer_types: Annotated[
         list[str],
         Meta(description="prefill/decode role of each engine in order: neutral, prefill or decode (empty: all "

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from pilotfish.config import ConfigError
@@ -103,6 +104,8 @@ async def serve_engines(
     configs = [engine] * len(ports) if isinstance(engine, EngineConfig) else list(engine)
     if len(configs) != len(ports):
         raise ValueError(f"{len(configs)} engine configs for {len(ports)} engines")
+    if scales := serve.step_scales:
+        configs = [msgspec.structs.replace(c, step_scale=scales[i % len(scales)]) for i, c in enumerate(configs)]
     tokenizer = tokenizer or load_tokenizer(serve.tokenizer_path)
     runners: list[web.AppRunner] = []
     drivers: list[EngineDriver] = []

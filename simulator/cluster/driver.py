@@ -29,8 +29,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from pilotfish.protos.cms_pb2 import InstanceStatus
 from pilotfish.simulator.cluster.metrics import RequestRecord, summarize
 from pilotfish.simulator.cluster.migration import (
@@ -53,7 +51,7 @@ from pilotfish.simulator.engine.block_hash import block_hashes
 from pilotfish.simulator.engine.events import EngineObserver
 from pilotfish.simulator.engine.request import FinishReason, SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
-from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for
+from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for, scaled_profile
 from pilotfish.simulator.traces.model import TraceRequest
 from pilotfish.simulator.traces.prompts import prompt_token_ids
 from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
@@ -138,11 +136,7 @@ def _engine_profiles(config: ClusterConfig, profile: StepTimeProfile) -> list[St
     scales = config.step_scales or (1.0,) * config.engines
     if len(scales) != config.engines or min(scales) <= 0:
         raise ValueError(f"step_scales: {len(scales)} positive scales for {config.engines} engines")
-    keys = ("base_ms", "prefill_ms_per_token", "decode_ms_per_token", "context_ms_per_token")
-    scaled: dict[float, StepTimeProfile] = {1.0: profile}
-    for scale in scales:
-        if scale not in scaled:
-            scaled[scale] = msgspec.structs.replace(profile, **{k: getattr(profile, k) * scale for k in keys})
+    scaled = {scale: scaled_profile(profile, scale) for scale in set(scales)}  # one per scale, not per engine
     return [scaled[scale] for scale in scales]
 
 

@@ -84,4 +84,13 @@ def profile_for(config: EngineConfig) -> StepTimeProfile:
         "prefill_ms_per_token": config.prefill_ms_per_token,
         "decode_ms_per_token": config.decode_ms_per_token,
     }
-    return msgspec.structs.replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    profile = msgspec.structs.replace(profile, **{k: v for k, v in overrides.items() if v is not None})
+    return scaled_profile(profile, config.step_scale)
+
+
+def scaled_profile(profile: StepTimeProfile, scale: float) -> StepTimeProfile:
+    """`profile` with every step-time coefficient times `scale` (the serving overheads as they are)."""
+    if scale == 1.0:
+        return profile
+    keys = ("base_ms", "prefill_ms_per_token", "decode_ms_per_token", "context_ms_per_token")
+    return msgspec.structs.replace(profile, **{k: getattr(profile, k) * scale for k in keys})

@@ -1,6 +1,7 @@
 """A slow engine through the real stack, full mode: Redis, the llumlets' statuses, the scheduler, the ext_proc
 and Envoy. One of three simulated engines steps five times slower; the scheduler learns it from the steps
-its llumlet reports (view/speed.py), says so in its metrics, and sends it nothing of a burst it took a third of before."""
+its llumlet reports (view/speed.py), says so in its metrics, and sends it nothing of a burst it took a third
+of before."""
 
 from __future__ import annotations
 

@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pilotfish.bench.options import DEFAULT_TRACE, Profile, Progress, TraceDir, TraceSpec
+from pilotfish.bench.options import DEFAULT_TRACE, Profile, Progress, StepScales, TraceDir, TraceSpec
 from pilotfish.bench.realtime_targets import DEFAULT_TARGETS, TARGETS
 
 if TYPE_CHECKING:
@@ -68,6 +68,7 @@ class RealtimeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tr
         float, Meta(gt=0, description="every prompt segment's length times this (1: the trace's own lengths)")
     ] = 0.25
     profile: Profile = "llama3-8b-a100"
+    step_scales: StepScales = msgspec.field(default_factory=list)
     num_gpu_blocks: Annotated[
         int,
         Meta(
@@ -194,8 +195,10 @@ def fleet_spec(cfg: RealtimeBenchConfig, trace: Trace) -> FleetSpec:
     blocks = cfg.num_gpu_blocks or max(1, round(A100_KV_BLOCKS * cfg.token_scale))
     longest = max(r.input_length + r.output_length for r in trace)
     max_len = max(8192, -(-longest // 1024) * 1024)  # every request of the window fits
+    scales = ("--step-scales", ",".join(f"{x:g}" for x in cfg.step_scales)) if cfg.step_scales else ()
     return FleetSpec(
-        cfg.engines, ("--profile", cfg.profile, "--num-gpu-blocks", str(blocks), "--max-model-len", str(max_len))
+        cfg.engines,
+        ("--profile", cfg.profile, "--num-gpu-blocks", str(blocks), "--max-model-len", str(max_len), *scales),
     )
 
 

@@ -91,6 +91,9 @@ def test_sidecar_bootstrap_renders_to_valid_yaml():
     assert picked["type"] == "ORIGINAL_DST"
     # the address comes from the metadata only the ext_proc writes, never from a header
     assert picked["original_dst_lb_config"] == {"metadata_key": {"key": "pilotfish", "path": [{"key": "destination"}]}}
+    # Envoy keeps a cached gRPC client a day, not its default 50 s (the access log's open stream to the
+    # ext_proc crashed Envoy 1.40 about a minute after start: bench/RESULTS.md, 2026-11-28)
+    assert config["grpc_async_client_manager_config"] == {"max_cached_entry_idle_duration": "86400s"}
 
 
 def _hcm_and_ext_proc(text: str) -> tuple[dict, dict]:

@@ -40,6 +40,7 @@ from pilotfish.scheduler.errors import (
 from pilotfish.scheduler.health import EngineHealth
 from pilotfish.scheduler.policy.base import Pipeline, Policy
 from pilotfish.scheduler.policy.index import LoadIndex, load_index
+from pilotfish.scheduler.policy.metrics.latency import PredictedTtft
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
 from pilotfish.scheduler.telemetry import Telemetry
 from pilotfish.scheduler.view.account import InflightAccount
@@ -104,7 +105,7 @@ class SchedulerCore:
         # full mode those that say so): a full-mode default re-keyed an instance for each Release
         reads_lrs = not self.full_mode or any(m.lrs_in_full_mode for m in metrics)
         # engines slower than the fleet (view/speed.py): lite mode learns it from the first tokens' times, full
-        # mode from each engine's step-time fit
+        # mode from each engine's step durations (CmsView tells it)
         profile = self.ctx.tables.profile
         self.speeds = EngineSpeeds(
             config.slow_engine_ratio if self.full_mode else config.slow_engine_ratio_lite,
@@ -119,6 +120,8 @@ class SchedulerCore:
             count_releases=not self.full_mode,  # full mode counts answers from the engines' records
             on_first_token=None if self.full_mode or not config.slow_engine_ratio_lite else self._first_token,
         )
+        # lite mode: the TTFT each dispatch predicts, unscaled, that its first token's time is judged against
+        self._lite_ttft = PredictedTtft(self.ctx) if self._lrs.observes_first_tokens else None
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
         self.account = InflightAccount(
@@ -376,7 +379,7 @@ class SchedulerCore:
         return ranked[0], ranked[1:], None
 
     def _record(self, req: RequestInfo, target: InstanceView, decode: InstanceView | None, decision: Decision) -> None:
-        predicted = self._predicted_ttft(req, target) if self._lrs.observes_first_tokens else 0.0
+        predicted = self._predicted_ttft(req, target) if self._lite_ttft is not None else 0.0
         entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
         entry.predicted_ttft_ms = predicted
         if self.full_mode:
@@ -390,18 +393,14 @@ class SchedulerCore:
                 self.prefix_index.record_dispatch(decode.instance_id, req.prefix_block_hashes)
 
     def _predicted_ttft(self, req: RequestInfo, inst: InstanceView) -> float:
-        """Lite mode: the request's TTFT on `inst` at the profile's speed, from the LRS before its dispatch (what
-        `predicted_ttft` ranks by, unscaled): what its first token's time is compared with (view/speed.py)."""
-        lrs, tables = inst.lrs, self.ctx.tables
-        hit = self.ctx.prefix_hits(req).get(inst.instance_id, 0) if self.prefix_index is not None else 0
-        own = max(0, req.prompt_tokens - hit)
-        batch = lrs.num_decode_requests
-        share = tables.decode_share_ms(batch, lrs.num_tokens - lrs.prefill_tokens)
-        return tables.ttft_with_share(lrs.prefill_tokens + own, batch, share)
+        """Lite mode: `predicted_ttft` of the request on `inst` before its dispatch, at the profile's speed (scale
+        1): what its first token's time is compared with (view/speed.py)."""
+        metric = cast(PredictedTtft, self._lite_ttft)
+        return metric.evaluate((*metric.state(inst)[:3], 1.0), inst, req)
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
         inst = self._instances.get(entry.instance_id)
-        if inst is not None and entry.predicted_ttft_ms > 0:
+        if inst is not None:
             self.speeds.observe_ttft(inst, (now - entry.dispatched_at) * 1000.0, entry.predicted_ttft_ms)
 
     def report(self, request_id: str, generated_tokens: int, prefill_done: bool = False) -> bool:

@@ -114,7 +114,7 @@ class CmsView:
         """`answered(inst, requests, tokens)`: told the requests that left an engine with their answers
         (and those answers' tokens) between two of its statuses, from the records' finished totals."""
         self._answered = answered
-        self._speeds = speeds  # told each engine's step-time fit as it moves (view/speed.py)
+        self._speeds = speeds  # told each engine step a status reports, once (view/speed.py)
         self._window_ms = admitted_window_ms
         self._prior_weight = prior_weight
         self._instances = instances

@@ -37,7 +37,7 @@ from pilotfish.scheduler.view.types import InstanceView
 MAX_SPEED_SCALE = 1000.0  # bounds the scale (the load index's floors hold up to it)
 DECAY = 0.9  # lite mode: each newer first token weighs 1 / 0.9 of the one before (about the last 10-20 count)
 STEP_DECAY = 0.98  # full mode, per step: about the last 50-100 steps count
-MIN_EVIDENCE = 8  # observations before an engine's slowness counts (first tokens, or fitted steps)
+MIN_EVIDENCE = 8  # observations before an engine's slowness counts (first tokens, or steps)
 REFERENCE_QUANTILE = 0.25  # the fleet's reference: its fast engines' slowness, so half a fleet slow is seen
 
 
@@ -56,9 +56,9 @@ class EngineSpeeds:
         self.allowance_ms = allowance_ms
         self._profile = profile or LatencyProfile()
         self._on_change = on_change
-        self._slowness: dict[str, float] = {}  # engines with enough evidence
+        # engines with enough evidence: slowness, and the view whose scale it sets (the latest one seen)
+        self._slowness: dict[str, tuple[float, InstanceView]] = {}
         self._sums: dict[str, tuple[float, float, int]] = {}  # decayed (actual, predicted) ms, count
-        self._views: dict[str, InstanceView] = {}
         self.reference = 1.0
         self._since = 0  # observations since the reference was taken
 
@@ -87,12 +87,9 @@ class EngineSpeeds:
         """The engine left the fleet (or came back as another): its evidence goes with it."""
         self._slowness.pop(instance_id, None)
         self._sums.pop(instance_id, None)
-        self._views.pop(instance_id, None)
 
     def _update(self, inst: InstanceView, slowness: float) -> None:
-        instance_id = inst.instance_id
-        self._slowness[instance_id] = slowness
-        self._views[instance_id] = inst
+        self._slowness[inst.instance_id] = (slowness, inst)
         self._since += 1
         if self._since >= max(1, len(self._slowness)):
             self._take_reference()
@@ -101,10 +98,10 @@ class EngineSpeeds:
 
     def _take_reference(self) -> None:
         self._since = 0
-        ranked = sorted(self._slowness.values())
+        ranked = sorted(slowness for slowness, _ in self._slowness.values())
         self.reference = ranked[int(REFERENCE_QUANTILE * (len(ranked) - 1))]
-        for instance_id, slowness in self._slowness.items():
-            self._rescale(self._views[instance_id], slowness)
+        for slowness, inst in self._slowness.values():
+            self._rescale(inst, slowness)
 
     def _rescale(self, inst: InstanceView, slowness: float) -> None:
         ratio = slowness / self.reference if self.reference > 0 else 1.0

@@ -122,3 +122,31 @@ def test_a_replaced_instance_keeps_its_scale() -> None:
     core.instance("a").speed_scale = 3.0
     core.add_instance(InstanceView(Endpoint("a", "h:9"), models=frozenset({"m"})))
     assert core.instance("a").speed_scale == 3.0
+
+
+def test_lite_mode_judges_first_tokens_against_the_ttft_predicted_at_dispatch() -> None:
+    now = [0.0]
+    core = SchedulerCore(SchedulerConfig(instances=[f"i{k}=h:{k + 1}" for k in range(4)], model=["m"],
+                                         slow_engine_ratio_lite=1.5), clock=lambda: now[0])
+    for rnd in range(3 * MIN_EVIDENCE):
+        # four at once, so each engine gets one; i3's first token comes ten times later than predicted
+        started = now[0]
+        firsts = []
+        for k in range(4):
+            req = RequestInfo(f"r{rnd}.{k}", "m", prompt_tokens=2000)
+            target = core.schedule(req).target.instance_id
+            entry = core._lrs.get(req.request_id)
+            assert entry is not None and entry.predicted_ttft_ms > 0
+            late = 10.0 if target == "i3" else 1.0
+            firsts.append((started + entry.predicted_ttft_ms / 1000.0 * late, req.request_id))
+        for at, request_id in sorted(firsts):
+            now[0] = at
+            core.report(request_id, 1, prefill_done=True)
+        for _, request_id in firsts:
+            core.release(request_id)
+    assert [core.instance(f"i{k}").speed_scale for k in range(3)] == [1.0] * 3
+    assert core.instance("i3").speed_scale >= 3.0
+    # off (the default), the same first tokens change nothing
+    plain = SchedulerCore(SchedulerConfig(instances=["a=h:1"], model=["m"]))
+    plain.schedule(RequestInfo("r", "m", prompt_tokens=10))
+    assert plain._lrs.get("r").predicted_ttft_ms == 0.0  # type: ignore[union-attr]

@@ -399,8 +399,9 @@ def test_the_core_decides_the_default_as_a_scan_does(full: bool, monkeypatch: py
             return core
         instances = [f"i{k:02d}=10.0.0.{k}:8000" for k in range(40)]
         # one clock for both, so the first tokens' times (view/speed.py) are the same to both
-        return SchedulerCore(SchedulerConfig(instances=instances, model=["m"]), rng=random.Random(3),
-                             clock=lambda: now[0])
+        # and lite's judgement of slow engines on, so scales move in the index as well
+        return SchedulerCore(SchedulerConfig(instances=instances, model=["m"], slow_engine_ratio_lite=1.5),
+                             rng=random.Random(3), clock=lambda: now[0])
 
     indexed = build()
     indexed._groups("m")  # its candidate groups and their index, before the scanning one's are made without

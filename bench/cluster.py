@@ -37,7 +37,7 @@ import msgspec
 from msgspec import Meta
 
 from pilotfish.bench.cluster_policies import DEFAULT_POLICIES
-from pilotfish.bench.options import DEFAULT_TRACE, ClusterRunOptions, StepScales, fleet_step_scales, step_scales_note
+from pilotfish.bench.options import DEFAULT_TRACE, ClusterRunOptions, StepScales, step_scales_note
 from pilotfish.bench.traces import load_trace
 
 if TYPE_CHECKING:
@@ -203,6 +203,7 @@ def set_up(cfg: ClusterBenchConfig) -> Plan:
     from pilotfish.bench.traces import compressed
     from pilotfish.config import ConfigError
     from pilotfish.simulator.cluster import ClusterConfig
+    from pilotfish.simulator.engine.step_time import repeated_scales
 
     engine = cfg.engine_config()
     try:
@@ -219,7 +220,7 @@ def set_up(cfg: ClusterBenchConfig) -> Plan:
         specs=specs, skipped=skipped, base=base, label=label, loads=loads,
         traces={load: compressed(base, load) for load in loads},
         cluster=ClusterConfig(engines=cfg.instances, engine=engine, observation_delay=cfg.observation_delay,
-                              step_scales=fleet_step_scales(cfg.step_scales, cfg.instances)),
+                              step_scales=repeated_scales(cfg.step_scales, cfg.instances)),
         runs=[(load, spec) for load in loads for spec in specs if cfg.runs_at(spec, load)],
     )  # fmt: skip
 

@@ -50,7 +50,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from pilotfish.bench.options import SloOptions, StepScales, TraceDir, fleet_step_scales, step_scales_note
+from pilotfish.bench.options import SloOptions, StepScales, TraceDir, step_scales_note
 
 PEERS = ("llm-d", "dynamo", "sglang")  # the reproductions of other routers (bench/peers.py)
 LOCAL_PEERS = ("sglang", "power-of-two", "least-requests")  # router-local: what lite mode is held against
@@ -187,13 +187,14 @@ def run_cell(config: MatrixConfig, workload: str, engines: int, seed: int, facto
     from pilotfish.bench.cluster_report import policy_metrics
     from pilotfish.simulator.cluster import ClusterConfig
     from pilotfish.simulator.config import EngineConfig
+    from pilotfish.simulator.engine.step_time import repeated_scales
     from pilotfish.simulator.traces import compress
 
     engine = EngineConfig(profile=config.profile, num_gpu_blocks=config.num_gpu_blocks,
                           max_model_len=config.max_model_len)
     trace = compress(base_trace(workload, config.requests_per_cell, seed, config.traces_dir), factor)
     spec = policy_spec(policy, engine)
-    cluster = ClusterConfig(engines=engines, engine=engine, step_scales=fleet_step_scales(config.step_scales, engines))
+    cluster = ClusterConfig(engines=engines, engine=engine, step_scales=repeated_scales(config.step_scales, engines))
     result = run_policy(cluster, trace, spec, seed, Progress(1, False))
     m = policy_metrics(result, len(trace), config.slo_ttft, config.slo_tpot)
     keep = ("goodput_rps", "slo_attainment", "prefix_cache_hit_rate", "preemptions", "finished", "requests",

@@ -123,11 +123,6 @@ class ClusterRunOptions(SloOptions, frozen=True):
         return (take_duration(trace, self.duration) if self.duration > 0 else trace), label
 
 
-def fleet_step_scales(pattern: list[float], engines: int) -> tuple[float, ...]:
-    """The StepScales pattern repeated over `engines` engines (ClusterConfig.step_scales); () if empty."""
-    return tuple(pattern[k % len(pattern)] for k in range(engines)) if pattern else ()
-
-
 def step_scales_note(pattern: list[float] | None) -> str:
     """How the fleet's engines differ in speed, for a report's first line ("" when all are alike)."""
     if not pattern:

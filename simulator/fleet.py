@@ -20,6 +20,7 @@ from aiohttp import web
 from pilotfish.config import ConfigError
 from pilotfish.simulator.config import EngineConfig, ServeConfig
 from pilotfish.simulator.engine.base import EngineCore
+from pilotfish.simulator.engine.step_time import repeated_scales
 from pilotfish.simulator.server.app import EngineApp
 from pilotfish.simulator.server.driver import EngineDriver
 from pilotfish.simulator.tokens import Tokenizer, load_tokenizer
@@ -104,8 +105,9 @@ async def serve_engines(
     configs = [engine] * len(ports) if isinstance(engine, EngineConfig) else list(engine)
     if len(configs) != len(ports):
         raise ValueError(f"{len(configs)} engine configs for {len(ports)} engines")
-    if scales := serve.step_scales:
-        configs = [msgspec.structs.replace(c, step_scale=scales[i % len(scales)]) for i, c in enumerate(configs)]
+    if serve.step_scales:
+        scales = repeated_scales(serve.step_scales, len(configs))
+        configs = [msgspec.structs.replace(c, step_scale=scale) for c, scale in zip(configs, scales, strict=True)]
     tokenizer = tokenizer or load_tokenizer(serve.tokenizer_path)
     runners: list[web.AppRunner] = []
     drivers: list[EngineDriver] = []

@@ -88,6 +88,11 @@ def profile_for(config: EngineConfig) -> StepTimeProfile:
     return scaled_profile(profile, config.step_scale)
 
 
+def repeated_scales(pattern: list[float], engines: int) -> tuple[float, ...]:
+    """A pattern of step scales repeated over `engines` engines, in engine order; () for no pattern."""
+    return tuple(pattern[k % len(pattern)] for k in range(engines)) if pattern else ()
+
+
 def scaled_profile(profile: StepTimeProfile, scale: float) -> StepTimeProfile:
     """`profile` with every step-time coefficient times `scale` (the serving overheads as they are)."""
     if scale == 1.0:

@@ -179,12 +179,17 @@ async def test_colocated_scheduler_runs_the_loop_over_its_own_view(
     server = SchedulerServer(config)
     await server.start()
     try:
-        await eventually(lambda: len(hot.calls) >= 2, "Migrate calls from the scheduler process")
+        def migrated() -> float:
+            value = server.core.registry.get_sample_value(
+                "pilotfish_rescheduling_migrated_requests_total", {"policy": "decode_load"}
+            )
+            return value or 0.0
+
+        # The fake records a call before its answer reaches the rescheduler, which counts on the answer:
+        # wait for the count itself, not only for the calls.
+        await eventually(lambda: migrated() >= 2, "migrations counted by the scheduler process")
+        assert len(hot.calls) >= 2
         assert set(migrations(hot)) == {("hot", "cold", "decode_load", "Bearer tok")}
-        value = server.core.registry.get_sample_value(
-            "pilotfish_rescheduling_migrated_requests_total", {"policy": "decode_load"}
-        )
-        assert value is not None and value >= 2
     finally:
         await server.stop(grace=1)
 

@@ -76,7 +76,8 @@ def test_remove_lands_after_every_write_made_without_waiting(redis_service):
 @pytest.mark.parametrize("from_engine_thread", [True, False], ids=["engine-thread", "export-thread"])
 def test_llumlet_registers_exports_and_removes(redis_service, from_engine_thread):
     client = redis.Redis.from_url(redis_service.url)
-    llumlet = make_llumlet(redis_service.url, write_from_engine_thread=from_engine_thread)
+    # a TTL of six refreshes: the keys outlive it only by the refresh, even with a refresh a second late
+    llumlet = make_llumlet(redis_service.url, write_from_engine_thread=from_engine_thread, ttl_ms=3000)
     llumlet.start(serve_grpc=False)
     try:
         meta = wait_for(lambda: client.get(keys.meta_key("t", "e0")), what="metadata")
@@ -91,7 +92,7 @@ def test_llumlet_registers_exports_and_removes(redis_service, from_engine_thread
         status = decode_status(client.get(keys.status_key("t", "e0")), "e0")
         assert list(status.admitted_request_ids) == ["r1"] and status.uncomputed_prefill_tokens == 40
         # the refresh keeps both keys alive past the TTL with no events at all
-        time.sleep(2.0)
+        time.sleep(3.5)
         assert client.exists(keys.meta_key("t", "e0"), keys.status_key("t", "e0")) == 2
     finally:
         llumlet.stop()
@@ -178,8 +179,8 @@ def test_a_refused_write_is_reported_and_the_latest_state_lands_later(redis_serv
             for i in range(events):
                 with llumlet.events() as s:
                     s.added(f"r{i}", 10)
-            wait_for(lambda: llumlet.write_failures > 0, timeout=30, what="a failed write")
-            assert "OOM" in caplog.text
+            # the failure is counted before its warning is logged, on the writer's thread: wait for the line too
+            wait_for(lambda: llumlet.write_failures > 0 and "OOM" in caplog.text, timeout=30, what="a failed write")
             client.config_set("maxmemory", "0")
             wait_for(
                 lambda: (

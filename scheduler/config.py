@@ -559,6 +559,15 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "in-flight ones reach this (0: its max_num_seqs from the CMS metadata, when known)",
         ),
     ] = 0
+    flow_max_step_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: an engine is saturated when its next step, predicted by its step-time fit "
+            "from its queued prefill (at most its token budget), decode batch and context, would take this long "
+            "(ms; 0: not judged): a bound in the TPOT SLO's unit, tighter where long answers keep batches large",
+        ),
+    ] = 0.0
     flow_queue_max_requests: Annotated[
         int,
         Meta(

@@ -8,15 +8,20 @@ Full mode (CMS status plus the in-flight account), any of:
   KV usage         (used + to allocate + in-flight decode tokens) / total >= --flow-max-kv-usage
   batch            running + loading + waiting + in-flight requests >= --flow-max-batch-requests
                    (0: the engine's max_num_seqs, when its metadata gives one)
+  step             the engine's next step, predicted by its step-time fit from its queued prefill (at
+                   most its token budget), decode batch and context, would take --flow-max-step-ms
+The step bound is in the TPOT SLO's unit: a step that carries a prefill is a slow token for every
+answer in its batch, which a token bound set for TTFT lets through where answers are long. It bounds
+the next step, not the mean a TPOT is, so it also holds back prefill the engines could take where
+answers are short: off by default (scheduler/flow/README.md has the trade in figures).
 A bound of 0 is not judged. An engine with no status yet, or an unschedulable one, offers no room.
 
 `scale` (below 1) tightens every bound at once: a flow over its fair share of the work in flight
 is judged against the scaled bounds (controller.py), so engines keep headroom for the others.
 `over_share` adds one more bound for that flow (full mode, --flow-over-share-max-step-ms): the
-engine's next step, predicted by its step-time fit from its queued prefill (at most its token
-budget), decode batch and context, would take that long. Another flow's first token waits about
-two steps (the one in progress and its own prefill's), so this bounds what the flood adds to it,
-in the unit the TPOT SLO is in, whatever the family's prompt and answer lengths.
+next step's, as above. Another flow's first token waits about two steps (the one in progress and
+its own prefill's), so this bounds what the flood adds to it, in the unit the TPOT SLO is in,
+whatever the family's prompt and answer lengths.
 `prefill_scale` multiplies the queued-prefill bound on top: above 1 for a flow within its share
 while another is over it, which may queue prefill beyond the plain bound but never passes the
 KV or batch bounds (those protect the engine, not the queue's order).
@@ -43,6 +48,7 @@ class Saturation:
     max_queued_prefill_tokens: int = 8192
     max_kv_usage: float = 0.95
     max_batch_requests: int = 0
+    max_step_ms: float = 0.0
     over_share_max_step_ms: float = 0.0
 
     @classmethod
@@ -54,6 +60,7 @@ class Saturation:
             max_queued_prefill_tokens=config.flow_max_queued_prefill_tokens,
             max_kv_usage=config.flow_max_kv_usage,
             max_batch_requests=config.flow_max_batch_requests,
+            max_step_ms=config.flow_max_step_ms,
             over_share_max_step_ms=config.flow_over_share_max_step_ms,
         )
         if config.enable_flow_control and not sat.full_mode and not (sat.lite_max_tokens or sat.lite_max_requests):
@@ -88,15 +95,18 @@ class Saturation:
         batch = self.max_batch_requests or inst.max_num_seqs
         if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch * scale:
             return BATCH
+        step_bound = self.max_step_ms * scale
+        if over_share and self.over_share_max_step_ms and not 0 < step_bound <= self.over_share_max_step_ms:
+            step_bound = self.over_share_max_step_ms
         model = inst.step_model
-        if over_share and self.over_share_max_step_ms and model is not None:
+        if step_bound and model is not None:
             queued = s.uncomputed_prefill_tokens + inflight.prefill_tokens
             budget = inst.max_num_batched_tokens
             if budget and queued > budget:  # one step computes at most its token budget
                 queued = budget
             # what is dispatched now joins the decode batch after its prefill: count it there already
             step = model.step_ms(queued, s.num_running_decode + inflight.requests, s.running_decode_seq_len_sum)
-            if step >= self.over_share_max_step_ms:
+            if step >= step_bound:
                 return STEP
         return ""
 

@@ -495,6 +495,53 @@ def test_over_share_step_bound_table(inst: InstanceView, bound_ms: float, over_s
     assert sat.reason(inst, over_share=over_share) == reason
 
 
+@pytest.mark.parametrize(
+    ("bound_ms", "over_share_ms", "scale", "over_share", "reason"),
+    [
+        (54.0, 0.0, 1.0, False, "step"),  # every flow: the next step, 400 queued tokens, is 54 ms
+        (55.0, 0.0, 1.0, False, ""),
+        (100.0, 0.0, 0.5, False, "step"),  # the bounds' scale (a flow over its share) scales it: 50 ms
+        (100.0, 0.0, 0.6, False, ""),  # 60 ms
+        (100.0, 54.0, 1.0, True, "step"),  # over its share: the tighter of the two
+        (50.0, 100.0, 1.0, True, "step"),
+        (100.0, 54.0, 1.0, False, ""),  # within its share: only the bound for every flow
+        (0.0, 54.0, 1.0, True, "step"),
+    ],
+)
+def test_the_step_bound_for_every_flow(
+    bound_ms: float, over_share_ms: float, scale: float, over_share: bool, reason: str
+) -> None:
+    """--flow-max-step-ms: saturated while the engine's predicted next step (10 + 0.11 x 400 ms) reaches the
+    bound, for any flow; a flow over its share is held at the tighter of it (scaled) and its own bound."""
+    inst = _stepped(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400))
+    sat = Saturation(
+        full_mode=True, max_queued_prefill_tokens=0, max_step_ms=bound_ms, over_share_max_step_ms=over_share_ms
+    )
+    assert sat.reason(inst, scale, over_share=over_share) == reason
+
+
+def test_the_step_bound_reaches_the_saturation_from_the_flag() -> None:
+    config = SchedulerConfig(enable_full_mode_scheduling=True, enable_flow_control=True, flow_max_step_ms=80.0)
+    assert Saturation.from_config(config).max_step_ms == 80.0
+    assert Saturation.from_config(SchedulerConfig(enable_full_mode_scheduling=True)).max_step_ms == 0.0
+
+
+def test_a_single_flow_waits_while_the_next_step_would_be_long() -> None:
+    """--flow-max-step-ms holds even one flow: a request waits while the engine's predicted next step
+    reaches the bound, though the token bounds have room, and goes once the engine computed its prefill."""
+    clock = Clock()
+    core, flow = full_engine(clock, flow_max_queued_prefill_tokens=10_000, flow_max_step_ms=30.0)
+    replies = Replies()
+    for i in range(2):  # 0, then 100 prompt tokens queued: 10 and 21 ms steps
+        assert isinstance(flow.submit(treq(f"b{i}", 100), STD, "B", 5.0, replies.to(f"b{i}")), Decision)
+    assert flow.submit(treq("b2", 100), STD, "B", 5.0, replies.to("b2")) is None  # 200 queued: over 30 ms
+    clock.now += 0.1  # the engine admitted and prefilled both: nothing queued
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=2, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=10_000,
+                                             admitted_request_ids=["b0", "b1"]))
+    assert flow.drain() == 1 and isinstance(replies.got["b2"], Decision)
+
+
 def test_a_flow_over_its_share_waits_while_the_next_step_would_be_long() -> None:
     """--flow-over-share-max-step-ms: the flood waits while the engine's predicted next step reaches
     the bound, though its scaled bounds have room; the light flow is dispatched beside it, and the

@@ -10,12 +10,13 @@ shed, the queue is empty and the core's account drained to zero.
 
 For every workload (`--workloads`, the families of simulator/traces/families.py) and seed:
 
-1. the knee: full mode without flow control, the load (time compression of the family's own
+1. the knee: full mode as it ships without flow control, the load (time compression of the family's own
    rate) doubled from `--knee-start` until SLO attainment falls below `--knee-slo`, then bisected
    `--knee-steps` times; the knee is the highest load that met it;
 2. past the knee (`--loads`, multiples of the knee; one below it shows the cost there): arms
-   `pilotfish-full:load-balance` (off), `pilotfish-full:load-balance+flow-control` (on) and the
-   peer reproductions (`--peers`), on a priority mix (`--priority-mix`): goodput, SLO attainment,
+   `pilotfish-full` (off: full mode's shipped default policy), `pilotfish-full+flow-control` (on: the
+   same with flow control at the scheduler's defaults, and `--flow` on top) and the peer
+   reproductions (`--peers`), on a priority mix (`--priority-mix`): goodput, SLO attainment,
    P99 TTFT per band, sheds, and the ceiling: no arm's goodput can pass the offered rate (a hard
    bound), nor, as far as this bench can tell, the fleet's capacity (the most goodput any arm
    reached at any load of the workload and seed), so `min(offered, capacity) / best peer` says
@@ -58,7 +59,9 @@ if TYPE_CHECKING:
     from pilotfish.simulator.traces import Trace
 
 BANDS = ("critical", "standard", "sheddable")
-OFF, ON = "pilotfish-full:load-balance", "pilotfish-full:load-balance+flow-control"
+# the shipped default policy: these arms stood on load-balance until 2026-11-28, which ignores the
+# prefix cache and put multi-turn's knee at half the default's
+OFF, ON = "pilotfish-full", "pilotfish-full+flow-control"
 FAMILIES = ("family:system-prompt", "family:multi-turn", "family:tenants", "family:rag", "family:heavy-tail",
             "family:bursty")  # fmt: skip
 
@@ -112,8 +115,11 @@ class FlowBenchConfig(SloOptions, frozen=True):
     hold_ms: Annotated[int, Meta(ge=0, description="the gateway's --schedule-queue-timeout-ms")] = 3000
     flow: Annotated[
         list[str],
-        Meta(description="SchedulerConfig flow fields of the on arm: key=value (flow_max_kv_usage=0.9)"),
-    ] = msgspec.field(default_factory=lambda: ["flow_max_queued_prefill_tokens=2048"])
+        Meta(
+            description="SchedulerConfig flow fields of the on arm over the scheduler's defaults: key=value "
+            "(flow_max_kv_usage=0.9; none: the defaults as they ship)"
+        ),
+    ] = msgspec.field(default_factory=list)
     jobs: Annotated[
         int, Meta(ge=1, description="worker processes, one (workload, seed) each (the machine is shared)")
     ] = 1

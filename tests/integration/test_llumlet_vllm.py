@@ -26,6 +26,7 @@ import redis
 
 from pilotfish import services
 from pilotfish.cms import keys
+from pilotfish.cms.notices import split_notice
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.cms.records import decode_metadata, decode_status
 from pilotfish.procs import Child, descendants, free_port, stat_fields, wait_until_async
@@ -65,6 +66,31 @@ class Engine:
     def status(self) -> cms_pb2.InstanceStatus | None:
         raw = self.redis.get(keys.status_key(CLUSTER, self.instance_id))
         return None if raw is None else decode_status(raw, self.instance_id)
+
+    def status_notices(self) -> redis.client.PubSub:
+        """A subscription to the llumlet's notices, in place when this returns."""
+        pubsub = self.redis.pubsub()
+        pubsub.subscribe(keys.instance_events_channel(CLUSTER, self.instance_id))
+        wait_for(lambda: (m := pubsub.get_message(timeout=0.1)) and m["type"] == "subscribe", WAIT, "a subscription")
+        return pubsub
+
+    def watch_statuses(
+        self, pubsub: redis.client.PubSub, seen: list[cms_pb2.InstanceStatus], stop: threading.Event
+    ) -> None:
+        """Append every status the llumlet publishes until `stop`: from the notices, which carry the record,
+        so none is missed however slowly this thread runs (polling the key, a loaded machine missed most)."""
+        try:
+            while not stop.is_set():
+                message = pubsub.get_message(timeout=0.05)
+                notice = split_notice(message["data"]) if message and message["type"] == "message" else None
+                if notice is None or notice[0] != keys.STATUS:
+                    continue
+                record = notice[2]
+                status = decode_status(record, self.instance_id) if record is not None else self.status()
+                if status is not None and (not seen or status.update_id != seen[-1].update_id):
+                    seen.append(status)
+        finally:
+            pubsub.close()
 
 
 def wait_for(condition, timeout: float, what: str):
@@ -186,16 +212,7 @@ def test_status_follows_waiting_and_running(engine: Engine):
     seen: list[cms_pb2.InstanceStatus] = []
     stop = threading.Event()
 
-    def watch() -> None:
-        last = 0
-        while not stop.is_set():
-            status = engine.status()
-            if status is not None and status.update_id != last:
-                seen.append(status)
-                last = status.update_id
-            time.sleep(0.002)
-
-    watcher = threading.Thread(target=watch)
+    watcher = threading.Thread(target=engine.watch_statuses, args=(engine.status_notices(), seen, stop))
     watcher.start()
     results: dict[str, str] = {}
     # 24 requests for 16 seats (--max-num-seqs 16): some must wait. Each would decode LONG_TOKENS,

@@ -8,6 +8,8 @@ tests/integration/test_llumlet_rpc_guards.py.
 
 from __future__ import annotations
 
+import socket
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -221,6 +223,78 @@ def test_a_destination_the_cms_does_not_vouch_for_is_refused(values, instance, a
     with pytest.raises(d.DestinationRefused) as info:
         check(values)(instance, address)
     assert (info.value.code, info.value.reason) == (code, reason)
+
+
+class StallOnceRedis:
+    """A loopback server speaking just enough RESP3: the first MGET it gets is never answered (a Redis that
+    missed the read), every later one finds no records; anything else gets +OK."""
+
+    def __init__(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.mgets = 0
+        self.stalled: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        while data := conn.recv(65536):
+            buf += data
+            while (command := _resp_command(buf)) is not None:
+                name, buf = command
+                if name == b"HELLO":  # redis-py speaks RESP3: a map with the protocol it got
+                    conn.sendall(b"%1\r\n$5\r\nproto\r\n:3\r\n")
+                    continue
+                if name != b"MGET":
+                    conn.sendall(b"+OK\r\n")
+                    continue
+                self.mgets += 1
+                if self.mgets == 1:
+                    self.stalled.append(conn)  # held open, never answered
+                    return
+                conn.sendall(b"*2\r\n_\r\n_\r\n")  # two RESP3 nulls
+
+    def close(self) -> None:
+        self.listener.close()
+        for conn in self.stalled:
+            conn.close()
+
+
+def _resp_command(buf: bytes) -> tuple[bytes, bytes] | None:
+    """(the command's name, what follows it) of the first whole RESP array in `buf`, or None."""
+    head, sep, rest = buf.partition(b"\r\n")
+    if not sep:
+        return None
+    parts = []
+    for _ in range(int(head[1:])):
+        size, sep, rest = rest.partition(b"\r\n")
+        if not sep or len(rest) < int(size[1:]) + 2:
+            return None
+        parts.append(rest[: int(size[1:])])
+        rest = rest[int(size[1:]) + 2 :]
+    return parts[0].upper(), rest
+
+
+def test_a_cms_read_that_times_out_once_is_tried_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One read Redis misses (2 s) does not refuse the Migrate as CMS_UNREACHABLE: the check reads again on
+    a fresh connection and decides on what it finds (here: no records, so not registered)."""
+    monkeypatch.setattr(d, "_SOCKET_TIMEOUT_S", 1.0)
+    server = StallOnceRedis()
+    try:
+        check = d.CmsDestinations(f"redis://127.0.0.1:{server.port}", "c", lambda: "m", max_age_ms=10_000)
+        with pytest.raises(d.DestinationRefused) as info:
+            check("dst", "10.0.0.2:7001")
+        assert info.value.reason == d.UNREGISTERED and server.mgets == 2
+    finally:
+        server.close()
 
 
 def test_a_registered_live_destination_of_the_model_is_dialled_at_its_registered_address() -> None:

@@ -13,7 +13,7 @@ the CMS and goes on only if:
   llumlets' TTL) and not ahead of this clock by more than the CMS's clock-skew bound.
 
 Otherwise the Migrate is refused with PERMISSION_DENIED (INVALID_ARGUMENT when no destination id
-is named, UNAVAILABLE when the CMS cannot be read: nothing is sent on a guess). The address dialled
+is named, UNAVAILABLE when the CMS cannot be read, twice: nothing is sent on a guess). The address dialled
 is the registered one. This is as strong as the CMS's own protection (docs/cms-trust.md: Redis
 ACLs let a llumlet write only its own keys).
 """
@@ -26,6 +26,8 @@ from typing import Any
 
 import grpc
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from pilotfish.cms import keys
 from pilotfish.cms.records import BadRecord, Bounds, decode_metadata, decode_status, implausible
@@ -42,6 +44,9 @@ STALE = "stale"
 CMS_UNREACHABLE = "cms_unreachable"
 
 _SOCKET_TIMEOUT_S = 2.0
+# one more try on a timeout or a dropped connection (a fresh one): a Redis that missed one 2 s read on a
+# loaded node should not cost the migration, and a second miss still leaves most of the caller's 10 s
+_RETRIES = 1
 
 
 class DestinationRefused(Exception):
@@ -90,6 +95,7 @@ class CmsDestinations:
                 self._url,
                 socket_timeout=_SOCKET_TIMEOUT_S,
                 socket_connect_timeout=_SOCKET_TIMEOUT_S,
+                retry=Retry(NoBackoff(), _RETRIES),
                 **self._redis_options,
             )
         return self._client

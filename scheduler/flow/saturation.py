@@ -95,12 +95,14 @@ class Saturation:
         batch = self.max_batch_requests or inst.max_num_seqs
         if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch * scale:
             return BATCH
-        step_bound = self.max_step_ms * scale
+        queued = s.uncomputed_prefill_tokens + inflight.prefill_tokens
+        # the bound for every flow holds back prefill only: an engine with none queued is never held by it,
+        # so a bound under the engine's decode step leaves one prefill at a time, not a fleet that takes none
+        step_bound = self.max_step_ms * scale if queued else 0.0
         if over_share and self.over_share_max_step_ms and not 0 < step_bound <= self.over_share_max_step_ms:
             step_bound = self.over_share_max_step_ms
         model = inst.step_model
         if step_bound and model is not None:
-            queued = s.uncomputed_prefill_tokens + inflight.prefill_tokens
             budget = inst.max_num_batched_tokens
             if budget and queued > budget:  # one step computes at most its token budget
                 queued = budget

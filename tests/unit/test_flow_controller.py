@@ -520,6 +520,18 @@ def test_the_step_bound_for_every_flow(
     assert sat.reason(inst, scale, over_share=over_share) == reason
 
 
+def test_the_step_bound_for_every_flow_never_holds_an_engine_with_no_prefill_queued() -> None:
+    """A bound under any step the engine takes (1 ms against its 10 ms base) holds back prefill, one at a
+    time, but never an engine with none queued, which would leave the fleet taking nothing; the over-share
+    bound still counts the decode batch."""
+    decoding = _stepped(EngineStatus(total_kv_tokens=1000, num_running=50, num_running_decode=50), 0, 2)
+    assert Saturation(full_mode=True, max_step_ms=1.0).reason(decoding) == ""
+    assert Saturation(full_mode=True, max_step_ms=1.0).reason(_stepped(EngineStatus(total_kv_tokens=1000))) == ""
+    queued = _stepped(EngineStatus(total_kv_tokens=1000, num_running=50, num_running_decode=50), 16, 3)
+    assert Saturation(full_mode=True, max_step_ms=1.0).reason(queued) == "step"
+    assert Saturation(full_mode=True, over_share_max_step_ms=1.0).reason(decoding, over_share=True) == "step"
+
+
 def test_the_step_bound_reaches_the_saturation_from_the_flag() -> None:
     config = SchedulerConfig(enable_full_mode_scheduling=True, enable_flow_control=True, flow_max_step_ms=80.0)
     assert Saturation.from_config(config).max_step_ms == 80.0

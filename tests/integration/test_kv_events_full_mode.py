@@ -40,6 +40,15 @@ async def eventually(condition: Callable[[], bool], what: str, timeout: float = 
         await asyncio.sleep(0.02)
 
 
+async def settled(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether `condition` holds within `timeout` (False, not an error, when it does not)."""
+    try:
+        await eventually(condition, "", timeout)
+    except AssertionError:
+        return False
+    return True
+
+
 ENDPOINT: list[str] = []
 
 
@@ -81,21 +90,34 @@ async def test_kv_events_route_a_shared_prefix_to_the_engine_that_cached_it(redi
             assert cached_on.engine_id == "sim-1"
             assert index.match(hashes) == {}
             async with aiohttp.ClientSession() as session:
-                # straight to the engine: the scheduler's dispatch path never records it. The SUB
-                # socket may still be joining, so repeat until the events land (same prompt: the
-                # engine re-announces blocks only once evicted, so vary an untouched suffix)
-                deadline = time.monotonic() + 30
-                attempt = 0
-                while index.match(hashes).get(cached_on.engine_id, 0) < len(hashes):
-                    assert time.monotonic() < deadline, f"KV events never reached the index: {subscriber.stats}"
-                    attempt += 1
-                    body = {"model": serve.model, "prompt": f"{shared} question {attempt}", "max_tokens": 2}
+
+                async def ask(prompt: str) -> None:
+                    body = {"model": serve.model, "prompt": prompt, "max_tokens": 2}
                     async with session.post(f"{cached_on.url}/v1/completions", json=body) as resp:
                         assert resp.status == 200, await resp.text()
                         await resp.read()
-                    if attempt == 1:
-                        # a joiner may miss the first batch; evict nothing, just wait a little for the events
-                        await eventually(lambda: subscriber.stats.applied["stored"] > 0, "a stored event", 10)
+
+                # A SUB socket misses what the engine publishes before its subscription reaches it, and a
+                # missed block is never announced again (the blocks after it chain from it): probe with
+                # unrelated prompts, each a chain of its own, until one's events land; then the shared one.
+                deadline = time.monotonic() + 30
+                probe = 0
+                while not await settled(lambda: subscriber.stats.applied["stored"] > 0, 1.0):
+                    assert time.monotonic() < deadline, f"no KV event reached the scheduler: {subscriber.stats}"
+                    probe += 1
+                    await ask(" ".join(f"probe{probe} word{k}" for k in range(40)))
+                # straight to the engine: the scheduler's dispatch path never records it (same prompt: the
+                # engine re-announces blocks only once evicted, so vary an untouched suffix)
+                attempt = 0
+
+                def holds() -> bool:
+                    return index.match(hashes).get(cached_on.engine_id, 0) >= len(hashes)
+
+                while not holds():
+                    assert time.monotonic() < deadline, f"KV events never reached the index: {subscriber.stats}"
+                    attempt += 1
+                    await ask(f"{shared} question {attempt}")
+                    await settled(holds, 1.0)
             assert subscriber.stats.applied["stored"] > 0
             assert not subscriber.stats.dropped
 

@@ -87,7 +87,7 @@ class FlowCollector(Collector):
         saturated = GaugeMetricFamily(
             "pilotfish_scheduler_instance_saturated",
             "1 while flow control judges the engine saturated, by the first bound it reaches: tokens, requests "
-            "(lite), prefill, kv, batch, no_status (full).",
+            "(lite), prefill, kv, batch, step (--flow-max-step-ms), no_status (full).",
             labels=["instance", "reason"],
         )
         inflight = GaugeMetricFamily(

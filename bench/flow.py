@@ -59,8 +59,8 @@ if TYPE_CHECKING:
     from pilotfish.simulator.traces import Trace
 
 BANDS = ("critical", "standard", "sheddable")
-# the shipped default policy: these arms stood on load-balance until 2026-11-28, which ignores the
-# prefix cache and put multi-turn's knee at half the default's
+# full mode's shipped default policy: flow control is judged on what a user runs (load-balance, say,
+# ignores the prefix cache and halves multi-turn's knee, which would credit flow control with the gap)
 OFF, ON = "pilotfish-full", "pilotfish-full+flow-control"
 FAMILIES = ("family:system-prompt", "family:multi-turn", "family:tenants", "family:rag", "family:heavy-tail",
             "family:bursty")  # fmt: skip

@@ -99,8 +99,9 @@ class Saturation:
         # the bound for every flow holds back prefill only: an engine with none queued is never held by it,
         # so a bound under the engine's decode step leaves one prefill at a time, not a fleet that takes none
         step_bound = self.max_step_ms * scale if queued else 0.0
-        if over_share and self.over_share_max_step_ms and not 0 < step_bound <= self.over_share_max_step_ms:
-            step_bound = self.over_share_max_step_ms
+        over_bound = self.over_share_max_step_ms if over_share else 0.0
+        if over_bound and (not step_bound or over_bound < step_bound):  # the tighter of the two that are set
+            step_bound = over_bound
         model = inst.step_model
         if step_bound and model is not None:
             budget = inst.max_num_batched_tokens

@@ -32,21 +32,19 @@ CLUSTER = "kvsub"
 GATEWAY_BLOCK = 64  # coarser than the engines' 16-token blocks, as the gateway's default is
 
 
-async def eventually(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+async def settled(condition: Callable[[], bool], timeout: float) -> bool:
+    """Whether `condition` holds within `timeout` (False, not an error, when it does not)."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            return False
         await asyncio.sleep(0.02)
-
-
-async def settled(condition: Callable[[], bool], timeout: float) -> bool:
-    """Whether `condition` holds within `timeout` (False, not an error, when it does not)."""
-    try:
-        await eventually(condition, "", timeout)
-    except AssertionError:
-        return False
     return True
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    if not await settled(condition, timeout):
+        raise AssertionError(f"timed out waiting for {what}")
 
 
 ENDPOINT: list[str] = []

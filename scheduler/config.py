@@ -568,6 +568,17 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "(ms; 0: not judged): a bound in the TPOT SLO's unit, tighter where long answers keep batches large",
         ),
     ] = 0.0
+    flow_critical_headroom_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: while critical requests arrive (one within --flow-fair-share-window-ms), "
+            "standard and sheddable ones also wait while every engine's queued prefill and one critical prompt "
+            "(their recent mean length), predicted by its step-time fit, would take this long to compute (ms; 0: "
+            "not judged), so a critical request finds an engine that starts it soon; half a 2 s TTFT SLO by "
+            "default",
+        ),
+    ] = 1000.0
     flow_queue_max_requests: Annotated[
         int,
         Meta(

@@ -34,6 +34,11 @@ queued-prefill bound times --flow-under-share-bound (above 1; the KV and batch b
 flood keeps every engine near its own bound, so at the plain bound a light tenant's request would
 wait in the queue for the flood's prefill to drain, though it is the next to leave whatever the
 order. One flow alone is never judged either way, so a single tenant pays nothing.
+
+Critical headroom (--flow-critical-headroom-ms, full mode): while critical requests for a model arrive,
+its standard and sheddable requests are also judged against each engine's predicted time to compute its
+queued prefill and one critical prompt (their recent mean), so a critical request finds an engine that
+starts it soon (saturation.py).
 """
 
 from __future__ import annotations
@@ -199,6 +204,9 @@ class FlowController:
         self._pruned_at = -math.inf
         self.arrivals = ArrivalRates(self.settings.share_window_s)
         self._over: set[str] = set()  # the flows over their share when last judged
+        # --flow-critical-headroom-ms, per model: the recent mean of critical prompts (tokens) and when one
+        # last arrived (as many entries as models served)
+        self._critical: dict[str, tuple[float, float]] = {}
 
     # -- what waits ---------------------------------------------------------------------------------
 
@@ -238,14 +246,33 @@ class FlowController:
             serving = fresh
         return serving
 
-    def has_room(self, model: str, flow: str | None = None) -> bool:
+    def has_room(self, model: str, flow: str | None = None, band: Band = Band.CRITICAL) -> bool:
         """An eligible engine has room for `model`, judged for `flow` (tighter bounds while it is
-        over its fair share, more queued prefill while another flow is); without a flow, for a flow
-        within its share (the loosest bounds in use)."""
+        over its fair share, more queued prefill while another flow is) and `band` (below critical, the
+        critical headroom too); without a flow, for a critical flow within its share (the loosest bounds
+        in use)."""
         scale, prefill_scale = self.scales(flow)
         over = flow is not None and flow in self._over  # as scales just judged it
+        reserve = self.critical_reserve(model) if band != Band.CRITICAL else 0.0
         saturated = self.saturation.saturated
-        return any(not saturated(i, scale, prefill_scale, over) for i in self._eligible(model))
+        return any(not saturated(i, scale, prefill_scale, over, reserve) for i in self._eligible(model))
+
+    def critical_reserve(self, model: str) -> float:
+        """The tokens a standard or sheddable request for `model` must leave room for on an engine
+        (--flow-critical-headroom-ms): the recent mean critical prompt while critical requests for it
+        arrive (one within --flow-fair-share-window-ms), else 0 (not judged)."""
+        mean, at = self._critical.get(model, (0.0, -math.inf))
+        return mean if self._clock() - at <= self.settings.share_window_s else 0.0
+
+    def critical_reserve_on(self, inst: InstanceView) -> float:
+        """The largest critical reserve of the models `inst` serves (the saturation metric's)."""
+        return max((self.critical_reserve(m) for m in self._critical if inst.serves(m)), default=0.0)
+
+    def _critical_arrived(self, req: RequestInfo) -> None:
+        # a mean over about the last ten, so one odd prompt moves it little and a new mix is learned soon
+        was = self._critical.get(req.model)
+        mean = req.prompt_tokens if was is None else 0.9 * was[0] + 0.1 * req.prompt_tokens
+        self._critical[req.model] = (mean, self._clock())
 
     def scales(self, flow: str | None) -> tuple[float, float]:
         """What `flow`'s saturation bounds are multiplied by: every bound, and the queued-prefill bound
@@ -343,6 +370,8 @@ class FlowController:
         if req.request_id in self._waiting:
             raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
         band = band_of(priority, req.model, self.settings.by_model or {})
+        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
+            self._critical_arrived(req)
         queue = self._queues.get(req.model)
         flow = flow[:MAX_FLOW_LENGTH]
         if self.settings.fair_share:
@@ -351,7 +380,7 @@ class FlowController:
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow)
             return decision
-        if not queue and self.has_room(req.model, flow):
+        if not queue and self.has_room(req.model, flow, band):
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow)
             self.stats.dispatched[(band.label, AT_ONCE)] += 1
@@ -409,8 +438,9 @@ class FlowController:
         n = 0
         for model, queue in list(self._queues.items()):
             while queue and self.has_room(model):
-                # the next flow in turn that has room: one over its share may not (tighter bounds)
-                w = queue.pop(lambda flow, model=model: self.has_room(model, flow))
+                # the next flow in turn that has room: one over its share may not (tighter bounds), nor
+                # one below critical while critical requests arrive (the headroom)
+                w = queue.pop(lambda flow, band, model=model: self.has_room(model, flow, band))
                 if w is None:
                     break
                 self._dispatch(w, FROM_QUEUE)

@@ -86,8 +86,9 @@ class FlowCollector(Collector):
             cancelled.add_metric([band_label], n)
         saturated = GaugeMetricFamily(
             "pilotfish_scheduler_instance_saturated",
-            "1 while flow control judges the engine saturated, by the first bound it reaches: tokens, requests "
-            "(lite), prefill, kv, batch, step (--flow-max-step-ms), no_status (full).",
+            "1 while flow control judges the engine saturated for a standard request within its share, by the "
+            "first bound it reaches: tokens, requests (lite), prefill, kv, batch, step (--flow-max-step-ms), "
+            "headroom (room kept to start a critical request: --flow-critical-headroom-ms), no_status (full).",
             labels=["instance", "reason"],
         )
         inflight = GaugeMetricFamily(
@@ -101,7 +102,7 @@ class FlowCollector(Collector):
             inflight.add_metric([key, "1" if key in over else "0"], n)
         judge = flow.saturation.reason
         for inst in flow.core.instances():  # type: ignore[attr-defined]
-            reason = judge(inst)
+            reason = judge(inst, reserve_tokens=flow.critical_reserve_on(inst))
             saturated.add_metric([inst.instance_id, reason or "none"], 1.0 if reason else 0.0)
         yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, inflight, saturated)
 

@@ -77,10 +77,10 @@ class FlowQueue:
         b.live += 1
         self.live += 1
 
-    def pop(self, eligible: Callable[[str], bool] | None = None) -> Waiting | None:
+    def pop(self, eligible: Callable[[str, Band], bool] | None = None) -> Waiting | None:
         """The next request to dispatch: highest band first, flows of a band in turn. With
-        `eligible`, a flow it refuses keeps its place in the turn and the next one is tried; bands
-        stay strict (nothing of a lower band passes a band with requests waiting)."""
+        `eligible(flow, band)`, a flow it refuses keeps its place in the turn and the next one is tried;
+        bands stay strict (nothing of a lower band passes a band with requests waiting)."""
         for band in BANDS:
             b = self._bands[band]
             if not b.live:
@@ -88,7 +88,7 @@ class FlowQueue:
             for flow in list(b.turn):
                 if flow not in b.flows:
                     continue  # emptied by cancels: its stale turn is dropped below
-                if eligible is not None and not eligible(flow):
+                if eligible is not None and not eligible(flow, band):
                     continue
                 b.turn.remove(flow)
                 b.in_turn.discard(flow)

@@ -22,6 +22,13 @@ is judged against the scaled bounds (controller.py), so engines keep headroom fo
 next step's, as above. Another flow's first token waits about two steps (the one in progress and
 its own prefill's), so this bounds what the flood adds to it, in the unit the TPOT SLO is in,
 whatever the family's prompt and answer lengths.
+`reserve_tokens` (full mode, --flow-critical-headroom-ms) judges a standard or sheddable request while
+critical ones arrive: the engine is saturated for it while its queued prefill and that many tokens more
+(a critical prompt's) are predicted to take the headroom or longer, so the engines keep room to start
+a critical request soon (an engine with no prefill queued always has room; the bound is not scaled).
+The token bounds leave a queue of the same length on every family, which on long prompts (RAG) is,
+with the critical request's own prefill, its whole TTFT SLO; the time bound reads the engine's speed
+and the critical prompts' length instead. Critical requests are judged without it.
 `prefill_scale` multiplies the queued-prefill bound on top: above 1 for a flow within its share
 while another is over it, which may queue prefill beyond the plain bound but never passes the
 KV or batch bounds (those protect the engine, not the queue's order).
@@ -38,6 +45,7 @@ from pilotfish.scheduler.view.types import InstanceView
 # reasons, as the metric's label
 TOKENS, REQUESTS, PREFILL, KV, BATCH, NO_STATUS = "tokens", "requests", "prefill", "kv", "batch", "no_status"
 STEP = "step"  # a flow over its share: the engine's predicted next step
+HEADROOM = "headroom"  # a standard or sheddable request: room kept to start a critical one
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +58,7 @@ class Saturation:
     max_batch_requests: int = 0
     max_step_ms: float = 0.0
     over_share_max_step_ms: float = 0.0
+    critical_headroom_ms: float = 0.0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> Saturation:
@@ -62,6 +71,7 @@ class Saturation:
             max_batch_requests=config.flow_max_batch_requests,
             max_step_ms=config.flow_max_step_ms,
             over_share_max_step_ms=config.flow_over_share_max_step_ms,
+            critical_headroom_ms=config.flow_critical_headroom_ms,
         )
         if config.enable_flow_control and not sat.full_mode and not (sat.lite_max_tokens or sat.lite_max_requests):
             raise ConfigError(
@@ -71,10 +81,16 @@ class Saturation:
         return sat
 
     def reason(
-        self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0, over_share: bool = False
+        self,
+        inst: InstanceView,
+        scale: float = 1.0,
+        prefill_scale: float = 1.0,
+        over_share: bool = False,
+        reserve_tokens: float = 0.0,
     ) -> str:
         """Why `inst` is saturated ("" when it has room), every bound times `scale`, the queued-prefill
-        bound times `prefill_scale` too; for a flow `over_share`, its next step's bound as well."""
+        bound times `prefill_scale` too; for a flow `over_share`, its next step's bound as well; with
+        `reserve_tokens`, the critical headroom."""
         if not self.full_mode:
             lrs = inst.lrs
             if self.lite_max_tokens and lrs.num_tokens >= self.lite_max_tokens * scale:
@@ -103,6 +119,14 @@ class Saturation:
         if over_bound and (not step_bound or over_bound < step_bound):  # the tighter of the two that are set
             step_bound = over_bound
         model = inst.step_model
+        if reserve_tokens and queued and self.critical_headroom_ms and model is not None:
+            # the queue and the critical prompt computed together: one step's base cost and decode batch, a
+            # little under the steps they take. Like the step bound it holds back only behind queued prefill:
+            # a critical prompt longer than the headroom alone must not stop the other bands everywhere
+            ahead = model.step_ms(queued + reserve_tokens, s.num_running_decode + inflight.requests,
+                                  s.running_decode_seq_len_sum)  # fmt: skip
+            if ahead >= self.critical_headroom_ms:
+                return HEADROOM
         if step_bound and model is not None:
             budget = inst.max_num_batched_tokens
             if budget and queued > budget:  # one step computes at most its token budget
@@ -114,6 +138,11 @@ class Saturation:
         return ""
 
     def saturated(
-        self, inst: InstanceView, scale: float = 1.0, prefill_scale: float = 1.0, over_share: bool = False
+        self,
+        inst: InstanceView,
+        scale: float = 1.0,
+        prefill_scale: float = 1.0,
+        over_share: bool = False,
+        reserve_tokens: float = 0.0,
     ) -> bool:
-        return bool(self.reason(inst, scale, prefill_scale, over_share))
+        return bool(self.reason(inst, scale, prefill_scale, over_share, reserve_tokens))

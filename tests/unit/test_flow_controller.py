@@ -572,3 +572,65 @@ def test_a_flow_over_its_share_waits_while_the_next_step_would_be_long() -> None
                                              schedulable=True, total_kv_tokens=10_000,
                                              admitted_request_ids=["b0", "b1", "a0", "a1"]))
     assert flow.drain() == 1 and isinstance(replies.got["b2"], Decision)
+
+
+@pytest.mark.parametrize(
+    ("status", "reserve", "headroom_ms", "reason"),
+    [
+        # 400 queued + a 500-token critical prompt: 10 + 0.11 x 900 = 109 ms
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400), 500.0, 108.9, "headroom"),
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400), 500.0, 109.1, ""),
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400), 0.0, 1.0, ""),  # no critical: not judged
+        (EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=400), 500.0, 0.0, ""),  # off
+        # nothing queued: room, however long the critical prompt alone would take
+        (EngineStatus(total_kv_tokens=1000, num_running_decode=50), 50_000.0, 1.0, ""),
+    ],
+)
+def test_critical_headroom_table(status: EngineStatus, reserve: float, headroom_ms: float, reason: str) -> None:
+    sat = Saturation(full_mode=True, max_queued_prefill_tokens=0, critical_headroom_ms=headroom_ms)
+    assert sat.reason(_stepped(status), reserve_tokens=reserve) == reason
+
+
+def test_critical_headroom_reaches_the_saturation_from_the_flag() -> None:
+    assert Saturation.from_config(SchedulerConfig(enable_full_mode_scheduling=True)).critical_headroom_ms == 1000.0
+    config = SchedulerConfig(enable_full_mode_scheduling=True, flow_critical_headroom_ms=0)
+    assert Saturation.from_config(config).critical_headroom_ms == 0.0
+
+
+def test_standard_requests_leave_room_to_start_a_critical_one_while_critical_requests_arrive() -> None:
+    """--flow-critical-headroom-ms 30: with no critical traffic the token bound alone holds (10,000); once a
+    critical request arrived, a standard one waits while the engine's queued prefill and a critical prompt
+    would take 30 ms, critical ones are still dispatched, and the bound lapses when critical ones stop."""
+    clock = Clock()
+    core, flow = full_engine(clock, flow_max_queued_prefill_tokens=10_000, flow_critical_headroom_ms=30.0,
+                             flow_sheddable_max_wait_ms=10_000)
+    replies = Replies()
+    for i in range(3):  # 300 prompt tokens queued: no critical request yet, so no headroom kept
+        assert isinstance(flow.submit(treq(f"s{i}", 100), STD, "", 5.0, replies.to(f"s{i}")), Decision)
+    assert flow.critical_reserve("m") == 0.0
+    assert isinstance(flow.submit(treq("c0", 100), CRIT, "", 5.0, replies.to("c0")), Decision)
+    assert flow.critical_reserve("m") == 100.0 and flow.critical_reserve("other-model") == 0.0  # per model
+    # 400 queued + 100: 10 + 0.11 x 500 = 65 ms predicted, past 30: standard and sheddable wait
+    assert flow.submit(treq("s3", 100), STD, "", 5.0, replies.to("s3")) is None
+    assert flow.submit(treq("x0", 100), SHED, "", 10.0, replies.to("x0")) is None
+    assert _saturated_reasons(flow) == {"e0": "headroom"}
+    assert isinstance(flow.submit(treq("c1", 300), CRIT, "", 5.0, replies.to("c1")), Decision)  # past them
+    assert flow.critical_reserve("m") == pytest.approx(120.0)  # the mean moves a tenth of the way
+    clock.now += 0.1  # the engine admitted and prefilled all of it: nothing queued, room for s3 (one at a time)
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=2, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=10_000,
+                                             admitted_request_ids=["s0", "s1", "s2", "c0", "c1"]))
+    assert flow.drain() == 1 and isinstance(replies.got["s3"], Decision) and "x0" not in replies.got
+    clock.now += 5.1  # no critical request within the 5 s window: the token bound alone again
+    core.apply_status(cms_pb2.InstanceStatus(instance_id="e0", update_id=3, timestamp_ms=int(clock.now * 1000),
+                                             schedulable=True, total_kv_tokens=10_000))
+    assert flow.critical_reserve("m") == 0.0
+    assert flow.drain() == 1 and isinstance(replies.got["x0"], Decision)
+
+
+def _saturated_reasons(flow: FlowController) -> dict[str, str]:
+    """instance -> the reason pilotfish_scheduler_instance_saturated gives it ("none": room)."""
+    from pilotfish.scheduler.flow.metrics import FlowCollector
+
+    family = next(m for m in FlowCollector(flow).collect() if m.name == "pilotfish_scheduler_instance_saturated")
+    return {s.labels["instance"]: s.labels["reason"] for s in family.samples}

@@ -47,7 +47,7 @@ def test_a_flow_refused_by_eligible_keeps_its_turn_and_bands_stay_strict() -> No
     q.push(w("quiet0", flow="quiet"))
     q.push(w("quiet1", flow="quiet"))
     q.push(w("low", Band.SHEDDABLE, flow="other"))
-    not_flood = lambda flow: flow != "flood"  # noqa: E731
+    not_flood = lambda flow, band: flow != "flood"  # noqa: E731
     assert q.pop(not_flood).req.request_id == "quiet0"
     assert q.pop(not_flood).req.request_id == "quiet1"
     # only the flood waits in the standard band: refused, and the sheddable one may not pass it

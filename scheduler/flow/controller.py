@@ -37,8 +37,8 @@ order. One flow alone is never judged either way, so a single tenant pays nothin
 
 Critical headroom (--flow-critical-headroom-ms, full mode): while critical requests for a model arrive,
 its standard and sheddable requests are also judged against each engine's predicted time to compute its
-queued prefill and one critical prompt (their recent mean), so a critical request finds an engine that
-starts it soon (saturation.py).
+queued prefill and one critical prompt (the recent mean of their prefill), so a critical request finds
+an engine that starts it soon (saturation.py).
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class FlowController:
         self._pruned_at = -math.inf
         self.arrivals = ArrivalRates(self.settings.share_window_s)
         self._over: set[str] = set()  # the flows over their share when last judged
-        # --flow-critical-headroom-ms, per model: the recent mean of critical prompts (tokens) and when one
+        # --flow-critical-headroom-ms, per model: the recent mean of critical prefills (tokens) and when one
         # last arrived (as many entries as models served)
         self._critical: dict[str, tuple[float, float]] = {}
 
@@ -259,7 +259,7 @@ class FlowController:
 
     def critical_reserve(self, model: str) -> float:
         """The tokens a standard or sheddable request for `model` must leave room for on an engine
-        (--flow-critical-headroom-ms): the recent mean critical prompt while critical requests for it
+        (--flow-critical-headroom-ms): the recent mean critical prefill while critical requests for it
         arrive (one within --flow-fair-share-window-ms), else 0 (not judged)."""
         mean, at = self._critical.get(model, (0.0, -math.inf))
         return mean if self._clock() - at <= self.settings.share_window_s else 0.0
@@ -269,10 +269,18 @@ class FlowController:
         return max((self.critical_reserve(m) for m in self._critical if inst.serves(m)), default=0.0)
 
     def _critical_arrived(self, req: RequestInfo) -> None:
-        # a mean over about the last ten, so one odd prompt moves it little and a new mix is learned soon
         was = self._critical.get(req.model)
-        mean = req.prompt_tokens if was is None else 0.9 * was[0] + 0.1 * req.prompt_tokens
-        self._critical[req.model] = (mean, self._clock())
+        self._critical[req.model] = (req.prompt_tokens if was is None else was[0], self._clock())
+
+    def _critical_dispatched(self, req: RequestInfo) -> None:
+        """Learn what a critical prompt leaves to compute: its prefill on the engine it went to (the
+        account's, past the cached prefix; the whole prompt without one). A mean over about the last
+        ten, so one odd prompt moves it little and a new mix is learned soon."""
+        account = getattr(self.core, "account", None)
+        entries = account.entries_of(req.request_id) if account is not None else ()
+        tokens = entries[0].prefill_tokens if entries else req.prompt_tokens
+        mean, at = self._critical.get(req.model, (tokens, self._clock()))
+        self._critical[req.model] = (0.9 * mean + 0.1 * tokens, at)
 
     def scales(self, flow: str | None) -> tuple[float, float]:
         """What `flow`'s saturation bounds are multiplied by: every bound, and the queued-prefill bound
@@ -333,7 +341,10 @@ class FlowController:
         """`flow` is over its fair share (over_share_flows)."""
         return flow in self.over_share_flows()
 
-    def _account(self, req: RequestInfo, flow: str) -> None:
+    def _account(self, req: RequestInfo, flow: str, band: Band) -> None:
+        """`req` was dispatched: its flow's work in flight; a critical one's prefill for the headroom."""
+        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
+            self._critical_dispatched(req)
         if not self.settings.fair_share:
             return
         n = req.prompt_tokens + max(req.max_tokens, 0)
@@ -378,11 +389,11 @@ class FlowController:
             self.arrivals.add(flow, req.prompt_tokens + max(req.max_tokens, 0), self._clock())
         if hold_s <= 0 or not self._eligible(req.model):
             decision = core.schedule(req)  # type: ignore[attr-defined]
-            self._account(req, flow)
+            self._account(req, flow, band)
             return decision
         if not queue and self.has_room(req.model, flow, band):
             decision = core.schedule(req)  # type: ignore[attr-defined]
-            self._account(req, flow)
+            self._account(req, flow, band)
             self.stats.dispatched[(band.label, AT_ONCE)] += 1
             return decision
         now = self._clock()
@@ -488,7 +499,7 @@ class FlowController:
         except SchedulerError as exc:
             outcome = exc
         else:
-            self._account(w.req, w.flow)
+            self._account(w.req, w.flow, w.band)
             self.stats.dispatched[(w.band.label, how)] += 1
         self._answer(w, outcome)
 

@@ -28,7 +28,7 @@ critical ones arrive: the engine is saturated for it while its queued prefill an
 a critical request soon (an engine with no prefill queued always has room; the bound is not scaled).
 The token bounds leave a queue of the same length on every family, which on long prompts (RAG) is,
 with the critical request's own prefill, its whole TTFT SLO; the time bound reads the engine's speed
-and the critical prompts' length instead. Critical requests are judged without it.
+and what critical prompts leave to compute instead. Critical requests are judged without it.
 `prefill_scale` multiplies the queued-prefill bound on top: above 1 for a flow within its share
 while another is over it, which may queue prefill beyond the plain bound but never passes the
 KV or batch bounds (those protect the engine, not the queue's order).

@@ -634,3 +634,18 @@ def _saturated_reasons(flow: FlowController) -> dict[str, str]:
 
     family = next(m for m in FlowCollector(flow).collect() if m.name == "pilotfish_scheduler_instance_saturated")
     return {s.labels["instance"]: s.labels["reason"] for s in family.samples}
+
+
+def test_the_critical_headroom_counts_what_a_critical_prompt_leaves_to_compute() -> None:
+    """The reserve is the critical prompts' prefill on the engine each went to: a prompt the engine holds
+    all but 10 tokens of adds 10 to the mean, not its 170."""
+    clock = Clock()
+    core, flow = full_engine(clock, flow_max_queued_prefill_tokens=10_000, flow_critical_headroom_ms=30.0)
+    replies = Replies()
+    blocks = tuple(range(1, 11))  # ten 16-token blocks: 160 of the 170 tokens
+    for rid in ("c0", "c1"):
+        info = RequestInfo(request_id=rid, model="m", prompt_tokens=170, prefix_block_hashes=blocks,
+                           prefix_block_size=16)
+        assert isinstance(flow.submit(info, CRIT, "", 5.0, replies.to(rid)), Decision)
+    assert [e.prefill_tokens for e in core.account.entries_of("c1")] == [10]  # the engine holds c0's blocks
+    assert flow.critical_reserve("m") == pytest.approx(0.9 * 170 + 0.1 * 10)

@@ -381,8 +381,6 @@ class FlowController:
         if req.request_id in self._waiting:
             raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
         band = band_of(priority, req.model, self.settings.by_model or {})
-        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
-            self._critical_arrived(req)
         queue = self._queues.get(req.model)
         flow = flow[:MAX_FLOW_LENGTH]
         if self.settings.fair_share:
@@ -391,6 +389,9 @@ class FlowController:
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow, band)
             return decision
+        # after the check above, so only a model some engine serves gets an entry, whatever names clients send
+        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
+            self._critical_arrived(req)
         if not queue and self.has_room(req.model, flow, band):
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow, band)

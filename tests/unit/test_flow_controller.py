@@ -10,6 +10,7 @@ from pilotfish.config import ConfigError
 from pilotfish.protos import cms_pb2
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import Decision, SchedulerCore
+from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.flow import Band, FlowController, Shed
 from pilotfish.scheduler.flow.saturation import Saturation
 from pilotfish.scheduler.view.types import Endpoint, EngineStatus, InstanceView, RequestInfo
@@ -649,3 +650,16 @@ def test_the_critical_headroom_counts_what_a_critical_prompt_leaves_to_compute()
         assert isinstance(flow.submit(info, CRIT, "", 5.0, replies.to(rid)), Decision)
     assert [e.prefill_tokens for e in core.account.entries_of("c1")] == [10]  # the engine holds c0's blocks
     assert flow.critical_reserve("m") == pytest.approx(0.9 * 170 + 0.1 * 10)
+
+
+def test_critical_requests_for_a_model_no_engine_serves_leave_no_headroom_entry() -> None:
+    clock = Clock()
+    _, flow = full_engine(clock, flow_critical_headroom_ms=30.0)
+    replies = Replies()
+    for i in range(50):  # a critical client naming models nobody serves: each refused, none remembered
+        with pytest.raises(SchedulerError):
+            info = RequestInfo(request_id=f"x{i}", model=f"no-such-model-{i}", prompt_tokens=100)
+            flow.submit(info, CRIT, "", 5.0, replies.to(f"x{i}"))
+    assert flow.critical_reserve_on(InstanceView(Endpoint("any", "any:1"))) == 0.0  # serves every model
+    assert all(flow.critical_reserve(f"no-such-model-{i}") == 0.0 for i in range(50))
+    assert not flow._critical  # nothing kept per name

@@ -254,8 +254,8 @@ class FlowController:
         scale, prefill_scale = self.scales(flow)
         over = flow is not None and flow in self._over  # as scales just judged it
         reserve = self.critical_reserve(model) if band != Band.CRITICAL else 0.0
-        saturated = self.saturation.saturated
-        return any(not saturated(i, scale, prefill_scale, over, reserve) for i in self._eligible(model))
+        why = self.saturation.reason  # "" when the engine has room
+        return any(not why(i, scale, prefill_scale, over, reserve) for i in self._eligible(model))
 
     def critical_reserve(self, model: str) -> float:
         """The tokens a standard or sheddable request for `model` must leave room for on an engine

@@ -136,13 +136,3 @@ class Saturation:
             if step >= step_bound:
                 return STEP
         return ""
-
-    def saturated(
-        self,
-        inst: InstanceView,
-        scale: float = 1.0,
-        prefill_scale: float = 1.0,
-        over_share: bool = False,
-        reserve_tokens: float = 0.0,
-    ) -> bool:
-        return bool(self.reason(inst, scale, prefill_scale, over_share, reserve_tokens))

@@ -72,6 +72,12 @@ EVICTED = "evicted"  # shed to make room for a higher band
 DEADLINE = "deadline"  # waited its longest
 WOULD_MISS = "would_miss_deadline"  # sheddable: the drain rate says it would wait past its deadline
 
+# the drain rate a sheddable request's expected wait is judged by: queued requests' departures over this
+# many seconds (at least 8 of them). Bursts come and go within seconds: over 10 s the rate still held the
+# slow minutes between them, called a burst's wait too long and shed at once sheddable requests the
+# engines would have served within the SLO (bursty below the knee: 2% of goodput)
+DRAIN_RATE_WINDOW_S = 3.0
+
 # how dispatched (the metric's label)
 AT_ONCE, FROM_QUEUE, AT_DEADLINE = "at_once", "queued", "deadline"
 
@@ -529,7 +535,7 @@ class FlowController:
         """Seconds `ahead` queued requests take to leave at the recent drain rate; None when the
         queue has not drained enough lately to say."""
         dep = self._departures
-        while dep and now - dep[0] > 10.0:
+        while dep and now - dep[0] > DRAIN_RATE_WINDOW_S:
             dep.popleft()
         if len(dep) < 8:
             return None

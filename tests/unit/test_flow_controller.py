@@ -147,17 +147,36 @@ def test_sheddable_is_shed_at_once_when_the_drain_rate_says_it_would_miss_its_de
     core, flow = make(clock, flow_queue_max_requests=100, flow_sheddable_max_wait_ms=1000)
     replies = Replies()
     fill(core, flow, replies)
-    for i in range(20):  # queue and drain 10 at one a second: the rate is known
+    for i in range(20):  # queue and drain 10 at one every 0.25 s: the rate is known
         flow.submit(req(f"q{i}"), STD, "", 30.0, replies.to(f"q{i}"))
     for i in range(10):
-        clock.now += 1.0
+        clock.now += 0.25
         core.release(["busy0", "busy1", *[f"q{j}" for j in range(20)]][i])
         flow.drain()
     assert len(flow) == 10
-    with pytest.raises(Shed) as shed:
+    with pytest.raises(Shed) as shed:  # 10 ahead at 4 a second: 2.5 s, past its 1 s
         flow.submit(req("late"), SHED, "", 5.0, replies.to("late"))
     assert shed.value.reason == "would_miss_deadline"
     assert flow.submit(req("std"), STD, "", 5.0, replies.to("std")) is None  # standard waits its turn
+
+
+def test_the_drain_rate_is_the_last_seconds_not_the_lull_before_a_burst() -> None:
+    """A queue that drained slowly between bursts (one every 1.3 s) and then fast (ten a second for the
+    last second): a sheddable request behind 3 waits about 0.6 s at the last 3 s's rate, within its 1 s;
+    over the last 10 s, lull and all, it would be called 1.6 s and shed at once."""
+    clock = Clock()
+    core, flow = make(clock, flow_queue_max_requests=100, flow_sheddable_max_wait_ms=1000)
+    replies = Replies()
+    fill(core, flow, replies)
+    for i in range(23):
+        flow.submit(req(f"q{i}"), STD, "", 60.0, replies.to(f"q{i}"))
+    held = ["busy0", "busy1", *[f"q{j}" for j in range(23)]]
+    for i, step in enumerate([1.3] * 10 + [0.1] * 10):  # the lull's departures, then the burst's
+        clock.now += step
+        core.release(held[i])
+        flow.drain()
+    assert len(flow) == 3
+    assert flow.submit(req("burst"), SHED, "", 5.0, replies.to("burst")) is None  # waits, not shed
 
 
 def test_cancel_leaves_the_queue_and_nobody_is_told_nothing_dispatched() -> None:

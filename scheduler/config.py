@@ -575,9 +575,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             description="full mode: while critical requests arrive (one within --flow-fair-share-window-ms), "
             "standard and sheddable ones also wait while every engine's queued prefill and one critical prompt "
             "(the recent mean of their prefill past the cached prefix), predicted by its step-time fit, would take "
-            "this long to compute (ms; 0: "
-            "not judged), so a critical request finds an engine that starts it soon; half a 2 s TTFT SLO by "
-            "default",
+            "this long to compute (ms; 0: not judged), so a critical request finds an engine that starts it soon; "
+            "half a 2 s TTFT SLO by default",
         ),
     ] = 1000.0
     flow_queue_max_requests: Annotated[

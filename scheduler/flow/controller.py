@@ -74,7 +74,7 @@ WOULD_MISS = "would_miss_deadline"  # sheddable: the drain rate says it would wa
 
 # the drain rate a sheddable request's expected wait is judged by: queued requests' departures over this
 # many seconds (at least 8 of them). Bursts come and go within seconds: over 10 s the rate still held the
-# slow minutes between them, called a burst's wait too long and shed at once sheddable requests the
+# slow seconds between them, called a burst's wait too long and shed at once sheddable requests the
 # engines would have served within the SLO (bursty below the knee: 2% of goodput)
 DRAIN_RATE_WINDOW_S = 3.0
 
@@ -282,8 +282,7 @@ class FlowController:
         """Learn what a critical prompt leaves to compute: its prefill on the engine it went to (the
         account's, past the cached prefix; the whole prompt without one). A mean over about the last
         ten, so one odd prompt moves it little and a new mix is learned soon."""
-        account = getattr(self.core, "account", None)
-        entries = account.entries_of(req.request_id) if account is not None else ()
+        entries = self.core.account.entries_of(req.request_id)  # type: ignore[attr-defined]
         tokens = entries[0].prefill_tokens if entries else req.prompt_tokens
         mean, at = self._critical.get(req.model, (tokens, self._clock()))
         self._critical[req.model] = (0.9 * mean + 0.1 * tokens, at)
@@ -349,7 +348,7 @@ class FlowController:
 
     def _account(self, req: RequestInfo, flow: str, band: Band) -> None:
         """`req` was dispatched: its flow's work in flight; a critical one's prefill for the headroom."""
-        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
+        if band == Band.CRITICAL and self.saturation.keeps_critical_headroom:
             self._critical_dispatched(req)
         if not self.settings.fair_share:
             return
@@ -396,7 +395,7 @@ class FlowController:
             self._account(req, flow, band)
             return decision
         # after the check above, so only a model some engine serves gets an entry, whatever names clients send
-        if band == Band.CRITICAL and self.saturation.critical_headroom_ms:
+        if band == Band.CRITICAL and self.saturation.keeps_critical_headroom:
             self._critical_arrived(req)
         if not queue and self.has_room(req.model, flow, band):
             decision = core.schedule(req)  # type: ignore[attr-defined]

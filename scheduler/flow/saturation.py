@@ -80,6 +80,11 @@ class Saturation:
             )
         return sat
 
+    @property
+    def keeps_critical_headroom(self) -> bool:
+        """The critical headroom is judged (full mode, a headroom set): only then is a reserve worth learning."""
+        return self.full_mode and self.critical_headroom_ms > 0
+
     def reason(
         self,
         inst: InstanceView,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shlex
 from pathlib import Path
 
 from pilotfish.bench import scheduler as bench
@@ -90,3 +91,37 @@ def test_index_blocks_time_the_collector_over_a_filled_index(tmp_path: Path) -> 
     assert 600 <= collector["blocks"] <= 4 * 600 and collector["full_pass_ms"] > 0
     assert "--index-blocks 600" in result["command"]
     assert "## The garbage collector's full pass (4 engines, 600 blocks each" in bench.render_markdown(result)
+
+
+def test_other_statuses_update_that_many_engines_after_each_decision(tmp_path: Path) -> None:
+    made: list[int] = []
+    status = bench._status
+
+    def counted(k: int, update_id: int, rng: random.Random, admitted: list[str] = ()):  # type: ignore[no-untyped-def,assignment]
+        made.append(k)
+        return status(k, update_id, rng, admitted)
+
+    bench._status = counted  # type: ignore[assignment]
+    try:
+        for others in (0, 3):
+            made.clear()
+            bench._decisions(16, True, 50, seed=1, other_statuses=others)
+            # 16 at the start, then per decision (50 timed + 10 warm-up) the chosen engine's and the others
+            assert len(made) == 16 + 60 * (1 + others)
+    finally:
+        bench._status = status  # type: ignore[assignment]
+    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
+                "--other-statuses", "8")
+    result = bench.measure(cfg, bench.chosen_configs(cfg))
+    result["command"] = bench.command(cfg, tmp_path)
+    assert "--other-statuses 8" in result["command"]
+    assert "8 status update(s) of other engines after each decision" in bench.render_markdown(result)
+
+
+def test_the_command_quotes_a_configuration_label_with_a_space(tmp_path: Path) -> None:
+    cfg = parse("--configs", "full default", "--decisions-only")
+    line = bench.command(cfg, tmp_path)
+    assert "--configs 'full default' --decisions-only" in line
+    # and it parses back to the same configuration
+    again = parse(*shlex.split(line)[3:-2])
+    assert again.configs == ["full default"] and again.decisions_only

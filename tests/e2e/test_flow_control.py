@@ -6,6 +6,10 @@ and is then routed by the scheduler (not round-robin); the band header set by th
 Envoy (the forward_rules allowlist) and orders the queue; a client that disconnects while its
 request waits takes it out of the queue (never dispatched); a sheddable request past the queue's
 bound gets 429 with Retry-After.
+
+In full mode (a real Redis CMS): the engine's saturation is judged from its llumlet's status and the
+scheduler's in-flight account, with the gateway skipping response bodies (releases come from Envoy's
+access log), and the queue moves when the engine's reports and the release say it has room.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import aiohttp
 import pytest
 
 from pilotfish.procs import wait_until, wait_until_async
-from pilotfish.prom_scrape import metric
+from pilotfish.prom_scrape import metric, scrape
 from pilotfish.stack import Stack
 
 pytestmark = pytest.mark.integration
@@ -141,3 +145,45 @@ def test_a_client_that_leaves_takes_its_request_out_and_a_full_queue_sheds_with_
         WAIT,
         "every request released",
     )
+
+
+def test_full_mode_holds_requests_on_the_engines_reports_and_releases_them_in_band_order(
+    make_stack, redis_service
+) -> None:
+    # full mode's batch bound: the engine is saturated while it runs, loads or waits for one request (its
+    # llumlet's status) or one is in flight to it (the account)
+    args = [a for a in FLOW_ARGS if a not in ("--flow-lite-max-requests", "1")]
+    stack = make_stack(
+        engines=1,
+        scheduler_metrics=True,
+        ext_proc_metrics=True,
+        cms_url=redis_service.url,
+        scheduler_args=[*args, "--flow-max-batch-requests", "1"],
+        ext_proc_args=["--schedule-queue-timeout-ms", "30000", "--flow-header", "x-tenant-id",
+                       "--client-priority-max", "critical"],
+        engine_args=["--step-ms", "100"],
+    )
+    wait_until(
+        lambda: len(scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 1,
+        WAIT, "the engine in the scheduler's CMS view",
+    )
+
+    async def run() -> tuple[list[int], list[str]]:
+        done: list[str] = []
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            busy = asyncio.create_task(complete(session, stack, "busy", 40, done=done))
+            await until(lambda: held(stack) >= 1)
+            sheddable = asyncio.create_task(complete(session, stack, "sheddable", 4, "sheddable", done))
+            await until(lambda: queued(stack) >= 1)
+            critical = asyncio.create_task(complete(session, stack, "critical", 4, "critical", done))
+            await until(lambda: queued(stack) >= 2)
+            statuses = [s for s, _ in await asyncio.gather(busy, sheddable, critical)]
+            return statuses, done
+
+    statuses, order = asyncio.run(run())
+    assert statuses == [200, 200, 200]
+    assert order == ["busy", "critical", "sheddable"]
+    assert metric(stack.scheduler_metrics_port, "pilotfish_scheduler_flow_dispatched_total", how="queued") == 2
+    assert metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_routed_total", route="fallback") == 0
+    # the engine's reports retire every request: the account drains to zero
+    wait_until(lambda: held(stack) == 0, WAIT, "every request released")

@@ -45,9 +45,14 @@ REPEATED_TOKENS = 4 * BLOCK_SIZE  # --repeat-share's prompt: whole blocks, so an
 # the decision configurations: label, full mode, SchedulerConfig fields
 # the shipped default first (no flags: whatever SchedulerConfig defaults to), then the named policies
 LOAD_BALANCE = {"scheduling_policy": "load-balance"}
+# not a SchedulerConfig field: the decision's configuration re-keys the changed instances between decisions, as a
+# server does when its loop is free (scheduler/idle_rekey.py), and times that apart from the decision
+REKEY_BETWEEN = "rekey_between"
 CONFIGS: list[tuple[str, bool, dict[str, Any]]] = [
     ("lite default (predicted-latency)", False, {}),
     ("full default (predicted-latency)", True, {}),
+    ("lite default, re-keyed between decisions", False, {REKEY_BETWEEN: True}),
+    ("full default, re-keyed between decisions", True, {REKEY_BETWEEN: True}),
     ("lite load-balance (num_requests)", False, LOAD_BALANCE),
     ("full load-balance (all_prefills_tokens_num)", True, LOAD_BALANCE),
     ("full load-balance, top-k 4", True, {**LOAD_BALANCE, "dispatch_top_k": 4}),
@@ -149,11 +154,13 @@ def _status(k: int, update_id: int, rng: random.Random, admitted: list[str] = ()
 
 
 def _decisions(
-    n: int, full: bool, decisions: int, seed: int, repeat_share: float = 0.0, other_statuses: int = 1, **flags: Any
+    n: int, full: bool, decisions: int, seed: int, repeat_share: float = 0.0, other_statuses: int = 1,
+    rekey_between: bool = False, **flags: Any,
 ) -> dict[str, Any]:
     """Wall-clock and thread-CPU figures of `decisions` timed decisions (after a warm-up) in steady state;
     `repeat_share` of them ask the same short prompt (their own draws: the rest are the same requests); in full
-    mode each is followed by the chosen engine's status and `other_statuses` of random others."""
+    mode each is followed by the chosen engine's status and `other_statuses` of random others. With
+    `rekey_between` the changed instances are re-keyed after each decision's changes, timed apart ("rekey")."""
     from pilotfish.scheduler.config import SchedulerConfig
     from pilotfish.scheduler.core import SchedulerCore
 
@@ -174,6 +181,7 @@ def _decisions(
     repeated = prefix_chains(random.Random(seed + 3))[0]
     wall: list[float] = []
     cpu: list[float] = []
+    rekey: list[float] = []
     warmup = min(2000, decisions // 5)
     for i in range(warmup + decisions):
         req = request(f"r{i}", rng.randrange(16, 4096), prefixes[i % PREFIXES])
@@ -204,7 +212,15 @@ def _decisions(
                 other = rng.randrange(n)
                 updates[other] += 1
                 core.apply_status(_status(other, updates[other], rng))
-    return {**_summary_us(wall), "cpu": _summary_us(cpu)}
+        if rekey_between:
+            cpu_started = time.thread_time_ns()
+            core.rekey_changed()
+            if i >= warmup:
+                rekey.append((time.thread_time_ns() - cpu_started) / 1000)
+    fig = {**_summary_us(wall), "cpu": _summary_us(cpu)}
+    if rekey_between:
+        fig["rekey_cpu"] = _summary_us(rekey)
+    return fig
 
 
 def prefix_chains(rng: random.Random) -> list[tuple[int, ...]]:
@@ -370,6 +386,11 @@ def _decision_rows(decisions: dict[str, dict[str, Any]]) -> list[str]:
             f"| {label.split(' @ ')[0]} | {n} | {fig['mean_us']} | {fig['p50_us']} | {fig['p99_us']} "
             f"| {cpu.get('mean_us', '')} | {cpu.get('p50_us', '')} | {cpu.get('p99_us', '')} | {GOALS_US.get(n, '')} |"
         )
+    between = [(label, fig["rekey_cpu"]) for label, fig in decisions.items() if "rekey_cpu" in fig]
+    if between:
+        rows += ["", "The re-keying those \"re-keyed between decisions\" did apart, after each decision's changes "
+                 "(thread CPU per decision; a server's loop does it when free, else before the next decision):", ""]
+        rows += [f"- {label}: mean {r['mean_us']} µs, p50 {r['p50_us']}, p99 {r['p99_us']}" for label, r in between]
     return rows
 
 

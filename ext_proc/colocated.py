@@ -47,6 +47,11 @@ class LocalScheduler:
         from pilotfish.scheduler.errors import SchedulerError
         from pilotfish.scheduler.flow import Stopping
 
+        if self._core.on_rekey_due is None:  # type: ignore[attr-defined]
+            from pilotfish.scheduler.idle_rekey import rekey_when_idle
+
+            # the loop this gateway serves on: its free time re-keys the load index, not the next request
+            rekey_when_idle(self._core, asyncio.get_running_loop())  # type: ignore[arg-type]
         info = self._request_info(
             request_id=request.request_id,
             model=request.model,
@@ -122,5 +127,6 @@ class LocalScheduler:
         self._core.remove_instance(instance_id)  # type: ignore[attr-defined]
 
     async def close(self) -> None:
+        self._core.on_rekey_due = None  # type: ignore[attr-defined]
         if self.flow is not None:
             self.flow.close()

@@ -116,7 +116,7 @@ class SchedulerCore:
         self._lrs = LocalRealtimeState(
             config.request_local_account_staleness_seconds,
             clock,
-            on_change=self._dirty.add if reads_lrs else None,
+            on_change=self._mark if reads_lrs else None,
             count_releases=not self.full_mode,  # full mode counts answers from the engines' records
             on_first_token=None if self.full_mode or not config.slow_engine_ratio_lite else self._first_token,
         )
@@ -136,6 +136,9 @@ class SchedulerCore:
         self._clock = clock
         # full mode: told when a status or in-flight entry changes an instance's load (flow control drains then)
         self.on_view_change: Callable[[], None] | None = None
+        # told when an instance changes while the load index is current: a server then re-keys it
+        # (`rekey_changed`) in a callback of its own, so the next Schedule need not (rekey_when_idle)
+        self.on_rekey_due: Callable[[], None] | None = None
         # ejected engines are no candidates; a change in that set rebuilds the candidate groups
         self.health = EngineHealth.from_config(config, clock, on_change=self._by_model.clear)
         self.cms: CmsView | None = None
@@ -238,9 +241,15 @@ class SchedulerCore:
         return self.cms
 
     def _changed(self, inst: InstanceView) -> None:
-        self._dirty.add(inst.instance_id)
+        self._mark(inst.instance_id)
         if self.on_view_change is not None:
             self.on_view_change()
+
+    def _mark(self, instance_id: str) -> None:
+        dirty = self._dirty
+        if not dirty and self.on_rekey_due is not None:
+            self.on_rekey_due()  # once until the next re-key: the changes after it wait for the same one
+        dirty.add(instance_id)
 
     # -- candidates ------------------------------------------------------------------------------------
 
@@ -274,6 +283,11 @@ class SchedulerCore:
                 self._by_model.clear()
             self._by_model[model] = groups
         return groups
+
+    def rekey_changed(self) -> None:
+        """Re-key the instances that changed since the last decision or re-key in every index: what the next
+        Schedule would do first (a server calls this when its loop is free: rekey_when_idle)."""
+        self._flush()
 
     def _flush(self) -> None:
         """Re-key the instances that changed since the last decision in every index."""

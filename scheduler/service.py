@@ -35,6 +35,7 @@ from pilotfish.scheduler.errors import SchedulerError
 from pilotfish.scheduler.flow import FlowGate
 from pilotfish.scheduler.flow import wire as flow_wire
 from pilotfish.scheduler.health import HealthProber
+from pilotfish.scheduler.idle_rekey import rekey_when_idle
 from pilotfish.scheduler.limits import (
     ListenerStats,
     OutOfBounds,
@@ -481,6 +482,7 @@ class SchedulerServer:
             _probe_port(host, metrics_port, "--metrics-port")
         if self.config.session_port:
             _probe_port(host, self.config.session_port, "--session-port")
+        rekey_when_idle(self.core, asyncio.get_running_loop())
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
         # and the listener limits: message size, streams, connections, idle, keepalive (scheduler/limits.py)
         server = self._server = grpc.aio.server(
@@ -575,6 +577,7 @@ class SchedulerServer:
         discovery, self._discovery_task = self._discovery_task, None
         probes, self._probe_task = self._probe_task, None
         self._expiry = self._server = self._metrics_runner = None  # a second stop() is a no-op
+        self.core.on_rekey_due = None  # the loop may close after this: later changes wait for a Schedule
         if self._rescheduler is not None:
             await self._rescheduler.stop()  # before the reader: no cycle plans over a view being torn down
         for task in (expiry, reader, discovery, probes):

@@ -46,7 +46,10 @@ def test_table_has_the_cpu_columns_and_the_command_its_sizes(tmp_path: Path) -> 
     md = bench.render_markdown(result)
     assert "| CPU p50 µs | CPU p99 µs |" in md
     rows = [line for line in md.splitlines() if line.startswith("| lite default") or line.startswith("| full default")]
-    assert len(rows) == 2 and all(len(r.split("|")) == 11 for r in rows)
+    # the shipped default in each mode, as it is and re-keyed between decisions (the re-keying's own lines after)
+    assert len(rows) == 4 and all(len(r.split("|")) == 11 for r in rows)
+    rekeyed = [line for line in md.splitlines() if line.startswith("- ") and "re-keyed between decisions" in line]
+    assert len(rekeyed) == 2 and all(" µs, p50 " in line for line in rekeyed)
     assert "--sizes 16 --decisions 20" in result["command"]
     # a result written before the CPU column renders still, its CPU cells empty
     old = {k: {kk: vv for kk, vv in v.items() if kk != "cpu"} for k, v in result["decisions"].items()}

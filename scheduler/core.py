@@ -139,6 +139,7 @@ class SchedulerCore:
         # told when an instance changes while the load index is current: a server then re-keys it
         # (`rekey_changed`) in a callback of its own, so the next Schedule need not (rekey_when_idle)
         self.on_rekey_due: Callable[[], None] | None = None
+        self._indexed = False  # whether a load index was ever built (a fleet under INDEX_MIN_INSTANCES has none)
         # ejected engines are no candidates; a change in that set rebuilds the candidate groups
         self.health = EngineHealth.from_config(config, clock, on_change=self._by_model.clear)
         self.cms: CmsView | None = None
@@ -247,8 +248,10 @@ class SchedulerCore:
 
     def _mark(self, instance_id: str) -> None:
         dirty = self._dirty
-        if not dirty and self.on_rekey_due is not None:
-            self.on_rekey_due()  # once until the next re-key: the changes after it wait for the same one
+        if not dirty and self._indexed and self.on_rekey_due is not None:
+            # once until the next re-key: the changes after it wait for the same one. Without an index there is
+            # nothing to re-key, and a callback per engine status would cost the loop a turn each
+            self.on_rekey_due()
         dirty.add(instance_id)
 
     # -- candidates ------------------------------------------------------------------------------------
@@ -279,6 +282,7 @@ class SchedulerCore:
                 pipeline = stage.pipeline
                 if pipeline is not None and pipeline.indexable and len(stage.instances) >= INDEX_MIN_INSTANCES:
                     stage.index = load_index(stage.pipeline, stage.instances)
+                    self._indexed = True
             if len(self._by_model) > 1024:  # bound it: with no --model every name is accepted
                 self._by_model.clear()
             self._by_model[model] = groups

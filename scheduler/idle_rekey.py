@@ -9,7 +9,9 @@ callback of its own on the server's loop; the changes until it runs wait for the
 A loop with free time re-keys there, and a Schedule that comes later finds the index current.
 A busy loop does the same work either way, only in another order. The CPU spent is the same,
 except when one instance changes twice before a Schedule: then the lazy way re-keys it once.
-At 30 steps a second that means fewer than 30 Schedules a second.
+Engines stepping 30 times a second do that when the fleet gets fewer than 30 Schedules a second,
+where the scheduler's CPU is cheap and a Schedule's wait is not. A fleet too small for an index
+(scheduler/core.py, INDEX_MIN_INSTANCES) schedules no callback at all.
 """
 
 from __future__ import annotations

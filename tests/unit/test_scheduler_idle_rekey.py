@@ -129,3 +129,15 @@ async def test_a_server_rekeys_on_its_loop_and_stops_doing_so_when_stopped() -> 
     finally:
         await server.stop(grace=0)
     assert core.on_rekey_due is None
+
+
+def test_a_fleet_without_an_index_schedules_no_rekey() -> None:
+    # under INDEX_MIN_INSTANCES the policy scans: a callback per engine status would be a loop turn for nothing
+    core = SchedulerCore(SchedulerConfig(model=["m"], instances=["h:1", "h:2"]))
+    loop = Loop()
+    rekey_when_idle(core, loop)  # type: ignore[arg-type]
+    loop.run()  # the one it schedules as it starts
+    for i in range(5):
+        core.schedule(RequestInfo(f"r{i}", "m", prompt_tokens=10))
+        core.release(f"r{i}")
+    assert loop.callbacks == []

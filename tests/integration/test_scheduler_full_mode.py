@@ -271,3 +271,36 @@ async def test_reader_survives_a_redis_restart(redis_binary: Path, tmp_path: Pat
         for c in clients:
             with contextlib.suppress(Exception):
                 await c.aclose()
+
+
+async def test_the_load_index_is_rekeyed_in_the_loops_free_time_not_at_the_next_schedule(
+    redis_service: RunningService, redis_client: aioredis.Redis
+) -> None:
+    from pilotfish.scheduler.view.types import InferType, RequestInfo
+
+    server = await started(full_config(redis_service))
+    try:
+        await subscribed(redis_client)
+        llumlets = [Llumlet(redis_client, f"e{k:02d}", port=8000 + k) for k in range(16)]  # enough for an index
+        for k, llumlet in enumerate(llumlets):
+            await llumlet.register()
+            await llumlet.export(uncomputed_prefill_tokens=100 * k)
+        core = server.core
+        await eventually(lambda: sum(i.status is not None for i in core.instances()) == 16, "16 engines' statuses")
+        core.schedule(RequestInfo("first", "m", prompt_tokens=10))  # builds the load index
+        index = core._by_model["m"].stages[InferType.NEUTRAL].index
+        assert index is not None
+        await eventually(lambda: not core._dirty, "the dispatch's engine re-keyed")
+        busy = {llumlet.name for llumlet in llumlets[:5]}
+        for llumlet in llumlets[:5]:
+            await llumlet.export(uncomputed_prefill_tokens=50_000)
+        await eventually(
+            lambda: all(i.status is not None and i.status.uncomputed_prefill_tokens == 50_000
+                        for i in core.instances() if i.instance_id in busy),
+            "the five statuses applied",
+        )  # fmt: skip
+        # no Schedule since: the server's loop re-keyed them, and the index keys their new load
+        await eventually(lambda: not core._dirty, "re-keyed without a Schedule")
+        assert all(index._key[name][1][0][0] >= 50_000 for name in busy)  # (floor, states, ...): prefill ahead
+    finally:
+        await server.stop(grace=0)

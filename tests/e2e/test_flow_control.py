@@ -75,6 +75,21 @@ async def complete(
         return resp.status, {k.lower(): v for k, v in resp.headers.items()}
 
 
+async def busy_then_sheddable_then_critical(stack: Stack) -> tuple[list[int], list[str]]:
+    """A long request takes the engine, a sheddable one then a critical one queue behind it: each one's HTTP
+    status, and the order they completed in."""
+    done: list[str] = []
+    async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+        busy = asyncio.create_task(complete(session, stack, "busy", 40, done=done))
+        await until(lambda: held(stack) >= 1)
+        sheddable = asyncio.create_task(complete(session, stack, "sheddable", 4, "sheddable", done))
+        await until(lambda: queued(stack) >= 1)
+        critical = asyncio.create_task(complete(session, stack, "critical", 4, "critical", done))
+        await until(lambda: queued(stack) >= 2)
+        statuses = [s for s, _ in await asyncio.gather(busy, sheddable, critical)]
+        return statuses, done
+
+
 @pytest.fixture
 def flow_stack(make_stack) -> Stack:
     return make_stack(
@@ -93,19 +108,7 @@ def test_queued_requests_wait_past_the_gateway_deadline_in_band_order(flow_stack
     stack = flow_stack
     routed_before = metric(stack.ext_proc_metrics_port, "pilotfish_ext_proc_routed_total", route="scheduler")
 
-    async def run() -> tuple[list[int], list[str]]:
-        done: list[str] = []
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            busy = asyncio.create_task(complete(session, stack, "busy", 40, done=done))
-            await until(lambda: held(stack) >= 1)
-            sheddable = asyncio.create_task(complete(session, stack, "sheddable", 4, "sheddable", done))
-            await until(lambda: queued(stack) >= 1)
-            critical = asyncio.create_task(complete(session, stack, "critical", 4, "critical", done))
-            await until(lambda: queued(stack) >= 2)
-            statuses = [s for s, _ in await asyncio.gather(busy, sheddable, critical)]
-            return statuses, done
-
-    statuses, order = asyncio.run(run())
+    statuses, order = asyncio.run(busy_then_sheddable_then_critical(stack))
     assert statuses == [200, 200, 200]
     assert order == ["busy", "critical", "sheddable"]  # the critical one arrived later and went first
     # all three by the scheduler's pick, none by the gateway's round-robin fallback
@@ -168,19 +171,7 @@ def test_full_mode_holds_requests_on_the_engines_reports_and_releases_them_in_ba
         WAIT, "the engine in the scheduler's CMS view",
     )
 
-    async def run() -> tuple[list[int], list[str]]:
-        done: list[str] = []
-        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
-            busy = asyncio.create_task(complete(session, stack, "busy", 40, done=done))
-            await until(lambda: held(stack) >= 1)
-            sheddable = asyncio.create_task(complete(session, stack, "sheddable", 4, "sheddable", done))
-            await until(lambda: queued(stack) >= 1)
-            critical = asyncio.create_task(complete(session, stack, "critical", 4, "critical", done))
-            await until(lambda: queued(stack) >= 2)
-            statuses = [s for s, _ in await asyncio.gather(busy, sheddable, critical)]
-            return statuses, done
-
-    statuses, order = asyncio.run(run())
+    statuses, order = asyncio.run(busy_then_sheddable_then_critical(stack))
     assert statuses == [200, 200, 200]
     assert order == ["busy", "critical", "sheddable"]
     assert metric(stack.scheduler_metrics_port, "pilotfish_scheduler_flow_dispatched_total", how="queued") == 2

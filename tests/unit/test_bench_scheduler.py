@@ -18,6 +18,14 @@ def parse(*argv: str) -> bench.SchedulerBenchConfig:
     return struct_from_args(bench.SchedulerBenchConfig, parser.parse_args(list(argv)))
 
 
+def measured(tmp_path: Path, *argv: str) -> dict:
+    """The result a run with these flags makes, its command line included."""
+    cfg = parse(*argv)
+    result = bench.measure(cfg, bench.chosen_configs(cfg))
+    result["command"] = bench.command(cfg, tmp_path)
+    return result
+
+
 def test_a_request_never_carries_more_prefix_blocks_than_its_prompt_fills() -> None:
     rng = random.Random(3)
     prefix = bench.prefix_chains(rng)[0]
@@ -40,9 +48,7 @@ def test_decisions_report_wall_and_thread_cpu_time() -> None:
 
 
 def test_table_has_the_cpu_columns_and_the_command_its_sizes(tmp_path: Path) -> None:
-    cfg = parse("--configs", "default", "--decisions-only", "--sizes", "16", "--decisions", "20")
-    result = bench.measure(cfg, bench.chosen_configs(cfg))
-    result["command"] = bench.command(cfg, tmp_path)
+    result = measured(tmp_path, "--configs", "default", "--decisions-only", "--sizes", "16", "--decisions", "20")
     md = bench.render_markdown(result)
     assert "| CPU p50 µs | CPU p99 µs |" in md
     rows = [line for line in md.splitlines() if line.startswith("| lite default") or line.startswith("| full default")]
@@ -75,19 +81,15 @@ def test_a_repeat_share_asks_one_prompt_again_and_says_so(tmp_path: Path) -> Non
     assert len({hashes for _, hashes in repeated}) == 1
     assert len(repeated[0][1]) * bench.BLOCK_SIZE == bench.REPEATED_TOKENS
     assert 160 < len(repeated) < 320
-    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
-                "--repeat-share", "0.5")
-    result = bench.measure(cfg, bench.chosen_configs(cfg))
-    result["command"] = bench.command(cfg, tmp_path)
+    result = measured(tmp_path, "--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
+                      "--repeat-share", "0.5")
     assert "--repeat-share 0.5" in result["command"]
     assert "50% of the decisions ask one 64-token prompt again" in bench.render_markdown(result)
 
 
 def test_index_blocks_time_the_collector_over_a_filled_index(tmp_path: Path) -> None:
-    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "4", "--decisions", "20",
-                "--index-blocks", "600")
-    result = bench.measure(cfg, bench.chosen_configs(cfg))
-    result["command"] = bench.command(cfg, tmp_path)
+    result = measured(tmp_path, "--configs", "full default", "--decisions-only", "--sizes", "4", "--decisions", "20",
+                      "--index-blocks", "600")
     collector = result["collector"]
     # 4 engines of 600 blocks: 3 prompts of 256 blocks each (the last cut by the capacity), some shared
     assert collector["instances"] == 4 and collector["blocks_per_instance"] == 600
@@ -113,10 +115,8 @@ def test_other_statuses_update_that_many_engines_after_each_decision(tmp_path: P
             assert len(made) == 16 + 60 * (1 + others)
     finally:
         bench._status = status  # type: ignore[assignment]
-    cfg = parse("--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
-                "--other-statuses", "8")
-    result = bench.measure(cfg, bench.chosen_configs(cfg))
-    result["command"] = bench.command(cfg, tmp_path)
+    result = measured(tmp_path, "--configs", "full default", "--decisions-only", "--sizes", "16", "--decisions", "20",
+                      "--other-statuses", "8")
     assert "--other-statuses 8" in result["command"]
     assert "8 status update(s) of other engines after each decision" in bench.render_markdown(result)
 

@@ -289,12 +289,8 @@ class SchedulerCore:
         return groups
 
     def rekey_changed(self) -> None:
-        """Re-key the instances that changed since the last decision or re-key in every index: what the next
-        Schedule would do first (a server calls this when its loop is free: rekey_when_idle)."""
-        self._flush()
-
-    def _flush(self) -> None:
-        """Re-key the instances that changed since the last decision in every index."""
+        """Re-key the instances that changed since the last decision or re-key in every index: what a Schedule
+        does first, and what a server does sooner, when its loop is free (rekey_when_idle)."""
         dirty = self._dirty
         if not dirty:
             return
@@ -333,7 +329,7 @@ class SchedulerCore:
         if not groups.stages:
             raise NoSchedulableInstanceError(f"no instance serves model {req.model!r}")
         self.ctx.begin(req)
-        self._flush()
+        self.rekey_changed()
         target, fallbacks, decode = self._decide(groups, req)
         decision = Decision(
             target=target.endpoint,

@@ -57,16 +57,12 @@ def thread_cpu_ns(tid: int) -> int:
     return int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
 
 
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
-
-
 async def one_run(url: str, engines: int, lazy: bool, args: argparse.Namespace) -> dict[str, Any]:
     from pilotfish.bench import scheduler as sb
     from pilotfish.procs import free_port
     from pilotfish.scheduler.config import SchedulerConfig
     from pilotfish.scheduler.service import SchedulerServer
+    from pilotfish.stats import percentile
 
     server = SchedulerServer(SchedulerConfig(enable_full_mode_scheduling=True, redis_url=url, model=["m"],
                                              port=free_port()))  # fmt: skip
@@ -118,8 +114,8 @@ async def one_run(url: str, engines: int, lazy: bool, args: argparse.Namespace) 
         "rekey": "lazy" if lazy else "idle",
         "statuses_per_s": round(statuses_per_s),
         "status_cpu_us": round(per_status, 1),
-        "schedule_cpu_p50_us": round(pct(cpu_us, 0.5), 1),
-        "schedule_cpu_p99_us": round(pct(cpu_us, 0.99), 1),
+        "schedule_cpu_p50_us": round(percentile(cpu_us, 50), 1),
+        "schedule_cpu_p99_us": round(percentile(cpu_us, 99), 1),
         "schedules": len(cpu_us),
     }
 

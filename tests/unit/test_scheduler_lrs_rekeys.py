@@ -33,7 +33,7 @@ def _rekeys_for_a_report(core: SchedulerCore) -> int:
     """Index re-keys the next decision makes after one request's token Report, and nothing else (a Report
     changes the LRS alone; a Release may also retire an in-flight entry, which every mode reads)."""
     core.schedule(RequestInfo("a", "m", prompt_tokens=10))
-    core._flush()  # the dispatch's own change
+    core.rekey_changed()  # the dispatch's own change
     index = core._by_model["m"].stages[InferType.NEUTRAL].index
     assert index is not None
     calls = 0
@@ -46,7 +46,7 @@ def _rekeys_for_a_report(core: SchedulerCore) -> int:
 
     index.rekey = counted  # type: ignore[method-assign]
     assert core.report("a", 5, prefill_done=True)
-    core._flush()
+    core.rekey_changed()
     return calls
 
 

@@ -62,6 +62,9 @@ BANDS = ("critical", "standard", "sheddable")
 # full mode's shipped default policy: flow control is judged on what a user runs (load-balance, say,
 # ignores the prefix cache and halves multi-turn's knee, which would credit flow control with the gap)
 OFF, ON = "pilotfish-full", "pilotfish-full+flow-control"
+# B's flood with a new tenant id on every request: the ids folded into one flow until established (as the
+# scheduler ships), and each id counted as its own flow (--flow-established-after-ms 0)
+ROTATION_ARMS = ("folded", "counted as given")
 FAMILIES = ("family:system-prompt", "family:multi-turn", "family:tenants", "family:rag", "family:heavy-tail",
             "family:bursty")  # fmt: skip
 
@@ -112,6 +115,14 @@ class FlowBenchConfig(SloOptions, frozen=True):
             "(1: fairness by queue order only)"
         ),
     ] = msgspec.field(default_factory=lambda: [1.0, 0.75, 0.5, 0.25])
+    rotation: Annotated[
+        bool,
+        Meta(
+            description="fairness: also run B's flood with a new tenant id on every request, the ids folded into "
+            "one flow until established (the scheduler's default) and counted as given "
+            "(--flow-established-after-ms 0)"
+        ),
+    ] = True
     hold_ms: Annotated[int, Meta(ge=0, description="the gateway's --schedule-queue-timeout-ms")] = 3000
     flow: Annotated[
         list[str],
@@ -139,6 +150,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class Labels:
     band: dict[str, str] = field(default_factory=dict)  # request id -> band name
     flow: dict[str, str] = field(default_factory=dict)  # request id -> tenant
+    # tenants the fleet has served before the run: their ids are established (scheduler/flow/newcomers.py)
+    known: frozenset[str] = frozenset()
+    # tenants that send a new tenant id with every request (the figures still count them as one tenant)
+    rotating: frozenset[str] = frozenset()
+
+    def flow_id(self, rid: str) -> str:
+        """The tenant id request `rid` carries."""
+        tenant = self.flow.get(rid, "")
+        return f"{tenant}#{rid}" if tenant in self.rotating else tenant
 
 
 def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fields: dict[str, Any] | None,
@@ -181,6 +201,8 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
                 core = router.core  # type: ignore[attr-defined]
                 cfg = msgspec.structs.replace(core.config, enable_flow_control=True, **flow_fields)
                 self.flow = FlowController(core, cfg, clock=lambda: self.now, wall_clock=lambda: self.now)
+                for tenant in labels.known:
+                    self.flow.newcomers.establish(tenant)
             router.refresh(now)  # type: ignore[attr-defined]
             tokens = self.prompt_builder(request)
             hashes = block_hashes(tokens, self.config.engine.block_size)
@@ -193,7 +215,7 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
             self._held[rid] = (request, tokens, hashes)
             try:
                 outcome = self.flow.submit(info, priorities[labels.band.get(rid, "standard")],
-                                           labels.flow.get(rid, ""), hold_s, lambda o, rid=rid: self._late(rid, o))
+                                           labels.flow_id(rid), hold_s, lambda o, rid=rid: self._late(rid, o))
             except SchedulerError as exc:
                 self._held.pop(rid)
                 self.shed[rid] = getattr(exc, "reason", exc.code)
@@ -496,9 +518,10 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
                    if not math.isnan(m["goodput_rps"]))
     ceilings = {mult: ceiling(arms, capacity, cfg.peers) for mult, arms in past.items()}
 
-    fairness = tenants_run(cfg, workload, seed, knee, cfg.tenant_load, cfg.flood_load)
+    fairness = tenants_run(cfg, workload, seed, knee, cfg.tenant_load, cfg.flood_load, cfg.rotation)
     note(f"fairness: A's P99 TTFT x{fairness[OFF]['a_p99_ratio']['']:.2f} off, on by bound "
-         + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items()))
+         + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items())
+         + "".join(f"; B rotating ids, {k}: x{v:.2f}" for k, v in fairness[ON].get("rotating_a_p99_ratio", {}).items()))
     parts = [fairness]
     if cfg.below_total_load > 0:  # what holding B back costs where the engines could serve both
         below = out["below"] = tenants_run(cfg, workload, seed, knee, cfg.below_tenant_load, cfg.below_total_load)
@@ -508,7 +531,8 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
              + ", ".join(f"{k}: {m['goodput_rps'] / off_goodput:.2f}" for k, m in below[ON]["floods"].items()))
     runs = [*probes.values(), *(m for a in past.values() for m in a.values())]
     for f in parts:
-        runs += [f[OFF]["alone"], f[OFF]["flood"], f[ON]["alone"], *f[ON]["floods"].values()]
+        runs += [f[OFF]["alone"], f[OFF]["flood"], f[ON]["alone"], *f[ON]["floods"].values(),
+                 *f[ON].get("rotating", {}).values()]
     out.update(past_knee=past, capacity_rps=capacity, ceilings=ceilings, fairness=fairness,
                problems=[f"{workload} seed {seed}: {p}" for m in runs for p in m["problems"]],
                wall_seconds=time.monotonic() - started)
@@ -516,10 +540,12 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
 
 
 def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, tenant_load: float,
-                total_load: float) -> dict[str, Any]:
+                total_load: float, rotation: bool = False) -> dict[str, Any]:
     """Tenant A alone at `tenant_load` x knee, then with tenant B on top to `total_load` x knee (both
-    standard): flow control off, and on at every over-share bound of --fair-bounds and the on arm's;
-    A's P99 TTFT with B over without it per arm (`a_p99_ratio`)."""
+    standard, both served before the run): flow control off, and on at every over-share bound of
+    --fair-bounds and the on arm's; A's P99 TTFT with B over without it per arm (`a_p99_ratio`). With
+    `rotation`, the on arm again with B sending a new tenant id with every request, its ids folded into
+    the newcomers as the scheduler ships and counted as given (`rotating_a_p99_ratio`)."""
     from pilotfish.simulator.traces import compress
 
     n_a = max(100, int(cfg.requests * tenant_load / total_load))
@@ -529,7 +555,8 @@ def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, ten
                        knee * (total_load - tenant_load))
     trace_b = [r for r in flood_b if r.arrival <= span]
     flooded = sorted(trace_a + trace_b, key=lambda r: (r.arrival, r.request_id))
-    tenants = Labels(flow={**{r.request_id: "A" for r in trace_a}, **{r.request_id: "B" for r in trace_b}})
+    tenants = Labels(flow={**{r.request_id: "A" for r in trace_a}, **{r.request_id: "B" for r in trace_b}},
+                     known=frozenset("AB"))
     fields = flow_settings(cfg)
     fairness: dict[str, Any] = {"requests": {"A": len(trace_a), "B": len(trace_b)}}
     for name in (OFF, ON):
@@ -539,11 +566,19 @@ def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, ten
         f"{b:g}": run_arm(cfg, ON, flooded, tenants, seed, {**fields, "flow_over_share_bound": b})
         for b in sorted({*cfg.fair_bounds, over_share_bound(cfg)}, reverse=True)
     }
+    if rotation:  # B sends a new tenant id with every request: folded into the newcomers, and counted as given
+        rotating = Labels(flow=tenants.flow, known=frozenset("A"), rotating=frozenset("B"))
+        fairness[ON]["rotating"] = {
+            ROTATION_ARMS[0]: run_arm(cfg, ON, flooded, rotating, seed, fields),
+            ROTATION_ARMS[1]: run_arm(cfg, ON, flooded, rotating, seed, {**fields, "flow_established_after_ms": 0.0}),
+        }
     for name, f in fairness.items():
         if name in (OFF, ON):
             a0 = f["alone"]["tenants"]["A"]["p99_ttft"]
             runs = {"": f["flood"]} if name == OFF else f["floods"]
             f["a_p99_ratio"] = {k: m["tenants"]["A"]["p99_ttft"] / a0 for k, m in runs.items()}
+            if "rotating" in f:
+                f["rotating_a_p99_ratio"] = {k: m["tenants"]["A"]["p99_ttft"] / a0 for k, m in f["rotating"].items()}
     return fairness
 
 
@@ -665,10 +700,16 @@ def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
                  "b_shed": spread([r["tenants"]["B"]["shed"] for r in runs]),
                  "on_x_off_goodput": spread([r["goodput_rps"] / o["goodput_rps"]
                                              for r, o in zip(runs, offs, strict=True)])}
+    rotating = {
+        k: {**arm([f[ON]["rotating_a_p99_ratio"][k] for f in fair], [f[ON]["rotating"][k] for f in fair]),
+            "b_shed": spread([f[ON]["rotating"][k]["tenants"]["B"]["shed"] for f in fair])}
+        for k in (fair[0][ON].get("rotating", {}) if fair else {})
+    }
     return {
         "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
         "off": arm([f[OFF]["a_p99_ratio"][""] for f in fair], offs),
         "on": on,
+        "rotating": rotating,
         "bound": bound,
     }
 
@@ -801,6 +842,23 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
         for name, x in rows:
             md.append(f"| {w} | {name} | {_r(x['p99_ttft'], '{:.3f}')} | {_r(x['p99_queue_wait'], '{:.3f}')} | "
                       f"{_r(x['p99_engine_ttft'], '{:.3f}')} |")
+    if any(s["fairness"]["rotating"] for s in summary.values()):
+        md += [
+            "",
+            "## A flood that sends a new tenant id with every request",
+            "",
+            f"B's flood as above, each of its requests carrying a tenant id of its own; A is a tenant served "
+            f"before. Flow control on at bound {summary[next(iter(summary))]['fairness']['bound']}: B's ids "
+            "folded into one flow until established (`--flow-established-after-ms`, as the scheduler ships), "
+            "and counted as given (0). A's P99 ratio is against A alone.",
+            "",
+            "| workload | B's ids | A's P99 ratio | A's SLO | B's SLO | B shed | goodput (req/s) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for w, s in summary.items():
+            for k, x in s["fairness"]["rotating"].items():
+                md.append(f"| {w} | {k} | {_r(x['a_p99_ratio'])} | {_pct(x['a_slo'])} | {_pct(x['b_slo'])} | "
+                          f"{_r(x['b_shed'], '{:.0f}')} | {_r(x['goodput_rps'], '{:.1f}')} |")
     if any("below" in s for s in summary.values()):
         md += [
             "",

@@ -658,6 +658,16 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "two steps, so this bounds what a flood adds to it",
         ),
     ] = 0.0
+    flow_established_after_ms: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="flows (the tenant header's hash) are counted apart, for the queue's turns and the fair "
+            "share, only once a flow id comes again at least this long after its first request; until then its "
+            "requests share one flow with every other new id, so a client that sends a new id with every "
+            "request gets one share, not one per id (0: every id is its own flow at once)",
+        ),
+    ] = 1000.0
     flow_fair_share_window_ms: Annotated[
         float,
         Meta(

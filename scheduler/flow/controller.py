@@ -33,7 +33,9 @@ more than 1/active. While a flow is over its share, the flows within theirs are 
 queued-prefill bound times --flow-under-share-bound (above 1; the KV and batch bounds stay): the
 flood keeps every engine near its own bound, so at the plain bound a light tenant's request would
 wait in the queue for the flood's prefill to drain, though it is the next to leave whatever the
-order. One flow alone is never judged either way, so a single tenant pays nothing.
+order. One flow alone is never judged either way, so a single tenant pays nothing. A flow id counts
+apart only once established (--flow-established-after-ms, newcomers.py): ids not yet established share one
+flow, so a client sending a new id with every request gets one turn and one share, not one per id.
 
 Critical headroom (--flow-critical-headroom-ms, full mode): while critical requests for a model arrive,
 its standard and sheddable requests are also judged against each engine's predicted time to compute its
@@ -55,6 +57,7 @@ from dataclasses import dataclass
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.errors import DuplicateRequestError, SchedulerError
 from pilotfish.scheduler.flow.bands import Band, band_of, parse_model_priorities
+from pilotfish.scheduler.flow.newcomers import Newcomers
 from pilotfish.scheduler.flow.queue import FlowQueue, Waiting
 from pilotfish.scheduler.flow.saturation import Saturation
 from pilotfish.scheduler.view.types import InstanceView, RequestInfo
@@ -108,6 +111,7 @@ class FlowSettings:
     over_share_bound: float = 0.5
     under_share_bound: float = 4.0
     share_window_s: float = 5.0
+    established_after_s: float = 1.0
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> FlowSettings:
@@ -124,6 +128,7 @@ class FlowSettings:
             over_share_bound=config.flow_over_share_bound,
             under_share_bound=config.flow_under_share_bound,
             share_window_s=config.flow_fair_share_window_ms / 1000,
+            established_after_s=config.flow_established_after_ms / 1000,
         )
 
 
@@ -210,6 +215,8 @@ class FlowController:
         self._pruned_at = -math.inf
         self.arrivals = ArrivalRates(self.settings.share_window_s)
         self._over: set[str] = set()  # the flows over their share when last judged
+        # flow ids not yet established share one flow (newcomers.py): rotating ids buys no shares
+        self.newcomers = Newcomers(self.settings.established_after_s)
         # --flow-critical-headroom-ms, per model: the recent mean of critical prefills (tokens) and when one
         # last arrived (as many entries as models served)
         self._critical: dict[str, tuple[float, float]] = {}
@@ -387,7 +394,7 @@ class FlowController:
             raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
         band = band_of(priority, req.model, self.settings.by_model or {})
         queue = self._queues.get(req.model)
-        flow = flow[:MAX_FLOW_LENGTH]
+        flow = self.newcomers.flow(flow[:MAX_FLOW_LENGTH], self._clock())
         if self.settings.fair_share:
             self.arrivals.add(flow, req.prompt_tokens + max(req.max_tokens, 0), self._clock())
         if hold_s <= 0 or not self._eligible(req.model):

@@ -100,11 +100,23 @@ class FlowCollector(Collector):
         over = flow.over_share_flows()  # judged once per scrape, not once per flow
         for key, n in sorted(flow.flow_tokens().items(), key=lambda kv: -kv[1])[:TOP_FLOWS]:
             inflight.add_metric([key, "1" if key in over else "0"], n)
+        newcomers = CounterMetricFamily(
+            "pilotfish_scheduler_flow_newcomer_requests",
+            "Requests counted in the shared flow of tenant ids not yet established (--flow-established-after-ms): "
+            "a client sending a new id with every request shows here.",
+        )
+        newcomers.add_metric([], flow.newcomers.folded)
+        established = GaugeMetricFamily(
+            "pilotfish_scheduler_flow_established_flows",
+            "Tenant ids counted as flows of their own (at most 4096, the least recently seen forgotten first).",
+        )
+        established.add_metric([], len(flow.newcomers))
         judge = flow.saturation.reason
         for inst in flow.core.instances():  # type: ignore[attr-defined]
             reason = judge(inst, reserve_tokens=flow.critical_reserve_on(inst))
             saturated.add_metric([inst.instance_id, reason or "none"], 1.0 if reason else 0.0)
-        yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, inflight, saturated)
+        yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, inflight, newcomers, established,
+                    saturated)
 
 
 def register_flow_metrics(registry: CollectorRegistry, controller: FlowController) -> None:

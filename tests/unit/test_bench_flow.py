@@ -94,6 +94,11 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
         a = run["tenants"]["A"]
         assert 0.0 <= a["p99_queue_wait"] <= a["p99_ttft"] + 1e-9 and 0.0 < a["p99_engine_ttft"] <= a["p99_ttft"] + 1e-9
     assert f"| {workload} | on, flood, bound 0.5 |" in md
+    # B's flood again with a new tenant id on every request, folded and counted as given
+    assert set(fair[flow.ON]["rotating"]) == set(flow.ROTATION_ARMS)
+    assert set(fair[flow.ON]["rotating_a_p99_ratio"]) == set(flow.ROTATION_ARMS)
+    rotation = md.split("## A flood that sends a new tenant id with every request", 1)[1].split("## ", 1)[0]
+    assert f"| {workload} | folded |" in rotation and f"| {workload} | counted as given |" in rotation
     # two tenants below the knee: the same arms at A 0.3 + B to 0.8 x knee, and the goodput on over off
     below = cell["below"]
     assert set(below[flow.ON]["floods"]) == {"1", "0.5"} and below["requests"]["B"] > 0
@@ -111,3 +116,14 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
 
     only = flow.summarise(msgspec.structs.replace(cfg, loads=[]), [{**cell, "past_knee": {}, "ceilings": {}}])
     assert only[workload]["past"] == {} and only[workload]["fairness"]["on"]["0.5"]["a_p99_ratio"]["n"] == 1
+
+
+def test_a_rotating_tenant_sends_a_new_id_with_every_request_and_known_ones_are_established() -> None:
+    labels = flow.Labels(flow={"r1": "A", "r2": "B", "r3": "B"}, known=frozenset("A"), rotating=frozenset("B"))
+    assert labels.flow_id("r1") == "A" and labels.flow_id("r0") == ""
+    assert len({labels.flow_id("r2"), labels.flow_id("r3"), "B"}) == 3
+    from pilotfish.scheduler.flow.newcomers import NEWCOMERS, Newcomers
+
+    ids = Newcomers(after_s=1.0)
+    ids.establish("A")
+    assert ids.flow("A", 0.0) == "A" and ids.flow(labels.flow_id("r2"), 0.0) == NEWCOMERS

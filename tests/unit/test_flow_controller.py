@@ -29,6 +29,9 @@ class Clock:
 def make(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowController]:
     values: dict[str, object] = {
         "instances": ["a:1", "b:2"], "model": ["m"], "enable_flow_control": True, "flow_lite_max_requests": 1,
+        # the tenants here send a few requests at once: counted apart from their first (newcomers.py has
+        # its own tests below)
+        "flow_established_after_ms": 0.0,
     }
     values.update(overrides)
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
@@ -268,7 +271,8 @@ def test_metrics_per_band_flow_and_engine() -> None:
     from pilotfish.scheduler.flow import FlowGate
 
     clock = Clock()
-    config = SchedulerConfig(instances=["a:1"], model=["m"], enable_flow_control=True, flow_lite_max_requests=1)
+    config = SchedulerConfig(instances=["a:1"], model=["m"], enable_flow_control=True, flow_lite_max_requests=1,
+                             flow_established_after_ms=0)
     core = SchedulerCore(config, clock=clock, rng=random.Random(0))
     gate = FlowGate.from_config(core, config)
     assert gate is not None
@@ -332,7 +336,8 @@ def full_engine(clock: Clock, **overrides: object) -> tuple[SchedulerCore, FlowC
     """Full mode, one engine with a fresh status (nothing queued, KV of 10,000 tokens), a queued-prefill
     bound of 100 tokens."""
     values: dict[str, object] = {"enable_full_mode_scheduling": True, "enable_flow_control": True,
-                                 "flow_max_queued_prefill_tokens": 100, "flow_over_share_bound": 0.5}
+                                 "flow_max_queued_prefill_tokens": 100, "flow_over_share_bound": 0.5,
+                                 "flow_established_after_ms": 0.0}
     values.update(overrides)
     config = SchedulerConfig(**values)  # type: ignore[arg-type]
     core = SchedulerCore(config, clock=clock, wall_clock=clock, rng=random.Random(0))

@@ -37,6 +37,8 @@ def flow_config(**overrides: object) -> SchedulerConfig:
         "session_port": free_port(),
         "enable_flow_control": True,
         "flow_lite_max_requests": 1,
+        # the tenants here send a few requests at once: counted apart from their first (newcomers.py)
+        "flow_established_after_ms": 0.0,
     }
     values.update(overrides)
     return SchedulerConfig(**values)  # type: ignore[arg-type]

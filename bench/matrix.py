@@ -434,6 +434,36 @@ def losses(cells: dict[str, dict[str, Any]], tolerance: float = 0.0) -> list[dic
     return out
 
 
+# where the lowest peer P99 queueing is above this (seconds), the full default's must be at most half of it
+QUEUEING_FLOOR_S = 0.1
+
+
+def latency_misses(cells: dict[str, dict[str, Any]], policy: str = "pilotfish-full") -> dict[str, Any]:
+    """The full default's latency goals per cell, against the peers' lowest P99 (mean over seeds): its P99
+    TTFT at most theirs, and its P99 queueing at most half theirs where theirs is above QUEUEING_FLOOR_S.
+    Returns the cells judged and the misses of each."""
+    judged = {"ttft": 0, "queueing": 0}
+    misses: dict[str, list[dict[str, Any]]] = {"ttft": [], "queueing": []}
+    for key, cell in cells.items():
+        summary = cell["summary"]
+        mine = summary.get(policy)
+        if mine is None:
+            continue
+        for what, bound in (("ttft", 1.0), ("queueing", 0.5)):
+            field = f"{what}_p99"
+            finite = [(summary[p][field], p) for p in PEERS if p in summary and not math.isnan(summary[p][field])]
+            if not finite or math.isnan(mine[field]):
+                continue
+            best, peer = min(finite)
+            if what == "queueing" and best <= QUEUEING_FLOOR_S:
+                continue
+            judged[what] += 1
+            if mine[field] > bound * best:
+                misses[what].append({"cell": key, "p99_s": mine[field], "peer": peer, "peer_p99_s": best,
+                                     "ratio": mine[field] / best if best else math.inf})
+    return {"policy": policy, "judged": judged, "misses": misses}
+
+
 def write_heatmap(out_dir: Path, cells: dict[str, dict[str, Any]], policies: list[str]) -> str | None:
     """heatmap.png: one row per policy, one column per cell, colour = goodput / best peer's; None if no
     matplotlib (the reason goes to the report)."""
@@ -530,6 +560,21 @@ def render_markdown(result: dict[str, Any]) -> str:
         row = [f"{_f(cell['summary'][p]['ttft_p99'])} / {_f(cell['summary'][p]['queueing_p99'])}"
                if p in cell["summary"] else "" for p in policies]
         md.append(f"| {key} | " + " | ".join(row) + " |")
+    lat = result.get("latency")
+    if lat:
+        judged, misses = lat["judged"], lat["misses"]
+        md += ["", f"## `{lat['policy']}`'s latency against the peers' lowest P99 (mean over seeds)", "",
+               f"P99 TTFT at most the lowest peer P99 TTFT: above it in {len(misses['ttft'])} of {judged['ttft']} "
+               f"cells. P99 queueing at most half the lowest peer P99 queueing where that is above "
+               f"{QUEUEING_FLOOR_S * 1000:g} ms: above half in {len(misses['queueing'])} of {judged['queueing']} "
+               "such cells."]
+        rows = [(what, x) for what in ("ttft", "queueing") for x in misses[what]]
+        if rows:
+            md += ["", "| goal | cell | P99 s | lowest peer | peer's P99 s | ratio |", "|---|---|---|---|---|---|"]
+            for what, x in rows:
+                goal = "P99 TTFT <= peer's" if what == "ttft" else "P99 queueing <= half the peer's"
+                md.append(f"| {goal} | {x['cell']} | {_f(x['p99_s'], 3)} | {x['peer']} | {_f(x['peer_p99_s'], 3)} | "
+                          f"{_f(x['ratio'], 3)} |")
     md += ["", "## Heat map", ""]
     md.append(f"![goodput relative to the best peer]({result['heatmap']})" if result["heatmap"]
               else "None: matplotlib is not installed (`pip install 'pilotfish[bench]'`).")
@@ -553,7 +598,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     heatmap = write_heatmap(out, measured["cells"], measured["policies"])
     result = {
-        "config": msgspec.to_builtins(config), **measured, "losses": losses(measured["cells"]), "heatmap": heatmap,
+        "config": msgspec.to_builtins(config), **measured, "losses": losses(measured["cells"]),
+        "latency": latency_misses(measured["cells"]), "heatmap": heatmap,
         "wall_seconds": time.monotonic() - started, "host": platform.node(), "python": platform.python_version(),
         "load_average": list(os.getloadavg()), "cpus": os.cpu_count(),
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,36 @@ def test_losses_name_the_cell_and_the_reference() -> None:
             p["vs_best_local_peer"] = p["goodput_rps"] / 10.5
     lost = {(x["policy"], x["against"]) for x in matrix.losses(cells)}
     assert lost == {("pilotfish", "round-robin"), ("pilotfish", "sglang"), ("pilotfish-full", "dynamo")}
+
+
+def test_latency_misses_hold_the_full_default_to_the_peers_lowest_p99() -> None:
+    def lat(ttft: float, queueing: float) -> dict[str, float]:
+        return {"ttft_p99": ttft, "queueing_p99": queueing}
+
+    cells = {
+        # P99 TTFT above the lowest peer's (sglang 1.0), queueing under half of theirs (0.4 against 1.0)
+        "a": {"summary": {"pilotfish-full": lat(1.2, 0.4), "sglang": lat(1.0, 1.0), "dynamo": lat(2.0, 3.0)}},
+        # peers' queueing under 100 ms: not judged; P99 TTFT equal to the peer's is within the goal
+        "b": {"summary": {"pilotfish-full": lat(0.5, 0.09), "llm-d": lat(0.5, 0.05)}},
+        # queueing above half the lowest peer's (0.3 against 0.5)
+        "c": {"summary": {"pilotfish-full": lat(0.4, 0.3), "dynamo": lat(0.9, 0.5), "sglang": lat(0.8, math.nan)}},
+        "d": {"summary": {"pilotfish-full": lat(0.4, 0.3)}},  # no peer ran: nothing judged
+    }
+    got = matrix.latency_misses(cells)
+    assert got["judged"] == {"ttft": 3, "queueing": 2}
+    assert [(x["cell"], x["peer"]) for x in got["misses"]["ttft"]] == [("a", "sglang")]
+    assert [(x["cell"], x["peer"], x["ratio"]) for x in got["misses"]["queueing"]] == [("c", "dynamo", 0.6)]
+    md = matrix.render_markdown({**_minimal_result(), "latency": got})
+    assert "above it in 1 of 3 cells" in md and "above half in 1 of 2 such cells" in md
+    assert "| P99 queueing <= half the peer's | c | 0.300 | dynamo | 0.500 | 0.600 |" in md
+
+
+def _minimal_result() -> dict[str, object]:
+    config = {"workloads": ["w"], "fleets": [16], "loads": [1.0], "seeds": [0], "requests_per_cell": 10,
+              "slo_ttft": 2.0, "slo_tpot": 0.1, "profile": "p", "num_gpu_blocks": 1, "knee_attainment": 0.9,
+              "knee_steps": 1, "jobs": 1}
+    return {"config": config, "cells": {}, "policies": [], "knees": {}, "losses": [], "heatmap": None,
+            "skipped": [], "wall_seconds": 1.0, "host": "h", "cpus": 2, "load_average": [0.0, 0.0, 0.0]}
 
 
 def test_quick_replaces_only_what_was_left_at_its_default(tmp_path: Path) -> None:

@@ -633,8 +633,9 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             gt=0,
             le=1,
-            description="the saturation bounds (every --flow-* bound) times this, for a flow over its fair "
-            "share (--flow-fair-share): lower isolates the other flows better and leaves engines idler",
+            description="the saturation bounds times this, for a flow over its fair share (--flow-fair-share): "
+            "lite mode's bounds, the queued-prefill and KV bounds in full mode (the batch bound there is "
+            "left to --flow-over-share-max-step-ms); lower isolates the other flows better and leaves engines idler",
         ),
     ] = 0.5
     flow_under_share_bound: Annotated[
@@ -655,9 +656,9 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             description="full mode: a flow over its fair share (--flow-fair-share) also waits while every engine's "
             "next step, predicted by its step-time fit from its queued prefill (at most its token budget), decode "
             "batch and context, would take this long (ms; 0: not judged): another flow's first token waits about "
-            "two steps, so this bounds what a flood adds to it",
+            "two steps, so this bounds what a flood adds to it (the batch bound is not scaled for that flow)",
         ),
-    ] = 0.0
+    ] = 150.0
     flow_established_after_ms: Annotated[
         float,
         Meta(

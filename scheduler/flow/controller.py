@@ -24,9 +24,9 @@ however the queue is ordered. So the controller keeps an account of the tokens (
 tokens) each flow has in flight, and while more than one flow is active (in flight or waiting),
 a flow holding more than 1/active of them, and asking for more than 1/active of the tokens
 arriving lately (a rate decayed over --flow-fair-share-window-ms), is judged against the
-saturation bounds times --flow-over-share-bound (and, with --flow-over-share-max-step-ms, against
-each engine's predicted next step): it waits while an engine is past that, and the headroom above
-it is left to the flows within their share. The arrival test keeps the flag on the
+saturation bounds times --flow-over-share-bound (the batch bound aside in full mode) and against
+each engine's predicted next step (--flow-over-share-max-step-ms): it waits while an engine is past
+that, and the headroom above it is left to the flows within their share. The arrival test keeps the flag on the
 flood: held back and shed, a flood's work in flight can fall below a lighter flow's, but what it
 asks for does not, and a flow over its share stays so while its requests wait and it still asks for
 more than 1/active. While a flow is over its share, the flows within theirs are judged against the

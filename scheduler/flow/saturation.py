@@ -16,12 +16,14 @@ the next step, not the mean a TPOT is, so it also holds back prefill the engines
 answers are short: off by default (scheduler/flow/README.md has the trade in figures).
 A bound of 0 is not judged. An engine with no status yet, or an unschedulable one, offers no room.
 
-`scale` (below 1) tightens every bound at once: a flow over its fair share of the work in flight
-is judged against the scaled bounds (controller.py), so engines keep headroom for the others.
-`over_share` adds one more bound for that flow (full mode, --flow-over-share-max-step-ms): the
-next step's, as above. Another flow's first token waits about two steps (the one in progress and
-its own prefill's), so this bounds what the flood adds to it, in the unit the TPOT SLO is in,
-whatever the family's prompt and answer lengths.
+`scale` (below 1) tightens the bounds: a flow over its fair share of the work in flight is judged
+against the scaled bounds (controller.py), so engines keep headroom for the others. In full mode the
+batch bound is not scaled: engines below the knee run batches past half their max_num_seqs, and a
+scaled one held the flow back where nothing was saturated. `over_share` adds one more bound for that
+flow (full mode, --flow-over-share-max-step-ms, 150 ms): the next step's, as above. Another flow's
+first token waits about two steps (the one in progress and its own prefill's), so this bounds what the
+flood adds to it, in the unit the TPOT SLO is in, whatever the family's prompt and answer lengths,
+and it is what a big batch costs the others that it judges, not the batch's size.
 `reserve_tokens` (full mode, --flow-critical-headroom-ms) judges a standard or sheddable request while
 critical ones arrive: the engine is saturated for it while its queued prefill and that many tokens more
 (a critical prompt's) are predicted to take the headroom or longer, so the engines keep room to start
@@ -57,7 +59,7 @@ class Saturation:
     max_kv_usage: float = 0.95
     max_batch_requests: int = 0
     max_step_ms: float = 0.0
-    over_share_max_step_ms: float = 0.0
+    over_share_max_step_ms: float = 150.0
     critical_headroom_ms: float = 0.0
 
     @classmethod
@@ -114,7 +116,10 @@ class Saturation:
             if s.total_kv_tokens and projected >= self.max_kv_usage * scale * s.total_kv_tokens:
                 return KV
         batch = self.max_batch_requests or inst.max_num_seqs
-        if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch * scale:
+        # not scaled: below the knee the engines' batches run past half their max_num_seqs, so a scaled batch
+        # bound held the tenant asking more back though nothing was saturated (multi-turn: 18% of goodput).
+        # What a big batch does to another flow's first token, long steps, the over-share step bound judges
+        if batch and s.num_running + s.num_loading + s.num_waiting + inflight.requests >= batch:
             return BATCH
         queued = s.uncomputed_prefill_tokens + inflight.prefill_tokens
         # the bound for every flow holds back prefill only: an engine with none queued is never held by it,

@@ -443,7 +443,7 @@ def test_a_flood_stays_over_its_share_while_its_requests_wait_though_it_holds_le
     assert flow.over_share_flows() == set()  # nothing waiting, 30 in flight against 50
 
 
-def test_scale_tightens_every_bound() -> None:
+def test_scale_tightens_the_token_bounds_but_not_the_batch_bound_in_full_mode() -> None:
     inst = InstanceView(Endpoint("e", "e:1"))
     inst.lrs.num_tokens, inst.lrs.num_requests = 500, 2
     assert Saturation(lite_max_tokens=1000, lite_max_requests=4).reason(inst) == ""
@@ -452,8 +452,9 @@ def test_scale_tightens_every_bound() -> None:
     full = Saturation(full_mode=True)
     assert full.reason(_full(EngineStatus(total_kv_tokens=1000, uncomputed_prefill_tokens=4096), 0), 0.5) == "prefill"
     assert full.reason(_full(EngineStatus(total_kv_tokens=1000, used_kv_tokens=475), 0), 0.5) == "kv"
-    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=128), 256), 0.5) == "batch"
-    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=127), 256), 0.5) == ""
+    # half the batch is where engines run below the knee: a flow over its share is not held there
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=128), 256), 0.5) == ""
+    assert full.reason(_full(EngineStatus(total_kv_tokens=1000, num_running=256), 256), 0.5) == "batch"
 
 
 def test_a_lighter_flow_is_never_over_its_share_though_its_work_in_flight_is_the_larger() -> None:
@@ -561,6 +562,8 @@ def test_the_step_bound_reaches_the_saturation_from_the_flag() -> None:
     config = SchedulerConfig(enable_full_mode_scheduling=True, enable_flow_control=True, flow_max_step_ms=80.0)
     assert Saturation.from_config(config).max_step_ms == 80.0
     assert Saturation.from_config(SchedulerConfig(enable_full_mode_scheduling=True)).max_step_ms == 0.0
+    # a flow over its share is judged by the next step it would lengthen, 150 ms, as shipped
+    assert Saturation.from_config(SchedulerConfig(enable_full_mode_scheduling=True)).over_share_max_step_ms == 150.0
 
 
 def test_a_single_flow_waits_while_the_next_step_would_be_long() -> None:

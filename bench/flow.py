@@ -692,19 +692,19 @@ def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
                 "b_slo": spread([r["tenants"]["B"]["slo_attainment"] for r in runs]),
                 "goodput_rps": spread([r["goodput_rps"] for r in runs])}
 
+    def on_arm(ratios: list[float], runs: list[dict[str, Any]]) -> dict[str, Any]:
+        """An arm with flow control on: what `arm` gives, and B's sheds."""
+        return {**arm(ratios, runs), "b_shed": spread([r["tenants"]["B"]["shed"] for r in runs])}
+
     offs = [f[OFF]["flood"] for f in fair]
     on: dict[str, Any] = {}
     for b in fair[0][ON]["floods"] if fair else {}:
         runs = [f[ON]["floods"][b] for f in fair]
-        on[b] = {**arm([f[ON]["a_p99_ratio"][b] for f in fair], runs),
-                 "b_shed": spread([r["tenants"]["B"]["shed"] for r in runs]),
+        on[b] = {**on_arm([f[ON]["a_p99_ratio"][b] for f in fair], runs),
                  "on_x_off_goodput": spread([r["goodput_rps"] / o["goodput_rps"]
                                              for r, o in zip(runs, offs, strict=True)])}
-    rotating = {
-        k: {**arm([f[ON]["rotating_a_p99_ratio"][k] for f in fair], [f[ON]["rotating"][k] for f in fair]),
-            "b_shed": spread([f[ON]["rotating"][k]["tenants"]["B"]["shed"] for f in fair])}
-        for k in (fair[0][ON].get("rotating", {}) if fair else {})
-    }
+    rotating = {k: on_arm([f[ON]["rotating_a_p99_ratio"][k] for f in fair], [f[ON]["rotating"][k] for f in fair])
+                for k in (fair[0][ON].get("rotating", {}) if fair else {})}
     return {
         "alone": {"off": split([f[OFF]["alone"] for f in fair]), "on": split([f[ON]["alone"] for f in fair])},
         "off": arm([f[OFF]["a_p99_ratio"][""] for f in fair], offs),

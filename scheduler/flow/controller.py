@@ -394,9 +394,10 @@ class FlowController:
             raise DuplicateRequestError(f"request {req.request_id!r} is already waiting in the queue")
         band = band_of(priority, req.model, self.settings.by_model or {})
         queue = self._queues.get(req.model)
-        flow = self.newcomers.flow(flow[:MAX_FLOW_LENGTH], self._clock())
+        arrived = self._clock()
+        flow = self.newcomers.flow(flow[:MAX_FLOW_LENGTH], arrived)
         if self.settings.fair_share:
-            self.arrivals.add(flow, req.prompt_tokens + max(req.max_tokens, 0), self._clock())
+            self.arrivals.add(flow, req.prompt_tokens + max(req.max_tokens, 0), arrived)
         if hold_s <= 0 or not self._eligible(req.model):
             decision = core.schedule(req)  # type: ignore[attr-defined]
             self._account(req, flow, band)

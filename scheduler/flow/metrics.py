@@ -13,6 +13,7 @@ from prometheus_client.registry import Collector
 
 from pilotfish.scheduler.flow.bands import BANDS
 from pilotfish.scheduler.flow.controller import WAIT_BUCKETS
+from pilotfish.scheduler.flow.newcomers import MAX_ESTABLISHED
 
 if TYPE_CHECKING:
     from pilotfish.scheduler.flow.controller import FlowController
@@ -108,7 +109,8 @@ class FlowCollector(Collector):
         newcomers.add_metric([], flow.newcomers.folded)
         established = GaugeMetricFamily(
             "pilotfish_scheduler_flow_established_flows",
-            "Tenant ids counted as flows of their own (at most 4096, the least recently seen forgotten first).",
+            f"Tenant ids counted as flows of their own (at most {MAX_ESTABLISHED}, the least recently seen "
+            "forgotten first).",
         )
         established.add_metric([], len(flow.newcomers))
         judge = flow.saturation.reason

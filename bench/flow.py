@@ -44,6 +44,7 @@ import random
 import statistics
 import sys
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -391,8 +392,18 @@ def figures(trace: Trace, records: dict[str, Any], shed: dict[str, str], labels:
                                           if r.ttft is not None], 99),
             "p99_engine_ttft": percentile([r.first_token - (placed or {}).get(r.request_id, r.arrival)
                                            for r in served if r.ttft is not None], 99),
+            "busiest_engine_share": busiest_engine_share(served),
         }
     return out
+
+
+def busiest_engine_share(served: list[Any]) -> float:
+    """The share of a tenant's served requests that its busiest engine took (NaN: none served). Under a
+    flood, cache affinity can gather a tenant's requests on the engines holding its prefixes, and that
+    engine's queue is then what its TTFT waits on (bench/RESULTS.md, 2026-11-29)."""
+    if not served:
+        return math.nan
+    return max(Counter(r.engine for r in served).values()) / len(served)
 
 
 def flow_settings(cfg: FlowBenchConfig) -> dict[str, Any]:
@@ -683,7 +694,8 @@ def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
     def split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         """A's P99 TTFT and its parts: the wait in the scheduler's queue, engine to first token."""
         a = [r["tenants"]["A"] for r in runs]
-        return {k: spread([x.get(k, math.nan) for x in a]) for k in ("p99_ttft", "p99_queue_wait", "p99_engine_ttft")}
+        return {k: spread([x.get(k, math.nan) for x in a])
+                for k in ("p99_ttft", "p99_queue_wait", "p99_engine_ttft", "busiest_engine_share")}
 
     def arm(ratios: list[float], runs: list[dict[str, Any]]) -> dict[str, Any]:
         """One arm's figures over seeds, from A's P99 ratios and the runs with both tenants."""
@@ -829,10 +841,11 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
     md += [
         "",
         "Where A's P99 TTFT goes (seconds, P99 of each part on its own): the wait in the scheduler's queue, and "
-        "from reaching an engine to the first token (the engine's queue, prefill, a batch shared with B's decodes).",
+        "from reaching an engine to the first token (the engine's queue, prefill, a batch shared with B's decodes); "
+        "and the share of A's requests its busiest engine served (1/engines would be an even spread).",
         "",
-        "| workload | arm | A's P99 TTFT | queue wait | engine to first token |",
-        "|---|---|---|---|---|",
+        "| workload | arm | A's P99 TTFT | queue wait | engine to first token | A on its busiest engine |",
+        "|---|---|---|---|---|---|",
     ]
     for w, s in summary.items():
         f = s["fairness"]
@@ -841,7 +854,7 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
                 *((f"on, flood, bound {b}", x["a_split"]) for b, x in f["on"].items())]
         for name, x in rows:
             md.append(f"| {w} | {name} | {_r(x['p99_ttft'], '{:.3f}')} | {_r(x['p99_queue_wait'], '{:.3f}')} | "
-                      f"{_r(x['p99_engine_ttft'], '{:.3f}')} |")
+                      f"{_r(x['p99_engine_ttft'], '{:.3f}')} | {_pct(x['busiest_engine_share'])} |")
     if any(s["fairness"]["rotating"] for s in summary.values()):
         md += [
             "",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -59,6 +60,12 @@ def test_the_ceiling_is_the_offered_rate_or_the_capacity_whichever_is_lower() ->
     assert c["ceiling_rps"] == 80 and c["ceiling_x_best_peer"] == pytest.approx(80 / 90)
 
 
+def test_the_busiest_engine_share_counts_served_requests_per_engine() -> None:
+    served = [SimpleNamespace(engine=e) for e in (0, 2, 2, 2)]
+    assert flow.busiest_engine_share(served) == 0.75
+    assert math.isnan(flow.busiest_engine_share([]))
+
+
 def test_spread_and_reachable() -> None:
     s = flow.spread([1.0, math.nan, 3.0])
     assert s == {"mean": 2.0, "min": 1.0, "max": 3.0, "n": 2}
@@ -93,7 +100,8 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
     for run in (fair[flow.ON]["alone"], *fair[flow.ON]["floods"].values()):
         a = run["tenants"]["A"]
         assert 0.0 <= a["p99_queue_wait"] <= a["p99_ttft"] + 1e-9 and 0.0 < a["p99_engine_ttft"] <= a["p99_ttft"] + 1e-9
-    assert f"| {workload} | on, flood, bound 0.5 |" in md
+        assert a["busiest_engine_share"] == 1.0  # one engine: it served every request
+    assert f"| {workload} | on, flood, bound 0.5 |" in md and "| 100% |" in md
     # B's flood again with a new tenant id on every request, folded and counted as given
     assert set(fair[flow.ON]["rotating"]) == set(flow.ROTATION_ARMS)
     assert set(fair[flow.ON]["rotating_a_p99_ratio"]) == set(flow.ROTATION_ARMS)

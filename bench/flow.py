@@ -25,7 +25,8 @@ For every workload (`--workloads`, the families of simulator/traces/families.py)
    total at `--flood-load` x knee), both standard: A's P99 TTFT with the flood over without it,
    flow control off, and on at every over-share bound of `--fair-bounds` (1: fairness by queue
    order only), with B's SLO attainment, the price of the isolation, and where A's P99 TTFT goes:
-   the wait in the scheduler's queue, and engine to first token;
+   the wait in the scheduler's queue, and engine to first token, and the share of A's requests that
+   A's busiest engine served (cache affinity can gather a tenant on the engines holding its prefixes);
 4. two tenants below the knee (`--below-tenant-load`, `--below-total-load`): the same, where the
    engines could serve both, so holding the tenant over its share back should cost no goodput.
 

@@ -693,7 +693,8 @@ def summarise_tenants(fair: list[dict[str, Any]], bound: str) -> dict[str, Any]:
     tenants' SLO attainment, B's sheds, the goodput, and the goodput on over off in the same run."""
 
     def split(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-        """A's P99 TTFT and its parts: the wait in the scheduler's queue, engine to first token."""
+        """A's P99 TTFT and its parts (the wait in the scheduler's queue, engine to first token), and the share
+        of A's requests its busiest engine served."""
         a = [r["tenants"]["A"] for r in runs]
         return {k: spread([x.get(k, math.nan) for x in a])
                 for k in ("p99_ttft", "p99_queue_wait", "p99_engine_ttft", "busiest_engine_share")}

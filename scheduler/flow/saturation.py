@@ -50,17 +50,21 @@ STEP = "step"  # a flow over its share: the engine's predicted next step
 HEADROOM = "headroom"  # a standard or sheddable request: room kept to start a critical one
 
 
+# the shipped values: the defaults live in SchedulerConfig, and a judge made without one (a test's) uses them
+_SHIPPED = SchedulerConfig()
+
+
 @dataclass(frozen=True, slots=True)
 class Saturation:
-    full_mode: bool = False
-    lite_max_tokens: int = 0
-    lite_max_requests: int = 0
-    max_queued_prefill_tokens: int = 8192
-    max_kv_usage: float = 0.95
-    max_batch_requests: int = 0
-    max_step_ms: float = 0.0
-    over_share_max_step_ms: float = 150.0
-    critical_headroom_ms: float = 0.0
+    full_mode: bool = _SHIPPED.enable_full_mode_scheduling
+    lite_max_tokens: int = _SHIPPED.flow_lite_max_tokens
+    lite_max_requests: int = _SHIPPED.flow_lite_max_requests
+    max_queued_prefill_tokens: int = _SHIPPED.flow_max_queued_prefill_tokens
+    max_kv_usage: float = _SHIPPED.flow_max_kv_usage
+    max_batch_requests: int = _SHIPPED.flow_max_batch_requests
+    max_step_ms: float = _SHIPPED.flow_max_step_ms
+    over_share_max_step_ms: float = _SHIPPED.flow_over_share_max_step_ms
+    critical_headroom_ms: float = _SHIPPED.flow_critical_headroom_ms
 
     @classmethod
     def from_config(cls, config: SchedulerConfig) -> Saturation:

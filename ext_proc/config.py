@@ -91,6 +91,15 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
             "authorization for API keys); only its hash is sent, never logged"
         ),
     ] = "x-tenant-id"
+    flow_groups: Annotated[
+        Literal["source", "none"],
+        Meta(
+            description="flow control: source splits fair shares between client addresses first (Envoy's "
+            "source.address; an IPv6 address by its /64), then between the flows of each, so a client keeping "
+            "many tenant ids alive shares one address's share; none where an authenticating layer sets the "
+            "flow header"
+        ),
+    ] = "source"
     report_interval_ms: Annotated[
         float, Meta(gt=0, description="how often streamed token counts are reported to the scheduler, batched")
     ] = 50.0

@@ -11,6 +11,15 @@ long the gateway can hold it (scheduler.proto ScheduleRequest priority, flow, qu
 - Flow: the header --flow-header (default `x-tenant-id`; `authorization` keys flows on API keys),
   sent as a 64-bit BLAKE2b hash in hex. The value itself never leaves the gateway and is never
   logged; any length is hashed to the same 16 characters. No header: the default flow.
+- Group: with --flow-groups source (the default), the flow key is `<group>:<flow>`, where the group is
+  the hash of the client's address as Envoy saw the connection (Envoy's `source.address` attribute,
+  which the shipped sidecar asks for; an IPv6 address counts by its /64, what one host is usually
+  given). The scheduler splits shares between groups first, then between a group's flows, so a client
+  that keeps many tenant ids alive shares one address's share. A client cannot choose its address the
+  way it chooses a header. Behind a proxy every request has the proxy's address: one group, the flows
+  as without groups (Envoy's `use_remote_address` and `xff_num_trusted_hops` make `source.address`
+  the client's where a trusted proxy forwards it). `--flow-groups none` where the flow header comes
+  from an authenticating layer and should alone decide the shares.
 - Hold: --schedule-queue-timeout-ms (0: the scheduler answers at once, as without flow control).
 
 The shipped Envoy sidecar forwards these two default header names to the ext_proc (its
@@ -21,6 +30,7 @@ and `x-gateway-*` headers, so neither default is in those namespaces.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -42,11 +52,41 @@ def priority_of(value: str | None) -> int:
     return _BANDS.get(value.strip().lower(), scheduler_pb2.PRIORITY_UNSPECIFIED)
 
 
+GROUP_SEPARATOR = ":"  # scheduler/flow/groups.py's; not a hex digit
+ENVOY_ATTRIBUTES = "envoy.filters.http.ext_proc"  # the key Envoy sends request_attributes under
+SOURCE_ATTRIBUTE = "source.address"
+_MAX_ADDRESS_LENGTH = 64  # longer than any IP and port
+
+
 def flow_of(value: str | None) -> str:
     """The flow key sent for a header value: its hash, never the value; "" without one."""
     if not value:
         return ""
     return hashlib.blake2b(value.encode("utf-8", "replace"), digest_size=8).hexdigest()
+
+
+def group_of_address(address: str | None) -> str:
+    """The group of a client address as Envoy writes it (`ip:port`, `[ipv6]:port`, or a bare IP): the hash
+    of the IPv4 address, or of the /64 of an IPv6 one; "" for anything else (a pipe, nothing)."""
+    if not address or len(address) > _MAX_ADDRESS_LENGTH:
+        return ""
+    host = address
+    if host.startswith("["):
+        host = host[1 : host.find("]")] if "]" in host else ""
+    elif host.count(":") == 1:
+        host = host.partition(":")[0]
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return ""
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            key = str(ip.ipv4_mapped)
+        else:
+            key = str(ipaddress.IPv6Network((ip, 64), strict=False))
+    else:
+        key = str(ip)
+    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +95,27 @@ class FlowHeaders:
     flow_header: str = "x-tenant-id"
     queue_timeout_ms: int = 0
     max_claim: str = "standard"  # the highest band the header may claim (--client-priority-max)
+    groups: str = "source"  # --flow-groups: "source" (the client's address) or "none"
 
-    def read(self, headers: Mapping[str, str]) -> tuple[int, str, bool]:
-        """(priority, flow, whether the header claimed a band above `max_claim`) of a request's headers;
-        such a claim is sent as unspecified."""
+    def read(self, headers: Mapping[str, str], source: str | None = None) -> tuple[int, str, bool]:
+        """(priority, flow, whether the header claimed a band above `max_claim`) of a request's headers and
+        its client's address (`source`); such a claim is sent as unspecified."""
         priority = priority_of(headers.get(self.priority_header))
         over = priority != scheduler_pb2.PRIORITY_UNSPECIFIED and priority < _BANDS[self.max_claim]
-        return (scheduler_pb2.PRIORITY_UNSPECIFIED if over else priority), flow_of(headers.get(self.flow_header)), over
+        flow = flow_of(headers.get(self.flow_header))
+        if self.groups == "source":
+            group = group_of_address(source)
+            if group:
+                flow = f"{group}{GROUP_SEPARATOR}{flow}"
+        return (scheduler_pb2.PRIORITY_UNSPECIFIED if over else priority), flow, over
+
+
+def source_address(attributes: Mapping[str, object]) -> str | None:
+    """The client's address among a ProcessingRequest's attributes (a map of Structs), if Envoy sent it."""
+    fields = attributes.get(ENVOY_ATTRIBUTES)
+    if fields is None:
+        return None
+    value = fields.fields.get(SOURCE_ATTRIBUTE)  # type: ignore[attr-defined]
+    if value is None or value.WhichOneof("kind") != "string_value":
+        return None
+    return value.string_value

@@ -39,7 +39,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages, tracing
 from pilotfish.ext_proc.answer_size import AnswerSizes
-from pilotfish.ext_proc.flow import FlowHeaders
+from pilotfish.ext_proc.flow import FlowHeaders, source_address
 from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
 from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
@@ -260,7 +260,9 @@ class ExtProcServicer:
             s.request_mode = config.request_body_mode
             s.response_mode = config.response_body_mode
             s.send_body_early = config.send_body_without_waiting_for_header_response
-            reply = self._on_request_headers(s, message.request_headers, message.metadata_context)
+            reply = self._on_request_headers(
+                s, message.request_headers, message.metadata_context, source_address(message.attributes)
+            )
             return [] if reply is None else [reply]
         if kind == "request_body":
             return await self._on_request_body(s, message.request_body)
@@ -281,13 +283,13 @@ class ExtProcServicer:
     # -- request ---------------------------------------------------------------------------------
 
     def _on_request_headers(
-        self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata
+        self, s: _Stream, headers: ep.HttpHeaders, metadata: base_pb2.Metadata, source: str | None = None
     ) -> ep.ProcessingResponse | None:
         h = messages.header_map(headers)
         s.path = route_path(h.get(":path", ""))
         s.request_id = gateway_request_id(h.get(messages.REQUEST_ID_HEADER))
         s.subset = messages.subset_hint(metadata)
-        priority, flow, over = self._flow_headers.read(h)
+        priority, flow, over = self._flow_headers.read(h, source)
         s.flow = (priority, flow)
         if over:
             self._metrics.priority_claims_ignored.inc()

@@ -81,6 +81,7 @@ class ExtProcServer:
                 config.flow_header.lower(),
                 config.schedule_queue_timeout_ms,
                 config.client_priority_max,
+                config.flow_groups,
             ),
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)

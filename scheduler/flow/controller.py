@@ -36,6 +36,8 @@ wait in the queue for the flood's prefill to drain, though it is the next to lea
 order. One flow alone is never judged either way, so a single tenant pays nothing. A flow id counts
 apart only once established (--flow-established-after-ms, newcomers.py): ids not yet established share one
 flow, so a client sending a new id with every request gets one turn and one share, not one per id.
+Shares and turns are split between a flow key's groups first, then between a group's flows (groups.py:
+the gateway groups by the client's address), so a client that keeps many ids alive gets one group's.
 
 Critical headroom (--flow-critical-headroom-ms, full mode): while critical requests for a model arrive,
 its standard and sheddable requests are also judged against each engine's predicted time to compute its
@@ -57,6 +59,7 @@ from dataclasses import dataclass
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.errors import DuplicateRequestError, SchedulerError
 from pilotfish.scheduler.flow.bands import Band, band_of, parse_model_priorities
+from pilotfish.scheduler.flow.groups import by_group, group_of
 from pilotfish.scheduler.flow.newcomers import Newcomers
 from pilotfish.scheduler.flow.queue import FlowQueue, Waiting
 from pilotfish.scheduler.flow.saturation import Saturation
@@ -215,6 +218,8 @@ class FlowController:
         self._pruned_at = -math.inf
         self.arrivals = ArrivalRates(self.settings.share_window_s)
         self._over: set[str] = set()  # the flows over their share when last judged
+        self._over_groups: set[str] = set()  # the groups over theirs (groups.py)
+        self._over_within: set[str] = set()  # the flows over theirs within their group
         # flow ids not yet established share one flow (newcomers.py): rotating ids buys no shares
         self.newcomers = Newcomers(self.settings.established_after_s)
         # --flow-critical-headroom-ms, per model: the recent mean of critical prefills (tokens) and when one
@@ -329,24 +334,58 @@ class FlowController:
         its share stays so while it has requests waiting and still asks for more than 1/active,
         though it holds less: held at the tighter bounds, a flood's work in flight falls below a
         steady light flow's (whose requests decode for as long as ever), and without this it took
-        the engines back at the plain bounds at once, flipping in and out of its share."""
+        the engines back at the plain bounds at once, flipping in and out of its share.
+
+        With groups (groups.py), the groups are judged so against each other first, every flow of a
+        group over its share making its flows over theirs, and then the flows of each group of several
+        against each other; one group, or a group per flow, judges as flows alone."""
         if not self.settings.fair_share:
             return set()
         demand = self._active()
-        n = len(demand)
-        if n < 2:
+        if len(demand) < 2:
             return set()
-        total = sum(demand.values())
         waiting: set[str] = set()
         for queue in self._queues.values():
             waiting.update(queue.flow_tokens)
-        heavy = [f for f, mine in demand.items() if mine * n > total or (f in self._over and f in waiting)]
-        if not heavy:
-            self._over = set()
-            return set()
-        rates = self.arrivals.rates(self._clock())
-        arriving = sum(rates.values())
-        self._over = {f for f in heavy if rates.get(f, 0.0) * n > arriving}
+        members = by_group(demand)
+        held = {g: sum(demand[f] for f in flows) for g, flows in members.items()}
+        rates: dict[str, float] | None = None
+        asked: dict[str, float] = {}  # tokens arriving lately per group
+
+        def arrival_rates() -> dict[str, float]:
+            nonlocal rates
+            if rates is None:
+                rates = self.arrivals.rates(self._clock())
+                for f, r in rates.items():
+                    g = group_of(f)
+                    asked[g] = asked.get(g, 0.0) + r
+            return rates
+
+        over: set[str] = set()
+        # between groups (groups.py; a flow alone in its group is judged here, as flows were before groups)
+        n, total = len(members), sum(held.values())
+        heavy = [g for g, mine in held.items()
+                 if mine * n > total or (g in self._over_groups and any(f in waiting for f in members[g]))]
+        over_groups: set[str] = set()
+        if heavy and n > 1:
+            arrival_rates()
+            arriving = sum(asked.values())
+            over_groups = {g for g in heavy if asked.get(g, 0.0) * n > arriving}
+            for g in over_groups:
+                over.update(members[g])
+        self._over_groups = over_groups
+        # within each group of several flows (one group: every flow, as without groups)
+        over_within: set[str] = set()
+        for g, flows in members.items():
+            if len(flows) < 2:
+                continue
+            n, total = len(flows), held[g]
+            heavy = [f for f in flows if demand[f] * n > total or (f in self._over_within and f in waiting)]
+            if heavy:
+                flow_rates = arrival_rates()
+                over_within.update(f for f in heavy if flow_rates.get(f, 0.0) * n > asked.get(g, 0.0))
+        self._over_within = over_within
+        self._over = over | over_within
         return self._over
 
     def over_share(self, flow: str) -> bool:

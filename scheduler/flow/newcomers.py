@@ -9,10 +9,11 @@ ones held back.
 
 So an id counts as its own flow only once it is established: seen again at least `after_s` seconds after
 it was first seen (and still remembered then). Until then its requests go to one shared flow,
-NEWCOMERS, which holds one share and one turn like any tenant. A client that rotates ids stays there
-whatever it sends; a tenant that keeps sending is established after its first `after_s` seconds. A
-client that keeps many ids alive (each used again after `after_s`) still gets a share per id: only an
-authenticating layer that sets the header can stop that.
+NEWCOMERS, which holds one share and one turn like any tenant (one per group, groups.py: a key
+`<group>:<id>` not yet established counts in `<group>:~newcomers`). A client that rotates ids stays
+there whatever it sends; a tenant that keeps sending is established after its first `after_s` seconds.
+A client that keeps many ids alive (each used again after `after_s`) gets a flow per id, but within
+its group: the gateway groups by the client's address, so they share that address's one share.
 
 Both tables are bounded least-recently-used maps. Ids used once can flush the table of candidates (a
 new tenant then takes longer to be established), never the established ones, which leave only when
@@ -22,6 +23,8 @@ established ids that were used more lately push them out.
 from __future__ import annotations
 
 from collections import OrderedDict
+
+from pilotfish.scheduler.flow.groups import SEPARATOR, group_of, joined
 
 # the shared flow of ids not yet established; not a hash the gateway sends (those are 16 hex digits),
 # and a gateway that sends it anyway only joins the newcomers
@@ -56,9 +59,9 @@ class Newcomers:
             self._established.popitem(last=False)
 
     def flow(self, flow_id: str, now: float) -> str:
-        """The flow `flow_id`'s request at `now` counts in: itself once established, else NEWCOMERS.
-        "" (no header: the default flow) is always itself."""
-        if not flow_id or self.after_s <= 0:
+        """The flow `flow_id`'s request at `now` counts in: itself once established, else NEWCOMERS (its
+        group's). "" (no header: the default flow) is always itself, as is a group's default `<group>:`."""
+        if not flow_id or self.after_s <= 0 or flow_id.endswith(SEPARATOR):
             return flow_id
         established = self._established
         if flow_id in established:
@@ -76,4 +79,4 @@ class Newcomers:
         else:  # a tenant that keeps sending outlives ids used once in the table
             candidates.move_to_end(flow_id)
         self.folded += 1
-        return NEWCOMERS
+        return joined(group_of(flow_id), NEWCOMERS)

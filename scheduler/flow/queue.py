@@ -1,11 +1,13 @@
 """The waiting requests of one model: strict priority between bands, round robin between flows.
 
-Each band keeps a FIFO per flow and a turn list of the flows that have requests waiting; `pop`
-takes the head of the next flow in turn from the highest band that holds any, so within a band
-every flow with requests waiting gets one dispatch per round, however many it queued (a flood
-waits behind its own requests, not in front of others'). A cancelled request is marked and
-skipped when it reaches a head or tail; counts are kept exact at once, so memory is bounded by
-what waits.
+Each band keeps a FIFO per flow and turn lists: of the groups that have requests waiting, and per
+group of its flows that do (groups.py: a flow key's group, by default the client's address). `pop`
+takes the head of the next flow in turn of the next group in turn from the highest band that holds
+any, so within a band every group with requests waiting gets one dispatch per round, and within a
+group every flow, however many it queued (a flood waits behind its own requests, not in front of
+others'; a client's many ids wait behind each other). With one group, or a group per flow, that is
+round robin between flows. A cancelled request is marked and skipped when it reaches a head or
+tail; counts are kept exact at once, so memory is bounded by what waits.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from pilotfish.scheduler.flow.bands import BANDS, Band
+from pilotfish.scheduler.flow.groups import group_of
 from pilotfish.scheduler.view.types import RequestInfo
 
 
@@ -42,8 +45,11 @@ class Waiting:
 class _Band:
     flows: dict[str, deque[Waiting]] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)  # live requests per flow
-    turn: deque[str] = field(default_factory=deque)  # flows with requests waiting, in round-robin order
-    in_turn: set[str] = field(default_factory=set)
+    turn: deque[str] = field(default_factory=deque)  # groups with requests waiting, in round-robin order
+    in_turn: set[str] = field(default_factory=set)  # the groups in `turn`
+    # per group, its flows with requests waiting in round-robin order; and the flows in those lists
+    flow_turns: dict[str, deque[str]] = field(default_factory=dict)
+    flows_in_turn: set[str] = field(default_factory=set)
     live: int = 0
 
 
@@ -67,9 +73,16 @@ class FlowQueue:
         q = b.flows.get(w.flow)
         if q is None:
             q = b.flows[w.flow] = deque()
-            if w.flow not in b.in_turn:  # a flow emptied by cancels may still hold its turn
-                b.in_turn.add(w.flow)
-                b.turn.append(w.flow)
+            if w.flow not in b.flows_in_turn:  # a flow emptied by cancels may still hold its turn
+                group = group_of(w.flow)
+                turns = b.flow_turns.get(group)
+                if turns is None:
+                    turns = b.flow_turns[group] = deque()
+                turns.append(w.flow)
+                b.flows_in_turn.add(w.flow)
+                if group not in b.in_turn:  # so may a group
+                    b.in_turn.add(group)
+                    b.turn.append(group)
         q.append(w)
         if w.tokens:
             self.flow_tokens[w.flow] = self.flow_tokens.get(w.flow, 0) + w.tokens
@@ -78,42 +91,60 @@ class FlowQueue:
         self.live += 1
 
     def pop(self, eligible: Callable[[str, Band], bool] | None = None) -> Waiting | None:
-        """The next request to dispatch: highest band first, flows of a band in turn. With
-        `eligible(flow, band)`, a flow it refuses keeps its place in the turn and the next one is tried;
-        bands stay strict (nothing of a lower band passes a band with requests waiting)."""
+        """The next request to dispatch: highest band first, the groups of a band in turn and the flows
+        of a group in turn. With `eligible(flow, band)`, a flow it refuses keeps its place in the turn
+        and the next one is tried; bands stay strict (nothing of a lower band passes a band with
+        requests waiting)."""
         for band in BANDS:
             b = self._bands[band]
             if not b.live:
                 continue
-            for flow in list(b.turn):
-                if flow not in b.flows:
-                    continue  # emptied by cancels: its stale turn is dropped below
-                if eligible is not None and not eligible(flow, band):
-                    continue
-                b.turn.remove(flow)
-                b.in_turn.discard(flow)
-                q = b.flows[flow]
-                while q and q[0].done:
-                    q.popleft()
-                w = q.popleft()
-                self._took(b, w)
-                if flow in b.flows:
-                    b.in_turn.add(flow)
-                    b.turn.append(flow)  # still has requests: its next turn is after the others'
-                return w
+            for group in list(b.turn):
+                turns = b.flow_turns.get(group)
+                if not turns:
+                    continue  # every flow of it emptied by cancels: dropped below
+                for flow in list(turns):
+                    if flow not in b.flows:
+                        continue  # emptied by cancels: its stale turn is dropped below
+                    if eligible is not None and not eligible(flow, band):
+                        continue
+                    turns.remove(flow)
+                    q = b.flows[flow]
+                    while q and q[0].done:
+                        q.popleft()
+                    w = q.popleft()
+                    # the turns first: taking the last request of a flow may rebuild them
+                    if b.counts[flow] > 1:
+                        turns.append(flow)  # still has requests: its next turn is after its group's others'
+                    else:
+                        b.flows_in_turn.discard(flow)
+                    b.turn.remove(group)
+                    if turns:
+                        b.turn.append(group)  # the group's next turn is after the other groups'
+                    else:  # as a flow's: it comes back at the end when it has requests again
+                        b.in_turn.discard(group)
+                        del b.flow_turns[group]
+                    self._took(b, w)
+                    return w
             return None
         return None
 
     def evict_for(self, band: Band) -> Waiting | None:
-        """Make room for a request of `band`: the newest request of the largest flow of the lowest
-        band below it that holds any; None when only `band` or higher wait."""
+        """Make room for a request of `band`: the newest request of the largest flow of the largest
+        group of the lowest band below it that holds any (a client's many small flows are one large
+        group); None when only `band` or higher wait."""
         for lower in reversed(BANDS):
             if lower <= band:
                 return None
             b = self._bands[lower]
             if not b.live:
                 continue
-            flow = max(b.counts, key=lambda f: b.counts[f])
+            sizes: dict[str, int] = {}
+            for f, n in b.counts.items():
+                g = group_of(f)
+                sizes[g] = sizes.get(g, 0) + n
+            largest = max(sizes, key=lambda g: sizes[g])
+            flow = max((f for f in b.counts if group_of(f) == largest), key=lambda f: b.counts[f])
             q = b.flows[flow]
             while q[-1].done:
                 q.pop()
@@ -143,8 +174,15 @@ class FlowQueue:
         else:
             del b.counts[w.flow]
             del b.flows[w.flow]
-            if len(b.turn) > 2 * len(b.flows) + 16:  # stale turns of dropped flows: bound them
-                b.turn = deque(f for f in b.turn if f in b.flows)
+            if len(b.flows_in_turn) > 2 * len(b.flows) + 16:  # stale turns of dropped flows: bound them
+                for group, turns in list(b.flow_turns.items()):
+                    kept = deque(f for f in turns if f in b.flows)
+                    if kept:
+                        b.flow_turns[group] = kept
+                    else:
+                        del b.flow_turns[group]
+                b.flows_in_turn = {f for turns in b.flow_turns.values() for f in turns}
+                b.turn = deque(g for g in b.turn if g in b.flow_turns)
                 b.in_turn = set(b.turn)
 
     def __iter__(self) -> Iterator[Waiting]:

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import aiohttp
 import pytest
 
+from pilotfish.ext_proc.flow import group_of_address
 from pilotfish.procs import wait_until, wait_until_async
 from pilotfish.prom_scrape import metric, scrape
 from pilotfish.stack import Stack
@@ -150,6 +151,33 @@ def test_a_client_that_leaves_takes_its_request_out_and_a_full_queue_sheds_with_
     )
 
 
+def test_the_client_address_groups_its_flows(flow_stack: Stack) -> None:
+    """Envoy hands the ext_proc the client's address (`source.address`), and the flow key the scheduler
+    queues by is in that address's group: `<hash of 127.0.0.1>:...`. A tenant id seen for the first time is
+    not established yet (--flow-established-after-ms), so it waits in its group's shared newcomers flow."""
+    stack = flow_stack
+
+    async def run() -> list[str]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            busy = asyncio.create_task(complete(session, stack, "busy", 40))
+            await until(lambda: held(stack) >= 1)
+            body = {"model": MODEL, "prompt": "flow grouped", "max_tokens": 2}
+            waiter = asyncio.create_task(
+                session.post(f"{stack.base_url}/v1/completions", json=body, headers={"x-tenant-id": "tenant-7"})
+            )
+            await until(lambda: queued(stack) >= 1)
+            samples = scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_flow_queue_flow_requests", [])
+            flows = [labels["flow"] for labels, n in samples if n >= 1]
+            resp = await waiter
+            assert resp.status == 200
+            await resp.read()
+            await busy
+            return flows
+
+    flows = asyncio.run(run())
+    assert flows == [f"{group_of_address('127.0.0.1:1')}:~newcomers"]
+
+
 def test_full_mode_holds_requests_on_the_engines_reports_and_releases_them_in_band_order(
     make_stack, redis_service
 ) -> None:
@@ -168,7 +196,8 @@ def test_full_mode_holds_requests_on_the_engines_reports_and_releases_them_in_ba
     )
     wait_until(
         lambda: len(scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_view_staleness_seconds", [])) == 1,
-        WAIT, "the engine in the scheduler's CMS view",
+        WAIT,
+        "the engine in the scheduler's CMS view",
     )
 
     statuses, order = asyncio.run(busy_then_sheddable_then_critical(stack))

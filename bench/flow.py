@@ -45,6 +45,7 @@ import random
 import statistics
 import sys
 import time
+import zlib
 from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
@@ -67,6 +68,9 @@ OFF, ON = "pilotfish-full", "pilotfish-full+flow-control"
 # B's flood with a new tenant id on every request: the ids folded into one flow until established (as the
 # scheduler ships), and each id counted as its own flow (--flow-established-after-ms 0)
 ROTATION_ARMS = ("folded", "counted as given")
+# B's flood spread over --kept-alive-ids ids, each used again and established: grouped by the client's
+# address as the gateway ships (B's ids share one group's share), and counted as given (--flow-groups none)
+KEPT_ALIVE_ARMS = ("kept alive, grouped by address", "kept alive, one share each")
 FAMILIES = ("family:system-prompt", "family:multi-turn", "family:tenants", "family:rag", "family:heavy-tail",
             "family:bursty")  # fmt: skip
 
@@ -125,6 +129,15 @@ class FlowBenchConfig(SloOptions, frozen=True):
             "(--flow-established-after-ms 0)"
         ),
     ] = True
+    kept_alive_ids: Annotated[
+        int,
+        Meta(
+            ge=0,
+            description="fairness: also run B's flood spread over this many tenant ids, each established, from "
+            "one client address: grouped by address (the gateway's default) and counted as given "
+            "(--flow-groups none); 0: not run",
+        ),
+    ] = 16
     hold_ms: Annotated[int, Meta(ge=0, description="the gateway's --schedule-queue-timeout-ms")] = 3000
     flow: Annotated[
         list[str],
@@ -156,11 +169,33 @@ class Labels:
     known: frozenset[str] = frozenset()
     # tenants that send a new tenant id with every request (the figures still count them as one tenant)
     rotating: frozenset[str] = frozenset()
+    # tenants that spread their requests over this many ids, all kept alive (established)
+    kept_alive: dict[str, int] = field(default_factory=dict)
+    # the group (the gateway's hash of the client's address) of each tenant's keys; none: ungrouped
+    groups: dict[str, str] = field(default_factory=dict)
 
     def flow_id(self, rid: str) -> str:
-        """The tenant id request `rid` carries."""
+        """The flow key request `rid` carries: its tenant id, in its tenant's group."""
+        from pilotfish.scheduler.flow.groups import joined
+
         tenant = self.flow.get(rid, "")
-        return f"{tenant}#{rid}" if tenant in self.rotating else tenant
+        if tenant in self.rotating:
+            key = f"{tenant}#{rid}"
+        elif tenant in self.kept_alive:
+            key = f"{tenant}#{zlib.crc32(rid.encode()) % self.kept_alive[tenant]}"
+        else:
+            key = tenant
+        return joined(self.groups.get(tenant, ""), key)
+
+    def established(self) -> list[str]:
+        """The keys of the tenants served before the run (every id of one keeping ids alive)."""
+        from pilotfish.scheduler.flow.groups import joined
+
+        out = []
+        for tenant in sorted(self.known):
+            ids = [f"{tenant}#{i}" for i in range(self.kept_alive[tenant])] if tenant in self.kept_alive else [tenant]
+            out += [joined(self.groups.get(tenant, ""), i) for i in ids]
+        return out
 
 
 def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fields: dict[str, Any] | None,
@@ -203,8 +238,8 @@ def _cluster_sim(config: ClusterConfig, router: Router, labels: Labels, flow_fie
                 core = router.core  # type: ignore[attr-defined]
                 cfg = msgspec.structs.replace(core.config, enable_flow_control=True, **flow_fields)
                 self.flow = FlowController(core, cfg, clock=lambda: self.now, wall_clock=lambda: self.now)
-                for tenant in labels.known:
-                    self.flow.newcomers.establish(tenant)
+                for key in labels.established():
+                    self.flow.newcomers.establish(key)
             router.refresh(now)  # type: ignore[attr-defined]
             tokens = self.prompt_builder(request)
             hashes = block_hashes(tokens, self.config.engine.block_size)
@@ -530,7 +565,8 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
                    if not math.isnan(m["goodput_rps"]))
     ceilings = {mult: ceiling(arms, capacity, cfg.peers) for mult, arms in past.items()}
 
-    fairness = tenants_run(cfg, workload, seed, knee, cfg.tenant_load, cfg.flood_load, cfg.rotation)
+    fairness = tenants_run(cfg, workload, seed, knee, cfg.tenant_load, cfg.flood_load, cfg.rotation,
+                           cfg.kept_alive_ids)
     note(f"fairness: A's P99 TTFT x{fairness[OFF]['a_p99_ratio']['']:.2f} off, on by bound "
          + ", ".join(f"{k}: x{v:.2f}" for k, v in fairness[ON]["a_p99_ratio"].items())
          + "".join(f"; B rotating ids, {k}: x{v:.2f}" for k, v in fairness[ON].get("rotating_a_p99_ratio", {}).items()))
@@ -552,12 +588,14 @@ def measure(cfg: FlowBenchConfig, workload: str, seed: int) -> dict[str, Any]:
 
 
 def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, tenant_load: float,
-                total_load: float, rotation: bool = False) -> dict[str, Any]:
+                total_load: float, rotation: bool = False, kept_alive_ids: int = 0) -> dict[str, Any]:
     """Tenant A alone at `tenant_load` x knee, then with tenant B on top to `total_load` x knee (both
     standard, both served before the run): flow control off, and on at every over-share bound of
     --fair-bounds and the on arm's; A's P99 TTFT with B over without it per arm (`a_p99_ratio`). With
     `rotation`, the on arm again with B sending a new tenant id with every request, its ids folded into
-    the newcomers as the scheduler ships and counted as given (`rotating_a_p99_ratio`)."""
+    the newcomers as the scheduler ships and counted as given (`rotating_a_p99_ratio`); with
+    `kept_alive_ids`, also B spreading its flood over that many established ids from one client address,
+    grouped by address as the gateway ships and counted as given (in the same dicts)."""
     from pilotfish.simulator.traces import compress
 
     n_a = max(100, int(cfg.requests * tenant_load / total_load))
@@ -584,6 +622,15 @@ def tenants_run(cfg: FlowBenchConfig, workload: str, seed: int, knee: float, ten
             ROTATION_ARMS[0]: run_arm(cfg, ON, flooded, rotating, seed, fields),
             ROTATION_ARMS[1]: run_arm(cfg, ON, flooded, rotating, seed, {**fields, "flow_established_after_ms": 0.0}),
         }
+    if kept_alive_ids:  # B keeps many ids alive from one address: grouped by it, and counted as given
+        spread_b = {"B": kept_alive_ids}
+        grouped = Labels(flow=tenants.flow, known=frozenset("AB"), kept_alive=spread_b,
+                         groups={"A": "address-a", "B": "address-b"})
+        ungrouped = Labels(flow=tenants.flow, known=frozenset("AB"), kept_alive=spread_b)
+        fairness[ON].setdefault("rotating", {}).update({
+            KEPT_ALIVE_ARMS[0]: run_arm(cfg, ON, flooded, grouped, seed, fields),
+            KEPT_ALIVE_ARMS[1]: run_arm(cfg, ON, flooded, ungrouped, seed, fields),
+        })
     for name, f in fairness.items():
         if name in (OFF, ON):
             a0 = f["alone"]["tenants"]["A"]["p99_ttft"]
@@ -860,12 +907,15 @@ def render_markdown(cfg: FlowBenchConfig, result: dict[str, Any], plots: list[st
     if any(s["fairness"]["rotating"] for s in summary.values()):
         md += [
             "",
-            "## A flood that sends a new tenant id with every request",
+            "## A flood that sends many tenant ids",
             "",
             f"B's flood as above, each of its requests carrying a tenant id of its own; A is a tenant served "
             f"before. Flow control on at bound {summary[next(iter(summary))]['fairness']['bound']}: B's ids "
             "folded into one flow until established (`--flow-established-after-ms`, as the scheduler ships), "
-            "and counted as given (0). A's P99 ratio is against A alone.",
+            "and counted as given (0). Then B's flood spread over "
+            f"{cfg.kept_alive_ids} ids, each kept alive (established), from one client address: grouped by "
+            "address as the gateway ships (`--flow-groups source`; A from another address), and counted as "
+            "given (`--flow-groups none`). A's P99 ratio is against A alone.",
             "",
             "| workload | B's ids | A's P99 ratio | A's SLO | B's SLO | B shed | goodput (req/s) |",
             "|---|---|---|---|---|---|---|",

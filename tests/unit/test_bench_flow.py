@@ -102,11 +102,13 @@ def test_a_small_run_loses_nothing_and_reports_every_part() -> None:
         assert 0.0 <= a["p99_queue_wait"] <= a["p99_ttft"] + 1e-9 and 0.0 < a["p99_engine_ttft"] <= a["p99_ttft"] + 1e-9
         assert a["busiest_engine_share"] == 1.0  # one engine: it served every request
     assert f"| {workload} | on, flood, bound 0.5 |" in md and "| 100% |" in md
-    # B's flood again with a new tenant id on every request, folded and counted as given
-    assert set(fair[flow.ON]["rotating"]) == set(flow.ROTATION_ARMS)
-    assert set(fair[flow.ON]["rotating_a_p99_ratio"]) == set(flow.ROTATION_ARMS)
-    rotation = md.split("## A flood that sends a new tenant id with every request", 1)[1].split("## ", 1)[0]
-    assert f"| {workload} | folded |" in rotation and f"| {workload} | counted as given |" in rotation
+    # B's flood again with a new tenant id on every request, folded and counted as given; and spread over
+    # ids kept alive from one address, grouped by it and counted as given
+    arms = {*flow.ROTATION_ARMS, *flow.KEPT_ALIVE_ARMS}
+    assert set(fair[flow.ON]["rotating"]) == arms and set(fair[flow.ON]["rotating_a_p99_ratio"]) == arms
+    rotation = md.split("## A flood that sends many tenant ids", 1)[1].split("## ", 1)[0]
+    for name in arms:
+        assert f"| {workload} | {name} |" in rotation
     # two tenants below the knee: the same arms at A 0.3 + B to 0.8 x knee, and the goodput on over off
     below = cell["below"]
     assert set(below[flow.ON]["floods"]) == {"1", "0.5"} and below["requests"]["B"] > 0
@@ -133,5 +135,15 @@ def test_a_rotating_tenant_sends_a_new_id_with_every_request_and_known_ones_are_
     from pilotfish.scheduler.flow.newcomers import NEWCOMERS, Newcomers
 
     ids = Newcomers(after_s=1.0)
-    ids.establish("A")
+    for key in labels.established():
+        ids.establish(key)
     assert ids.flow("A", 0.0) == "A" and ids.flow(labels.flow_id("r2"), 0.0) == NEWCOMERS
+
+
+def test_a_tenant_keeping_ids_alive_spreads_over_them_all_established_and_in_its_group() -> None:
+    rids = [f"r{i}" for i in range(200)]
+    labels = flow.Labels(flow=dict.fromkeys(rids, "B"), known=frozenset("AB"), kept_alive={"B": 4},
+                         groups={"B": "address-b"})
+    keys = {labels.flow_id(rid) for rid in rids}
+    assert keys == {f"address-b:B#{i}" for i in range(4)}
+    assert set(labels.established()) == {"A", *keys}

@@ -1,6 +1,7 @@
 """Flow control's series on the core's registry, read from the controller at scrape time (the
 series and their labels are listed in scheduler/flow/README.md). A flow label is the gateway's hash
-of the tenant header, never the header's value."""
+of the tenant header, never the header's value, after the hash of the client's address and a colon
+where the gateway groups flows by address (groups.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,8 @@ class FlowCollector(Collector):
                                    labels=["band"])  # fmt: skip
         per_flow = GaugeMetricFamily(
             "pilotfish_scheduler_flow_queue_flow_requests",
-            f"Requests waiting per flow (the hash of its tenant header), the {TOP_FLOWS} largest flows of each band.",
+            f"Requests waiting per flow (the hash of its tenant header, after its client address's hash and a colon "
+            f"where the gateway groups by address), the {TOP_FLOWS} largest flows of each band.",
             labels=["band", "flow"],
         )
         for band in BANDS:

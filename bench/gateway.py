@@ -94,6 +94,7 @@ class GatewayBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
             "skips response bodies and releases from Envoy's access log; OBSERVE: counted by an observing filter; "
             "FIRST: streamed, each stream read to its first token, released from the access log, lite's default), "
             "or a gateway's (istio, ai-gateway); "
+            "a sidecar's may add /ungrouped (the ext_proc's --flow-groups none, no client address from Envoy); "
             "@grpcio after either runs that arm's ext_procs on grpc.aio's server instead of the loop's"
         ),
     ] = msgspec.field(default_factory=lambda: list(DEFAULT_BODY_MODES))
@@ -124,13 +125,18 @@ class BodyMode:
     response: str
     gateway: str = SIDECAR
     grpc_server: str = DEFAULT_GRPC_SERVER  # the ext_proc's --grpc-server ("@grpcio" in the label)
+    # the ext_proc's --flow-groups none, and no client address from Envoy ("/ungrouped" in the label)
+    ungrouped: bool = False
 
     @property
     def label(self) -> str:
         base = f"{self.request}/{self.response}" if self.gateway == SIDECAR else self.gateway
+        if self.ungrouped:
+            base += f"/{UNGROUPED}"
         return base if self.grpc_server == DEFAULT_GRPC_SERVER else f"{base}@{self.grpc_server}"
 
 
+UNGROUPED = "ungrouped"
 DEFAULT_MODE = BodyMode("BUFFERED", "STREAMED")  # render_sidecar's default, what `pilotfish up` runs
 
 
@@ -146,12 +152,15 @@ def parse_body_mode(text: str) -> BodyMode:
     if spec in GATEWAYS:
         return BodyMode("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", spec, server)
     request, _, response = spec.partition("/")
-    if request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE, FIRST):
-        return BodyMode(request, response, grpc_server=server)
+    response, slash, grouping = response.partition("/")
+    if (request in BODY_MODES and response in (*BODY_MODES, "NONE", OBSERVE, FIRST)
+            and (not slash or grouping == UNGROUPED)):
+        return BodyMode(request, response, grpc_server=server, ungrouped=bool(slash))
     raise ConfigError(
         f"--body-modes {text!r}: expected REQUEST/RESPONSE, each one of {', '.join(BODY_MODES)} (the response "
         f"also NONE, {OBSERVE} or {FIRST}), or a gateway: {', '.join(GATEWAYS)}; either may end in @SERVER, the "
-        f"ext_proc's --grpc-server ({', '.join(GRPC_SERVERS)})"
+        f"ext_proc's --grpc-server ({', '.join(GRPC_SERVERS)}); a sidecar's may add /{UNGROUPED} before that "
+        "(the ext_proc's --flow-groups none, and no client address from Envoy)"
     )
 
 
@@ -248,6 +257,7 @@ def _bootstrap(
         response_body_mode={OBSERVE: "NONE", FIRST: "STREAMED"}.get(sidecar.response, sidecar.response),
         observe_response_bodies=sidecar.response == OBSERVE,
         release_from_access_log=sidecar.response == FIRST,
+        client_address=not sidecar.ungrouped,
         **(security or {}),  # type: ignore[arg-type]
     )
     return render_plain_proxy(text) if mode is None else text
@@ -309,12 +319,13 @@ def _start(tmp: Path, group: Any, cfg: GatewayBenchConfig, modes: dict[str, Body
         for response, (slug, flag) in _RESPONSE_BODIES.items()
         if _uses(modes, response)
     }
-    # a mode on another gRPC server gets its own ext_procs (fast and paced), its response flags kept
+    # a mode on another gRPC server, or ungrouped, gets its own ext_procs (fast and paced), its response flags kept
     by_label: dict[str, tuple[tuple[int, int], tuple[int, int]]] = {}
     for label, mode in modes.items():
-        if mode.grpc_server != DEFAULT_GRPC_SERVER:
+        if mode.grpc_server != DEFAULT_GRPC_SERVER or mode.ungrouped:
             response = _RESPONSE_BODIES.get(mode.response)
-            flags = (*(("--response-bodies", response[1]) if response else ()), "--grpc-server", mode.grpc_server)
+            flags = (*(("--response-bodies", response[1]) if response else ()), "--grpc-server", mode.grpc_server,
+                     *(("--flow-groups", "none") if mode.ungrouped else ()))
             slug = re.sub(r"[^\w.-]+", "-", label)
             by_label[label] = (
                 ext_proc(f"ext_proc-{slug}", on_fast, True, *on_socket, *flags),
@@ -752,6 +763,7 @@ def summarise(raw: dict[str, Any], settings: dict[str, Any], modes: dict[str, Bo
             "response": mode.response,
             "envoy_config": mode.gateway,
             "grpc_server": mode.grpc_server,
+            "ungrouped": mode.ungrouped,
             "arm": arm,
             "added_p50_ms": lat["added_p50_ms"],
             "added_p99_ms": lat["added_p99_ms"],
@@ -808,7 +820,9 @@ def _statuses(statuses: dict[str, int]) -> str:
 
 def _server_note(mode: dict[str, Any]) -> str:
     server = mode.get("grpc_server", DEFAULT_GRPC_SERVER)
-    return "" if server == DEFAULT_GRPC_SERVER else f" (ext_proc on {server})"
+    notes = [*([f"ext_proc on {server}"] if server != DEFAULT_GRPC_SERVER else []),
+             *(["--flow-groups none"] if mode.get("ungrouped") else [])]
+    return f" ({', '.join(notes)})" if notes else ""
 
 
 def render_markdown(r: dict[str, Any]) -> str:

@@ -65,6 +65,10 @@ def flow_of(value: str | None) -> str:
     return hashlib.blake2b(value.encode("utf-8", "replace"), digest_size=8).hexdigest()
 
 
+_groups: dict[str, str] = {}  # host -> its group: a client sends many requests from one address
+_MAX_CACHED_GROUPS = 4096
+
+
 def group_of_address(address: str | None) -> str:
     """The group of a client address as Envoy writes it (`ip:port`, `[ipv6]:port`, or a bare IP): the hash
     of the IPv4 address, or of the /64 of an IPv6 one; "" for anything else (a pipe, nothing)."""
@@ -75,15 +79,22 @@ def group_of_address(address: str | None) -> str:
         host = host[1 : host.find("]")] if "]" in host else ""
     elif host.count(":") == 1:
         host = host.partition(":")[0]
+    group = _groups.get(host)
+    if group is None:
+        group = _group_of_host(host)
+        if len(_groups) >= _MAX_CACHED_GROUPS:
+            _groups.clear()  # bounded: many addresses only cost the parse again
+        _groups[host] = group
+    return group
+
+
+def _group_of_host(host: str) -> str:
     try:
         ip = ipaddress.ip_address(host)
     except ValueError:
         return ""
     if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            key = str(ip.ipv4_mapped)
-        else:
-            key = str(ipaddress.IPv6Network((ip, 64), strict=False))
+        key = str(ip.ipv4_mapped) if ip.ipv4_mapped is not None else str(ipaddress.IPv6Network((ip, 64), strict=False))
     else:
         key = str(ip)
     return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()

@@ -97,8 +97,12 @@ def render_sidecar(
     ext_proc_tls_key_file: str | Path = "",
     ext_proc_tls_server_name: str = "",
     ext_proc_auth_token_file: str | Path = "",
+    client_address: bool = True,
 ) -> str:
     """The sidecar bootstrap: listener, ext_proc filter (one or more ext_proc processes), clusters.
+
+    `client_address` has Envoy send each request's client address (`source.address`) with its headers,
+    for the ext_proc's --flow-groups source (its default); False for --flow-groups none.
 
     Body modes are BUFFERED, STREAMED or FULL_DUPLEX_STREAMED each way (measured side by side by
     `pilotfish bench gateway`). A STREAMED request body is sent without waiting for the headers
@@ -171,6 +175,7 @@ def render_sidecar(
         picked_retries=destination_fallbacks,
         picked_pool_type=pool_type,
         picked_pool_members=members,
+        request_attributes=json.dumps(["source.address"] if client_address else []),
     )
     return _secure_ext_proc(
         text,

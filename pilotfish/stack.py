@@ -249,4 +249,16 @@ def _bootstrap(
         release_from_access_log=_response_bodies(spec) == "first-token",
         destination_fallbacks=spec.destination_fallbacks,
         eds_path=eds_path or "",
+        client_address=_flow_groups(spec) != "none",
     )
+
+
+def _flow_groups(spec: StackSpec) -> str:
+    """The ext_proc's --flow-groups as the stack passes it (its default, source, when not given)."""
+    args = spec.ext_proc_args
+    for i, arg in enumerate(args):
+        if arg == "--flow-groups" and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith("--flow-groups="):
+            return arg.split("=", 1)[1]
+    return "source"

@@ -22,6 +22,8 @@ FD = "FULL_DUPLEX_STREAMED"
         ("BUFFERED/BUFFERED", bench.BodyMode("BUFFERED", "BUFFERED")),
         ("istio", bench.BodyMode(FD, FD, "istio")),
         ("ai-gateway", bench.BodyMode(FD, FD, "ai-gateway")),
+        ("BUFFERED/FIRST/ungrouped", bench.BodyMode("BUFFERED", "FIRST", ungrouped=True)),
+        ("BUFFERED/NONE/ungrouped@grpcio", bench.BodyMode("BUFFERED", "NONE", grpc_server="grpcio", ungrouped=True)),
     ],
 )
 def test_body_modes_parse(text: str, mode: bench.BodyMode) -> None:
@@ -29,7 +31,9 @@ def test_body_modes_parse(text: str, mode: bench.BodyMode) -> None:
     assert mode.label == text
 
 
-@pytest.mark.parametrize("text", ["BUFFERED", "BUFFERED/", "buffered/STREAMED", "NONE/STREAMED", "envoy-gateway"])
+@pytest.mark.parametrize(
+    "text", ["BUFFERED", "BUFFERED/", "buffered/STREAMED", "NONE/STREAMED", "envoy-gateway", "BUFFERED/FIRST/grouped"]
+)
 def test_a_bad_body_mode_names_the_flag(text: str) -> None:
     with pytest.raises(ConfigError, match="--body-modes"):
         bench.parse_body_mode(text)
@@ -72,6 +76,14 @@ def test_each_mode_renders_its_body_modes(text: str) -> None:
     assert xp["processing_mode"]["response_body_mode"] == expected
     text_ = bench._bootstrap(mode, 10000, [10001], 10002)
     assert ("envoy.access_loggers.http_grpc" in text_) == (mode.response in (bench.FIRST, "NONE"))
+
+
+def test_an_ungrouped_mode_asks_envoy_for_no_client_address() -> None:
+    grouped = _ext_proc_filter(bench._bootstrap(bench.parse_body_mode("BUFFERED/FIRST"), 10000, [10001], 10002))
+    ungrouped = _ext_proc_filter(
+        bench._bootstrap(bench.parse_body_mode("BUFFERED/FIRST/ungrouped"), 10000, [10001], 10002))
+    assert grouped is not None and grouped["request_attributes"] == ["source.address"]
+    assert ungrouped is not None and ungrouped["request_attributes"] == []
 
 
 def test_envoy_alone_has_no_ext_proc() -> None:

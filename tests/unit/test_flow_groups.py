@@ -167,6 +167,16 @@ def test_an_address_is_grouped_by_its_ip_and_an_ipv6_one_by_its_64() -> None:
         assert group_of_address(odd) == ""
 
 
+def test_the_groups_of_addresses_seen_are_kept_bounded() -> None:
+    from pilotfish.ext_proc import flow as gateway_flow
+
+    first = group_of_address("10.1.0.0:1")
+    for i in range(gateway_flow._MAX_CACHED_GROUPS + 10):
+        group_of_address(f"10.2.{i // 256}.{i % 256}:1")
+        assert len(gateway_flow._groups) <= gateway_flow._MAX_CACHED_GROUPS
+    assert group_of_address("10.1.0.0:2") == first  # forgotten or not, the same group
+
+
 def request_headers(address: str | None) -> ep.ProcessingRequest:
     message = ep.ProcessingRequest()
     if address is not None:
@@ -222,3 +232,23 @@ def test_a_group_per_flow_is_judged_as_flows_counted_alone() -> None:
         assert grouped == plain
         judged += bool(plain)
     assert judged > 100  # the comparison saw tenants over their share
+
+
+@pytest.mark.parametrize(
+    ("args", "asked"),
+    [
+        ([], ["source.address"]),
+        (["--flow-groups", "source"], ["source.address"]),
+        (["--flow-groups", "none"], []),
+        (["--flow-groups=none"], []),
+    ],
+)
+def test_the_stack_asks_envoy_for_the_address_only_when_the_gateway_groups_by_it(args: list[str], asked: list) -> None:
+    import yaml
+
+    from pilotfish.stack import StackSpec, _bootstrap
+
+    text = _bootstrap(StackSpec(ext_proc_args=args), 10000, 10001, 10002, [("127.0.0.1", 10003)], None)
+    hcm = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    xp = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    assert xp["typed_config"]["request_attributes"] == asked

@@ -178,6 +178,39 @@ def test_the_client_address_groups_its_flows(flow_stack: Stack) -> None:
     assert flows == [f"{group_of_address('127.0.0.1:1')}:~newcomers"]
 
 
+def test_two_client_addresses_wait_in_two_groups(flow_stack: Stack) -> None:
+    """Clients connecting from 127.0.0.2 and 127.0.0.3 (loopback answers the whole 127/8) queue in the groups
+    of their own addresses, whatever tenant ids they send."""
+    stack = flow_stack
+
+    async def post_from(address: str, tenant: str) -> int:
+        connector = aiohttp.TCPConnector(local_addr=(address, 0))
+        async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
+            body = {"model": MODEL, "prompt": f"flow from {address}", "max_tokens": 2}
+            async with session.post(f"{stack.base_url}/v1/completions", json=body,
+                                    headers={"x-tenant-id": tenant}) as resp:
+                await resp.read()
+                return resp.status
+
+    async def run() -> tuple[list[str], list[int]]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            busy = asyncio.create_task(complete(session, stack, "busy", 40))
+            await until(lambda: held(stack) >= 1)
+            waiters = [asyncio.create_task(post_from("127.0.0.2", "same-tenant"))]
+            await until(lambda: queued(stack) >= 1)
+            waiters.append(asyncio.create_task(post_from("127.0.0.3", "same-tenant")))
+            await until(lambda: queued(stack) >= 2)
+            samples = scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_flow_queue_flow_requests", [])
+            flows = sorted(labels["flow"] for labels, n in samples if n >= 1)
+            statuses = list(await asyncio.gather(*waiters))
+            await busy
+            return flows, statuses
+
+    flows, statuses = asyncio.run(run())
+    assert statuses == [200, 200]
+    assert flows == sorted(f"{group_of_address(a)}:~newcomers" for a in ("127.0.0.2", "127.0.0.3"))
+
+
 def test_full_mode_holds_requests_on_the_engines_reports_and_releases_them_in_band_order(
     make_stack, redis_service
 ) -> None:

@@ -53,11 +53,13 @@ def test_the_picker_service_fronts_the_picker_of_the_kubernetes_deployment():
     assert service["spec"]["ports"][0]["appProtocol"] == "http2"
 
 
-def test_envoy_gateway_policy_buffers_requests_streams_responses_and_fails_closed():
+def test_envoy_gateway_policy_buffers_requests_streams_responses_sends_the_address_and_fails_closed():
     docs = documents("envoy-gateway-extension-policy.yaml")
     (policy,) = by_kind(docs, "EnvoyExtensionPolicy")
     ext_proc = policy["spec"]["extProc"][0]
     assert ext_proc["processingMode"]["request"]["body"] == "Buffered"
+    # the client's address, which flow control groups fair shares by (ext_proc/flow.py)
+    assert ext_proc["processingMode"]["request"]["attributes"] == ["source.address"]
     assert ext_proc["processingMode"]["response"]["body"] == "Streamed"
     assert ext_proc["backendRefs"][0]["name"] == "pilotfish-epp"
     assert ext_proc["failOpen"] is False

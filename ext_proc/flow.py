@@ -16,10 +16,12 @@ long the gateway can hold it (scheduler.proto ScheduleRequest priority, flow, qu
   which the shipped sidecar asks for; an IPv6 address counts by its /64, what one host is usually
   given). The scheduler splits shares between groups first, then between a group's flows, so a client
   that keeps many tenant ids alive shares one address's share. A client cannot choose its address the
-  way it chooses a header. Behind a proxy every request has the proxy's address: one group, the flows
-  as without groups (Envoy's `use_remote_address` and `xff_num_trusted_hops` make `source.address`
-  the client's where a trusted proxy forwards it). `--flow-groups none` where the flow header comes
-  from an authenticating layer and should alone decide the shares.
+  way it chooses a header: the sidecar sets `use_remote_address` (with `xff_num_trusted_hops: 0`), so
+  `source.address` is the connection's, never a client's X-Forwarded-For, which Envoy's default would
+  take. Behind a proxy every request has the proxy's address: one group, the flows as without groups
+  (raise `xff_num_trusted_hops` to the trusted proxies in front, which append the client's address).
+  `--flow-groups none` where the flow header comes from an authenticating layer and should alone
+  decide the shares.
 - Hold: --schedule-queue-timeout-ms (0: the scheduler answers at once, as without flow control).
 
 The shipped Envoy sidecar forwards these two default header names to the ext_proc (its

@@ -180,15 +180,17 @@ def test_the_client_address_groups_its_flows(flow_stack: Stack) -> None:
 
 def test_two_client_addresses_wait_in_two_groups(flow_stack: Stack) -> None:
     """Clients connecting from 127.0.0.2 and 127.0.0.3 (loopback answers the whole 127/8) queue in the groups
-    of their own addresses, whatever tenant ids they send."""
+    of their own addresses, whatever tenant ids and X-Forwarded-For they send (the second claims to be the
+    first, and a third address besides)."""
     stack = flow_stack
 
-    async def post_from(address: str, tenant: str) -> int:
+    async def post_from(address: str, tenant: str, forwarded: str = "") -> int:
         connector = aiohttp.TCPConnector(local_addr=(address, 0))
         async with aiohttp.ClientSession(timeout=TIMEOUT, connector=connector) as session:
             body = {"model": MODEL, "prompt": f"flow from {address}", "max_tokens": 2}
             async with session.post(f"{stack.base_url}/v1/completions", json=body,
-                                    headers={"x-tenant-id": tenant}) as resp:
+                                    headers={"x-tenant-id": tenant,
+                                             **({"x-forwarded-for": forwarded} if forwarded else {})}) as resp:
                 await resp.read()
                 return resp.status
 
@@ -198,7 +200,7 @@ def test_two_client_addresses_wait_in_two_groups(flow_stack: Stack) -> None:
             await until(lambda: held(stack) >= 1)
             waiters = [asyncio.create_task(post_from("127.0.0.2", "same-tenant"))]
             await until(lambda: queued(stack) >= 1)
-            waiters.append(asyncio.create_task(post_from("127.0.0.3", "same-tenant")))
+            waiters.append(asyncio.create_task(post_from("127.0.0.3", "same-tenant", "10.9.9.9, 127.0.0.2")))
             await until(lambda: queued(stack) >= 2)
             samples = scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_flow_queue_flow_requests", [])
             flows = sorted(labels["flow"] for labels, n in samples if n >= 1)

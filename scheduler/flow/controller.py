@@ -220,6 +220,7 @@ class FlowController:
         self._over: set[str] = set()  # the flows over their share when last judged
         self._over_groups: set[str] = set()  # the groups over theirs (groups.py)
         self._over_within: set[str] = set()  # the flows over theirs within their group
+        self._loosens = False  # whether the flows within their share get --flow-under-share-bound
         # flow ids not yet established share one flow (newcomers.py): rotating ids buys no shares
         self.newcomers = Newcomers(self.settings.established_after_s)
         # --flow-critical-headroom-ms, per model: the recent mean of critical prefills (tokens) and when one
@@ -270,7 +271,7 @@ class FlowController:
         critical headroom too); without a flow, for a critical flow within its share (the loosest bounds
         in use)."""
         scale, prefill_scale = self.scales(flow)
-        over = flow is not None and flow in self._over  # as scales just judged it
+        over = flow is not None and self._judged_over(flow)  # as scales just judged it
         reserve = self.critical_reserve(model) if band != Band.CRITICAL else 0.0
         why = self.saturation.reason  # "" when the engine has room
         return any(not why(i, scale, prefill_scale, over, reserve) for i in self._eligible(model))
@@ -307,9 +308,14 @@ class FlowController:
         over = self.over_share_flows()
         if not over:
             return 1.0, 1.0
-        if flow is not None and flow in over:
+        if flow is not None and self._judged_over(flow):
             return self.settings.over_share_bound, 1.0
-        return 1.0, self.settings.under_share_bound
+        return (1.0, self.settings.under_share_bound) if self._loosens else (1.0, 1.0)
+
+    def _judged_over(self, flow: str) -> bool:
+        """`flow` was over its share when last judged: itself, or its group (groups.py) for a flow with
+        nothing in flight or waiting yet, so a client's idle id is not a way round its address's share."""
+        return flow in self._over or (bool(self._over_groups) and group_of(flow) in self._over_groups)
 
     # -- the fair-share account ---------------------------------------------------------------------
 
@@ -356,9 +362,10 @@ class FlowController:
             nonlocal rates
             if rates is None:
                 rates = self.arrivals.rates(self._clock())
-                for f, r in rates.items():
-                    g = group_of(f)
-                    asked[g] = asked.get(g, 0.0) + r
+                # each group's by sum() over its rates in order, as the total was taken before groups (a
+                # loop of += rounds otherwise from Python 3.12, whose sum() of floats is compensated)
+                for g, flows in by_group(rates).items():
+                    asked[g] = sum(rates[f] for f in flows)
             return rates
 
         over: set[str] = set()
@@ -386,11 +393,15 @@ class FlowController:
                 over_within.update(f for f in heavy if flow_rates.get(f, 0.0) * n > asked.get(g, 0.0))
         self._over_within = over_within
         self._over = over | over_within
+        # the flows within their share get room beside a flood: beside a group over its share where there
+        # are several groups (a flow over its share within its group only holds that flow back: the other
+        # flows of its group are not a flood's neighbours), beside any flow over its share in one group
+        self._loosens = bool(over_groups) if len(members) > 1 else bool(over_within)
         return self._over
 
     def over_share(self, flow: str) -> bool:
-        """`flow` is over its fair share (over_share_flows)."""
-        return flow in self.over_share_flows()
+        """`flow` is over its fair share (over_share_flows), or in a group that is."""
+        return bool(self.over_share_flows()) and self._judged_over(flow)
 
     def _account(self, req: RequestInfo, flow: str, band: Band) -> None:
         """`req` was dispatched: its flow's work in flight; a critical one's prefill for the headroom."""

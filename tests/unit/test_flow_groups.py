@@ -199,39 +199,44 @@ def test_the_gateway_prefixes_the_flow_with_the_clients_group_unless_told_not_to
     assert FlowHeaders().read(headers, None)[1] == flow_of("acme")
 
 
-def test_a_group_per_flow_is_judged_as_flows_counted_alone() -> None:
-    """Two controllers take the same requests and releases from 5 tenants, one with each tenant's key in a
-    group of its own: the same tenants are over their share after every step."""
+def test_one_group_or_a_group_per_flow_is_judged_as_flows_counted_alone() -> None:
+    """Three controllers take the same requests and releases from 5 tenants: with no groups, all in one group,
+    and each tenant in a group of its own. After every step the same tenants are over their share, and
+    every tenant's bounds are scaled alike."""
     clock = Clock()
     config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
                              flow_lite_max_tokens=100_000, flow_established_after_ms=0)  # fmt: skip
+    keyings = (lambda t: t, lambda t: joined("one", t), lambda t: joined(f"g{t}", t))
     flows = []
-    for _ in range(2):
+    for _ in keyings:
         core = SchedulerCore(config, clock=clock, rng=random.Random(0))
         gate = FlowGate.from_config(core, config)
         assert gate is not None
         gate.controller._clock = clock
         flows.append((core, gate.controller))
     rng = random.Random(3)
+    tenants = [f"t{i}" for i in range(5)]
     held: list[str] = []
-    judged = 0
+    judged = loosened = 0
     for n in range(600):
         clock.now += rng.expovariate(20.0)
-        tenant = f"t{min(rng.randrange(8), 4)}"  # t4 sends half the requests
+        tenant = tenants[min(rng.randrange(8), 4)]  # t4 sends half the requests
         if held and rng.random() < 0.45:
             rid = held.pop(rng.randrange(len(held)))
             for core, _ in flows:
                 core.release(rid)
         else:
             r = RequestInfo(request_id=f"r{n}", model="m", prompt_tokens=rng.randrange(10, 400))
-            for (_, flow), key in zip(flows, (tenant, joined(f"g{tenant}", tenant)), strict=True):
-                assert isinstance(flow.submit(r, STD, key, 0.0, lambda o: None), Decision)
+            for (_, flow), key in zip(flows, keyings, strict=True):
+                assert isinstance(flow.submit(r, STD, key(tenant), 0.0, lambda o: None), Decision)
             held.append(r.request_id)
-        plain = flows[0][1].over_share_flows()
-        grouped = {key.partition(":")[2] for key in flows[1][1].over_share_flows()}
-        assert grouped == plain
-        judged += bool(plain)
-    assert judged > 100  # the comparison saw tenants over their share
+        overs = [{k.rpartition(":")[2] for k in flow.over_share_flows()} for _, flow in flows]
+        assert overs[1] == overs[0] and overs[2] == overs[0]
+        scales = [[flow.scales(key(t)) for t in tenants] for (_, flow), key in zip(flows, keyings, strict=True)]
+        assert scales[1] == scales[0] and scales[2] == scales[0]
+        judged += bool(overs[0])
+        loosened += any(prefill > 1.0 for _, prefill in scales[0])
+    assert judged > 100 and loosened > 100  # the comparison saw tenants over their share, and the others let in
 
 
 @pytest.mark.parametrize(
@@ -252,3 +257,44 @@ def test_the_stack_asks_envoy_for_the_address_only_when_the_gateway_groups_by_it
     hcm = yaml.safe_load(text)["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
     xp = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
     assert xp["typed_config"]["request_attributes"] == asked
+
+
+def test_an_idle_id_of_a_group_over_its_share_is_over_its_share_too() -> None:
+    """A client's group is over its share: an id of it with nothing in flight yet gets the over-share bounds
+    (else every fresh id would be a way round the group's share); a fresh id of another address does not."""
+    clock = Clock()
+    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
+                             flow_lite_max_requests=0, flow_lite_max_tokens=1000,
+                             flow_established_after_ms=0)  # fmt: skip
+    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
+    gate = FlowGate.from_config(core, config)
+    assert gate is not None
+    flow = gate.controller
+    flow._clock = clock
+    for rid, key in (("t0", "tenant-address:t"), *((f"c{i}", f"client-address:id{i}") for i in range(4))):
+        r = RequestInfo(request_id=rid, model="m", prompt_tokens=30)
+        assert isinstance(flow.submit(r, STD, key, 5.0, lambda o: None), Decision)
+    assert flow.over_share("client-address:id9")  # idle, but its address holds 120 of 150
+    assert not flow.over_share("tenant-address:other")
+    assert flow.scales("client-address:id9")[0] == config.flow_over_share_bound
+
+
+def test_a_flow_over_its_share_within_its_group_lets_no_one_else_in() -> None:
+    """Neither address is over its share (150 tokens each), but one of the client's two ids holds 120 of its
+    address's 150: that id is held to the over-share bounds, and nobody gets the looser under-share bound
+    (which lets a light tenant in beside a flood): the client's other id is no flood's neighbour."""
+    clock = Clock()
+    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
+                             flow_lite_max_requests=0, flow_lite_max_tokens=1000,
+                             flow_established_after_ms=0)  # fmt: skip
+    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
+    gate = FlowGate.from_config(core, config)
+    assert gate is not None
+    flow = gate.controller
+    flow._clock = clock
+    for rid, key, tokens in (("t", "tenant:t", 150), ("c0", "client:id0", 120), ("c1", "client:id1", 30)):
+        r = RequestInfo(request_id=rid, model="m", prompt_tokens=tokens)
+        assert isinstance(flow.submit(r, STD, key, 5.0, lambda o: None), Decision)
+    assert flow.over_share_flows() == {"client:id0"}
+    assert flow.scales("client:id0") == (config.flow_over_share_bound, 1.0)
+    assert flow.scales("client:id1") == flow.scales("tenant:t") == (1.0, 1.0)

@@ -12,7 +12,7 @@ from google.protobuf import struct_pb2
 from pilotfish.ext_proc.flow import FlowHeaders, flow_of, group_of_address, source_address
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import Decision, SchedulerCore
-from pilotfish.scheduler.flow import Band, FlowGate, FlowQueue, Waiting
+from pilotfish.scheduler.flow import Band, FlowController, FlowGate, FlowQueue, Waiting
 from pilotfish.scheduler.flow.groups import by_group, group_of, joined
 from pilotfish.scheduler.flow.newcomers import NEWCOMERS, Newcomers
 from pilotfish.scheduler.view.types import RequestInfo
@@ -117,31 +117,38 @@ class Clock:
         return self.now
 
 
+LITE = {"flow_lite_max_requests": 0, "flow_lite_max_tokens": 1000}  # saturated at 1,000 tokens in flight
+
+
+def controller(clock: Clock, **fields: object) -> FlowController:
+    """Flow control on two lite engines, every tenant id established at once, on `clock`."""
+    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
+                             flow_established_after_ms=0, **{**LITE, **fields})  # type: ignore[arg-type]  # fmt: skip
+    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
+    gate = FlowGate.from_config(core, config)
+    assert gate is not None
+    gate.controller._clock = clock
+    return gate.controller
+
+
+def submitted(flow: FlowController, rid: str, key: str, tokens: int) -> None:
+    """A request of `tokens` prompt tokens for flow `key`, dispatched at once."""
+    r = RequestInfo(request_id=rid, model="m", prompt_tokens=tokens)
+    assert isinstance(flow.submit(r, STD, key, 5.0, lambda o: None), Decision)
+
+
 @pytest.mark.parametrize("grouped", [True, False])
 def test_a_client_keeping_many_ids_alive_is_over_its_share_not_the_tenant(grouped: bool) -> None:
     """A tenant holds 60 tokens; a client keeps 8 ids alive, 30 tokens each (240). Grouped by address, the
     client's group holds 240 of 300 against half, and its ids are over their share. Counted as flows alone,
     each id holds under 1/9 and the tenant, at 60, is the one over its share (and held back)."""
-    clock = Clock()
-    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
-                             flow_lite_max_requests=0, flow_lite_max_tokens=1000,
-                             flow_established_after_ms=0)  # fmt: skip
-    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
-    gate = FlowGate.from_config(core, config)
-    assert gate is not None
-    flow = gate.controller
-    flow._clock = clock
-
-    def submit(rid: str, flow_id: str) -> None:
-        r = RequestInfo(request_id=rid, model="m", prompt_tokens=30)
-        assert isinstance(flow.submit(r, STD, flow_id, 5.0, lambda o: None), Decision)
-
+    flow = controller(Clock())
     tenant = joined("tenant-address" if grouped else "", "t")
-    submit("t0", tenant)
-    submit("t1", tenant)
+    submitted(flow, "t0", tenant, 30)
+    submitted(flow, "t1", tenant, 30)
     ids = [joined("client-address" if grouped else "", f"id{i}") for i in range(8)]
     for i, key in enumerate(ids):
-        submit(f"c{i}", key)
+        submitted(flow, f"c{i}", key, 30)
     assert flow.over_share_flows() == (set(ids) if grouped else {tenant})
 
 
@@ -204,16 +211,8 @@ def test_one_group_or_a_group_per_flow_is_judged_as_flows_counted_alone() -> Non
     and each tenant in a group of its own. After every step the same tenants are over their share, and
     every tenant's bounds are scaled alike."""
     clock = Clock()
-    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
-                             flow_lite_max_tokens=100_000, flow_established_after_ms=0)  # fmt: skip
     keyings = (lambda t: t, lambda t: joined("one", t), lambda t: joined(f"g{t}", t))
-    flows = []
-    for _ in keyings:
-        core = SchedulerCore(config, clock=clock, rng=random.Random(0))
-        gate = FlowGate.from_config(core, config)
-        assert gate is not None
-        gate.controller._clock = clock
-        flows.append((core, gate.controller))
+    flows = [controller(clock, flow_lite_max_tokens=100_000) for _ in keyings]
     rng = random.Random(3)
     tenants = [f"t{i}" for i in range(5)]
     held: list[str] = []
@@ -223,16 +222,16 @@ def test_one_group_or_a_group_per_flow_is_judged_as_flows_counted_alone() -> Non
         tenant = tenants[min(rng.randrange(8), 4)]  # t4 sends half the requests
         if held and rng.random() < 0.45:
             rid = held.pop(rng.randrange(len(held)))
-            for core, _ in flows:
-                core.release(rid)
+            for flow in flows:
+                flow.core.release(rid)  # type: ignore[attr-defined]
         else:
             r = RequestInfo(request_id=f"r{n}", model="m", prompt_tokens=rng.randrange(10, 400))
-            for (_, flow), key in zip(flows, keyings, strict=True):
+            for flow, key in zip(flows, keyings, strict=True):
                 assert isinstance(flow.submit(r, STD, key(tenant), 0.0, lambda o: None), Decision)
             held.append(r.request_id)
-        overs = [{k.rpartition(":")[2] for k in flow.over_share_flows()} for _, flow in flows]
+        overs = [{k.rpartition(":")[2] for k in flow.over_share_flows()} for flow in flows]
         assert overs[1] == overs[0] and overs[2] == overs[0]
-        scales = [[flow.scales(key(t)) for t in tenants] for (_, flow), key in zip(flows, keyings, strict=True)]
+        scales = [[flow.scales(key(t)) for t in tenants] for flow, key in zip(flows, keyings, strict=True)]
         assert scales[1] == scales[0] and scales[2] == scales[0]
         judged += bool(overs[0])
         loosened += any(prefill > 1.0 for _, prefill in scales[0])
@@ -262,39 +261,21 @@ def test_the_stack_asks_envoy_for_the_address_only_when_the_gateway_groups_by_it
 def test_an_idle_id_of_a_group_over_its_share_is_over_its_share_too() -> None:
     """A client's group is over its share: an id of it with nothing in flight yet gets the over-share bounds
     (else every fresh id would be a way round the group's share); a fresh id of another address does not."""
-    clock = Clock()
-    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
-                             flow_lite_max_requests=0, flow_lite_max_tokens=1000,
-                             flow_established_after_ms=0)  # fmt: skip
-    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
-    gate = FlowGate.from_config(core, config)
-    assert gate is not None
-    flow = gate.controller
-    flow._clock = clock
+    flow = controller(Clock())
     for rid, key in (("t0", "tenant-address:t"), *((f"c{i}", f"client-address:id{i}") for i in range(4))):
-        r = RequestInfo(request_id=rid, model="m", prompt_tokens=30)
-        assert isinstance(flow.submit(r, STD, key, 5.0, lambda o: None), Decision)
+        submitted(flow, rid, key, 30)
     assert flow.over_share("client-address:id9")  # idle, but its address holds 120 of 150
     assert not flow.over_share("tenant-address:other")
-    assert flow.scales("client-address:id9")[0] == config.flow_over_share_bound
+    assert flow.scales("client-address:id9")[0] == flow.settings.over_share_bound
 
 
 def test_a_flow_over_its_share_within_its_group_lets_no_one_else_in() -> None:
     """Neither address is over its share (150 tokens each), but one of the client's two ids holds 120 of its
     address's 150: that id is held to the over-share bounds, and nobody gets the looser under-share bound
     (which lets a light tenant in beside a flood): the client's other id is no flood's neighbour."""
-    clock = Clock()
-    config = SchedulerConfig(instances=["a:1", "b:2"], model=["m"], enable_flow_control=True,
-                             flow_lite_max_requests=0, flow_lite_max_tokens=1000,
-                             flow_established_after_ms=0)  # fmt: skip
-    core = SchedulerCore(config, clock=clock, rng=random.Random(0))
-    gate = FlowGate.from_config(core, config)
-    assert gate is not None
-    flow = gate.controller
-    flow._clock = clock
+    flow = controller(Clock())
     for rid, key, tokens in (("t", "tenant:t", 150), ("c0", "client:id0", 120), ("c1", "client:id1", 30)):
-        r = RequestInfo(request_id=rid, model="m", prompt_tokens=tokens)
-        assert isinstance(flow.submit(r, STD, key, 5.0, lambda o: None), Decision)
+        submitted(flow, rid, key, tokens)
     assert flow.over_share_flows() == {"client:id0"}
-    assert flow.scales("client:id0") == (config.flow_over_share_bound, 1.0)
+    assert flow.scales("client:id0") == (flow.settings.over_share_bound, 1.0)
     assert flow.scales("client:id1") == flow.scales("tenant:t") == (1.0, 1.0)

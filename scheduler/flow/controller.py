@@ -399,6 +399,11 @@ class FlowController:
         self._loosens = bool(over_groups) if len(members) > 1 else bool(over_within)
         return self._over
 
+    @property
+    def over_share_groups(self) -> frozenset[str]:
+        """The groups (groups.py) over their share when last judged."""
+        return frozenset(self._over_groups)
+
     def over_share(self, flow: str) -> bool:
         """`flow` is over its fair share (over_share_flows), or in a group that is."""
         return bool(self.over_share_flows()) and self._judged_over(flow)

@@ -115,12 +115,18 @@ class FlowCollector(Collector):
             "forgotten first).",
         )
         established.add_metric([], len(flow.newcomers))
+        groups_over = GaugeMetricFamily(
+            "pilotfish_scheduler_flow_over_share_groups",
+            "Client addresses (flow groups, --flow-groups source at the gateway) judged over their share: every "
+            "tenant from one of them is held to the tighter bounds.",
+        )
+        groups_over.add_metric([], len(flow.over_share_groups))
         judge = flow.saturation.reason
         for inst in flow.core.instances():  # type: ignore[attr-defined]
             reason = judge(inst, reserve_tokens=flow.critical_reserve_on(inst))
             saturated.add_metric([inst.instance_id, reason or "none"], 1.0 if reason else 0.0)
         yield from (queued, per_flow, waits, flow_wait, dispatched, shed, cancelled, inflight, newcomers, established,
-                    saturated)
+                    groups_over, saturated)
 
 
 def register_flow_metrics(registry: CollectorRegistry, controller: FlowController) -> None:

@@ -8,6 +8,7 @@ import random
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from google.protobuf import struct_pb2
+from prometheus_client import generate_latest
 
 from pilotfish.ext_proc.flow import FlowHeaders, flow_of, group_of_address, source_address
 from pilotfish.scheduler.config import SchedulerConfig
@@ -150,6 +151,8 @@ def test_a_client_keeping_many_ids_alive_is_over_its_share_not_the_tenant(groupe
     for i, key in enumerate(ids):
         submitted(flow, f"c{i}", key, 30)
     assert flow.over_share_flows() == (set(ids) if grouped else {tenant})
+    text = generate_latest(flow.core.registry).decode()  # type: ignore[attr-defined]
+    assert f"pilotfish_scheduler_flow_over_share_groups {1.0 if grouped else 0.0}" in text
 
 
 def test_ids_not_yet_established_wait_in_their_groups_newcomers() -> None:

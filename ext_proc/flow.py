@@ -60,11 +60,14 @@ SOURCE_ATTRIBUTE = "source.address"
 _MAX_ADDRESS_LENGTH = 64  # longer than any IP and port
 
 
+def _hashed(text: str) -> str:
+    """What leaves the gateway instead of a client's header value or address: 16 hex digits."""
+    return hashlib.blake2b(text.encode("utf-8", "replace"), digest_size=8).hexdigest()
+
+
 def flow_of(value: str | None) -> str:
     """The flow key sent for a header value: its hash, never the value; "" without one."""
-    if not value:
-        return ""
-    return hashlib.blake2b(value.encode("utf-8", "replace"), digest_size=8).hexdigest()
+    return _hashed(value) if value else ""
 
 
 _groups: dict[str, str] = {}  # host -> its group: a client sends many requests from one address
@@ -99,7 +102,7 @@ def _group_of_host(host: str) -> str:
         key = str(ip.ipv4_mapped) if ip.ipv4_mapped is not None else str(ipaddress.IPv6Network((ip, 64), strict=False))
     else:
         key = str(ip)
-    return hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
+    return _hashed(key)
 
 
 @dataclass(frozen=True, slots=True)

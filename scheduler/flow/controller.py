@@ -387,10 +387,10 @@ class FlowController:
             if len(flows) < 2:
                 continue
             n, total = len(flows), held[g]
-            heavy = [f for f in flows if demand[f] * n > total or (f in self._over_within and f in waiting)]
-            if heavy:
+            heavy_flows = [f for f in flows if demand[f] * n > total or (f in self._over_within and f in waiting)]
+            if heavy_flows:
                 flow_rates = arrival_rates()
-                over_within.update(f for f in heavy if flow_rates.get(f, 0.0) * n > asked.get(g, 0.0))
+                over_within.update(f for f in heavy_flows if flow_rates.get(f, 0.0) * n > asked.get(g, 0.0))
         self._over_within = over_within
         self._over = over | over_within
         # the flows within their share get room beside a flood: beside a group over its share where there

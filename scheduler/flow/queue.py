@@ -100,9 +100,7 @@ class FlowQueue:
             if not b.live:
                 continue
             for group in list(b.turn):
-                turns = b.flow_turns.get(group)
-                if not turns:
-                    continue  # every flow of it emptied by cancels: dropped below
+                turns = b.flow_turns[group]  # a group in turn has a turn list (emptied ones leave both)
                 for flow in list(turns):
                     if flow not in b.flows:
                         continue  # emptied by cancels: its stale turn is dropped below

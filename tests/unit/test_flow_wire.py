@@ -9,7 +9,6 @@ scheduler acknowledged as queued must outlive it and still get the scheduler's p
 from __future__ import annotations
 
 import asyncio
-import itertools
 from collections.abc import AsyncIterator
 
 import pytest
@@ -79,8 +78,10 @@ async def warmed(gw: GrpcScheduler) -> GrpcScheduler:
     released, answered or not."""
     loop = asyncio.get_running_loop()
     give_up = loop.time() + TIMEOUT
-    for attempt in itertools.count():
+    attempt = 0
+    while True:
         rid = f"warm-{attempt}"
+        attempt += 1
         try:
             await gw.schedule(sreq(rid, hold_ms=0))
             return gw
@@ -89,7 +90,6 @@ async def warmed(gw: GrpcScheduler) -> GrpcScheduler:
                 raise
         finally:
             gw.release(rid, ABORT)
-    raise AssertionError("unreachable")
 
 
 def queued(srv: SchedulerServer, rid: str) -> bool:

@@ -203,11 +203,18 @@ def test_a_refused_write_right_after_an_accepted_one_is_seen_without_a_refresh(r
     llumlet.start(serve_grpc=False)
     try:
         wait_for(lambda: client.exists(keys.status_key("t", "e0")), what="first status")
+        # each write is the engine thread's own only when the export thread is not holding the export lock
+        # to read replies: wait until it sleeps, idle (on a loaded machine it may still be reading)
+        def idle() -> bool:
+            return llumlet.exporter._napping
+
+        wait_for(idle, timeout=30, what="the export thread idle")
         with llumlet.events() as s:
             s.added("r0", 10)
         wait_for(lambda: not llumlet.writer.owes_replies(), timeout=30, what="the accepted write's replies read")
         client.config_set("maxmemory-policy", "noeviction")
         client.config_set("maxmemory", "1")
+        wait_for(idle, timeout=30, what="the export thread idle again")
         with caplog.at_level(logging.WARNING, logger="pilotfish.llumlet"):
             with llumlet.events() as s:
                 s.added("r1", 10)

@@ -40,20 +40,29 @@ FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
 UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
 UPSTREAM_RESET = scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET
+GATEWAY_ERROR = scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR
 
 _CLIENT_GONE = ("downstream_connection_termination", "downstream_remote_reset", "stream_idle_timeout")
+_FROM_UPSTREAM = "via_upstream"  # response_code_details of a response the upstream sent
 _NO_UPSTREAM = ("upstream_connection_failure", "no_healthy_upstream", "upstream_overflow", "upstream_request_timeout")
 
 
 def release_reason(entry: accesslog_pb2.HTTPAccessLogEntry) -> int:
-    """How the request ended, from the entry's response flags and status."""
+    """How the request ended, from the entry's response flags, status and its details.
+
+    A 5xx is the engine's failure only where the engine answered it (`via_upstream`) or a flag says the
+    upstream failed. Envoy's own 5xx otherwise is the gateway's: a client can provoke one at will (a
+    request whose headers fill Envoy's limit fails the routing reply's header mutation, after the
+    scheduler placed it), and counted against the engine it would eject healthy engines."""
     flags = entry.common_properties.response_flags
     if any(getattr(flags, name) for name in _CLIENT_GONE):
         return CLIENT_ABORT
     if flags.upstream_remote_reset or flags.upstream_connection_termination:
         return UPSTREAM_RESET
-    if any(getattr(flags, name) for name in _NO_UPSTREAM) or entry.response.response_code.value >= 500:
+    if any(getattr(flags, name) for name in _NO_UPSTREAM):
         return UPSTREAM_ERROR
+    if entry.response.response_code.value >= 500:
+        return UPSTREAM_ERROR if entry.response.response_code_details == _FROM_UPSTREAM else GATEWAY_ERROR
     return FINISHED
 
 

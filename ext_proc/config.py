@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
+import msgspec
 from msgspec import Meta
 
 from pilotfish.cms.prefix_hash import DEFAULT_BLOCK_SIZE
 from pilotfish.discovery.config import DiscoveryConfig
+from pilotfish.ext_proc.openai import UNSCHEDULED_PATHS
 
 
 class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
@@ -106,6 +108,13 @@ class ExtProcConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True):
     max_body_bytes: Annotated[int, Meta(ge=1024, description="largest request body accepted; larger gets 413")] = (
         4 * 1024 * 1024
     )
+    unscheduled_paths: Annotated[
+        list[str],
+        Meta(
+            description="paths sent to any engine without scheduling, compared exactly (query string aside); "
+            "/v1/completions and /v1/chat/completions are scheduled, and every other path gets 404"
+        ),
+    ] = msgspec.field(default_factory=lambda: list(UNSCHEDULED_PATHS))
     breaker_failures: Annotated[
         int, Meta(ge=1, description="consecutive scheduler failures that open the circuit breaker")
     ] = 3

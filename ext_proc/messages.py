@@ -247,13 +247,16 @@ def response_headers_reply(
     its end; a stream asks for STREAMED instead (honoured where the filter allows mode overrides;
     elsewhere the whole stream is counted at its end).
     """
-    reply = ep.ProcessingResponse(
-        response_headers=ep.HeadersResponse(
-            response=ep.CommonResponse(
-                header_mutation=_set_headers([(INSTANCE_HEADER, instance_id), (ROUTE_SOURCE_HEADER, source)])
+    if instance_id or source:
+        reply = ep.ProcessingResponse(
+            response_headers=ep.HeadersResponse(
+                response=ep.CommonResponse(
+                    header_mutation=_set_headers([(INSTANCE_HEADER, instance_id), (ROUTE_SOURCE_HEADER, source)])
+                )
             )
         )
-    )
+    else:  # nothing to say: whatever the gateway's route set stays (an empty value would overwrite it)
+        reply = ep.ProcessingResponse(response_headers=ep.HeadersResponse())
     if not stream_body:
         reply.mode_override.CopyFrom(
             processing_mode_pb2.ProcessingMode(response_body_mode=processing_mode_pb2.ProcessingMode.NONE)

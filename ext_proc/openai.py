@@ -15,10 +15,16 @@ import msgspec
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 ROUTED_PATHS = (COMPLETIONS, CHAT_COMPLETIONS)
+# Sent to any engine without scheduling (ExtProcConfig.unscheduled_paths): read-only, no load. Every other path
+# is refused, so a client cannot reach an engine's API past the scheduler and flow control: another generating
+# endpoint (/v1/responses, /v1/embeddings), a spelling the engine decodes to a routed one (/v1/%63ompletions),
+# or an engine's admin endpoint under /v1/ (vLLM's /v1/load_lora_adapter).
+UNSCHEDULED_PATHS = ("/v1/models", "/health")
 
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "RequestTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",

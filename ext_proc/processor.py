@@ -29,7 +29,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -40,7 +40,13 @@ from pilotfish.cms.prefix_hash import prefix_block_hashes
 from pilotfish.ext_proc import messages, tracing
 from pilotfish.ext_proc.answer_size import AnswerSizes
 from pilotfish.ext_proc.flow import FlowHeaders, source_address
-from pilotfish.ext_proc.openai import ROUTED_PATHS, RequestError, parse_request, route_path
+from pilotfish.ext_proc.openai import (
+    ROUTED_PATHS,
+    UNSCHEDULED_PATHS,
+    RequestError,
+    parse_request,
+    route_path,
+)
 from pilotfish.ext_proc.routing import FALLBACK, SCHEDULER, Decision, Router
 from pilotfish.ext_proc.sse import TokenCounter, UsageStripper
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
@@ -96,6 +102,7 @@ class _Stream:
         "counter",
         "decision",
         "done",
+        "fallback",
         "flow",
         "held",
         "observed",
@@ -124,6 +131,7 @@ class _Stream:
         self.subset: frozenset[str] | None = None  # the gateway's subset hint; None: no hint
         self.flow: tuple[int, str] = (0, "")  # flow control: band and flow key (ext_proc/flow.py)
         self.decision: Decision | None = None
+        self.fallback = ""  # the engine a request with nothing to schedule on went to
         self.counter: TokenCounter | None = None
         self.stripper: UsageStripper | None = None  # set when we asked for usage the client did not
         self.status = 0
@@ -150,7 +158,9 @@ class ExtProcServicer:
         destination_fallbacks: int = 0,
         response_bodies: str = "count",
         flow_headers: FlowHeaders | None = None,
+        unscheduled_paths: Iterable[str] = UNSCHEDULED_PATHS,
     ) -> None:
+        self._unscheduled_paths = frozenset(unscheduled_paths)
         self._prefix_block_size = prefix_block_size
         self._flow_headers = flow_headers or FlowHeaders()
         # --response-bodies: "count" reads them on this stream; "first-token" reads each stream up to its
@@ -296,20 +306,31 @@ class ExtProcServicer:
         s.trace = tracing.incoming(h)
         if s.subset is not None and not s.subset:
             return self._reject(s, RequestError(503, "the gateway's subset hint names no endpoint"))
-        has_body = not headers.end_of_stream and s.request_mode != _Mode.NONE
-        if has_body and s.path in ROUTED_PATHS:
-            if s.request_mode == FULL_DUPLEX or (s.request_mode == STREAMED and s.send_body_early):
-                s.held = []
-                return None  # held: the body decides where it goes, and Envoy is already sending it
-            if s.request_mode == STREAMED:
-                s.request_mode = BUFFERED  # Envoy would send no body before this reply: ask for all of it
-                return messages.CONTINUE_REQUEST_HEADERS_BUFFER_BODY
-            return messages.CONTINUE_REQUEST_HEADERS  # the body reply routes
-        # Nothing to schedule on (GET /v1/models, /health, a path we do not schedule): any engine.
+        if s.path in ROUTED_PATHS:
+            # what the engine would refuse anyway, refused before it takes a place in the scheduler (a gateway
+            # that forwards no :method leaves that to the engine)
+            if h.get(":method", "POST") != "POST":
+                return self._reject(s, RequestError(405, f"{s.path} takes POST"))
+            if headers.end_of_stream:
+                return self._reject(s, RequestError(400, f"{s.path} needs a JSON body"))
+            if s.request_mode != _Mode.NONE:
+                if s.request_mode == FULL_DUPLEX or (s.request_mode == STREAMED and s.send_body_early):
+                    s.held = []
+                    return None  # held: the body decides where it goes, and Envoy is already sending it
+                if s.request_mode == STREAMED:
+                    s.request_mode = BUFFERED  # Envoy would send no body before this reply: ask for all of it
+                    return messages.CONTINUE_REQUEST_HEADERS_BUFFER_BODY
+                return messages.CONTINUE_REQUEST_HEADERS  # the body reply routes
+        elif s.path not in self._unscheduled_paths:
+            # Only the paths named may pass unscheduled: an engine serves more than the routed paths
+            # (other generating endpoints, its admin API, a routed path percent-encoded, which it decodes).
+            return self._reject(s, RequestError(404, "the gateway serves no such path"))
+        # Nothing to schedule on (GET /v1/models, /health; a gateway that sends no body): any engine.
         try:
             inst = self._router.pick_round_robin(s.subset or frozenset())
         except RequestError as exc:
             return self._reject(s, exc)
+        s.fallback = inst.instance_id
         return messages.route_on_headers(inst.address, s.request_id, source=FALLBACK, instance=inst.instance_id)
 
     async def _on_request_body(self, s: _Stream, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
@@ -470,8 +491,8 @@ class ExtProcServicer:
         # that body would make Envoy reset it.
         override_taken = s.response_mode != FULL_DUPLEX and not s.send_body_early
         s.done = headers.end_of_stream or (not stream_body and override_taken)
-        if decision is None:
-            return messages.response_headers_reply("", "", stream_body=False)
+        if decision is None:  # tagged as the routing reply's metadata tags it, where a gateway reads that
+            return messages.response_headers_reply(s.fallback, FALLBACK if s.fallback else "", stream_body=False)
         buffered = s.response_mode == BUFFERED
         served_by = decision.decode_instance_id or decision.instance_id
         return messages.response_headers_reply(served_by, decision.source, stream_body, buffered)

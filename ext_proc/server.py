@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import signal
@@ -26,6 +27,7 @@ from pilotfish.ext_proc.scheduler_client import GrpcScheduler
 from pilotfish.ext_proc.telemetry import ExtProcMetrics
 from pilotfish.ext_proc.tokens import tokenizer
 from pilotfish.grpc_loop import HealthService, Kind, LoopGrpcServer
+from pilotfish.grpc_malformed import MalformedRequests
 from pilotfish.metrics_http import register_counts, serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.security import Security, register_auth_stats
@@ -83,23 +85,18 @@ class ExtProcServer:
                 config.client_priority_max,
                 config.flow_groups,
             ),
+            unscheduled_paths=config.unscheduled_paths,
         )
         self.router.on_breaker_change = lambda is_open: self.metrics.breaker_open.set(1 if is_open else 0)
         # Envoy's access log: the end of each request as Envoy saw it (access_log.py)
         self.access_log = AccessLogReleaser(self.servicer.release_from_access_log)
+        self.grpc_refusals: collections.Counter[str] = collections.Counter()  # grpc.aio's server: by reason
         self.server: grpc.aio.Server | LoopGrpcServer
         self.health: health.aio.HealthServicer | HealthService
         if config.grpc_server == "loop":
             self.server = self._loop_server()
         else:
-            self.server = grpc.aio.server(
-                options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self._max_message_bytes)],
-                interceptors=[security.aio_interceptor(LISTENER)],
-            )
-            ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, self.server)
-            als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, self.server)
-            self.health = health.aio.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+            self.server = self._grpcio_server()
         self.port = 0
         self.ready = False  # readiness: the first discovery sync is done (at once without discovery)
         self._ready_task: asyncio.Task[None] | None = None
@@ -110,6 +107,30 @@ class ExtProcServer:
     def _max_message_bytes(self) -> int:
         # a request body arrives whole in one message (buffered body modes), with room for its headers
         return max(4 << 20, self.config.max_body_bytes + (64 << 10))
+
+    def _grpcio_server(self) -> grpc.aio.Server:
+        # last, the guard that answers a request message that does not decode (pilotfish/grpc_malformed.py)
+        malformed = MalformedRequests(self._refuse_malformed, "ext_proc")
+        server = grpc.aio.server(
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self._max_message_bytes)],
+            interceptors=[self.security.aio_interceptor(LISTENER), malformed],
+        )
+        ep_grpc.add_ExternalProcessorServicer_to_server(self.servicer, server)
+        als_pb2_grpc.add_AccessLogServiceServicer_to_server(self.access_log, server)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        register_counts(
+            self.metrics.registry,
+            "pilotfish_ext_proc_grpc_refused",
+            "Calls the ext_proc's gRPC server refused, by reason: malformed (a request message that is not a "
+            "protobuf); grpc core's own refusals are not counted.",
+            ["reason"],
+            lambda: {(reason,): n for reason, n in self.grpc_refusals.items()},
+        )
+        return server
+
+    def _refuse_malformed(self, method: str) -> None:
+        self.grpc_refusals["malformed"] += 1
 
     def _loop_server(self) -> LoopGrpcServer:
         security = self.security

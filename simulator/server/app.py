@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from pilotfish.simulator.config import EngineConfig, ServeConfig
 from pilotfish.simulator.engine.request import SimRequest
@@ -133,6 +135,9 @@ class EngineApp:
             return _json(exc.body(), status=exc.status)
         except web.HTTPException:
             raise
+        except (RequestPayloadError, HttpProcessingError) as exc:  # a body it cannot read (not the gzip it declares)
+            error = ApiError(400, f"unreadable request body: {exc}", "BadRequestError")
+            return _json(error.body(), status=error.status)
         except Exception:
             log.exception("engine %s: unexpected error on %s", self.engine_id, request.path)
             error = ApiError(500, "internal error in the engine simulator", "InternalServerError")

@@ -261,6 +261,28 @@ def test_no_path_method_or_header_reaches_the_canary_or_envoys_admin(
     assert gw.children["envoy"].exited() is None, "POST /quitquitquit through the listener stopped Envoy"
 
 
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/%63ompletions", "/v1/chat%2Fcompletions", "/v1/completions/", "/v1/responses", "/v1/load_lora_adapter"],
+)
+def test_no_other_engine_endpoint_or_spelling_of_a_routed_one_passes_unscheduled(gw: Stack, path: str) -> None:
+    """An engine serves more than the two scheduled paths, and decodes a percent-encoded one: each of these
+    would generate (or change the engine) past the scheduler and flow control. The gateway refuses them."""
+    import yarl
+
+    async def run() -> tuple[int, bytes]:
+        async with aiohttp.ClientSession(timeout=TIMEOUT) as session:
+            url = yarl.URL(gw.base_url + path, encoded=True)  # sent as written, not re-quoted
+            body = {**completion(0, False), "input": "x", "lora_name": "x", "lora_path": "/tmp"}
+            async with session.post(url, json=body) as resp:
+                return resp.status, await resp.read()
+
+    before = metric(gw.scheduler_metrics_port, "pilotfish_scheduler_dispatch_total")
+    status, raw = asyncio.run(run())
+    assert status == 404 and b"no such path" in raw, raw[:300]
+    assert metric(gw.scheduler_metrics_port, "pilotfish_scheduler_dispatch_total") == before
+
+
 # -- 5. the picker down: fail open to the pool only, or fail closed ----------------------------------
 
 

@@ -124,3 +124,38 @@ def test_first_token_mode_reads_each_stream_to_its_first_token_and_sizes_the_ans
     assert abs(estimated - 6 * 100) <= 6 * 5, estimated
     wait_until(lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_requests") == 0, 30,
                "the scheduler's account drained")  # fmt: skip
+
+
+def test_envoys_own_5xx_after_a_placement_is_the_gateways_and_ejects_no_engine(make_stack) -> None:
+    """A client can make Envoy itself answer 500 after the scheduler placed its request: with its headers
+    near Envoy's count limit, the routing reply's added headers overflow it. Released from the access log,
+    that is the gateway's error, not the engine's: engines a client never reached are not ejected."""
+    stack = make_stack(engines=2, scheduler_metrics=True, ext_proc_metrics=True, response_bodies="first-token")
+
+    async def run() -> list[int]:
+        # a connection per request: Envoy closes one after refusing a request on it
+        connector = aiohttp.TCPConnector(force_close=True)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60), connector=connector) as session:
+            statuses = []
+            body = {"model": MODEL, "prompt": "headers", "max_tokens": 4}
+            # Over its limit, Envoy refuses the request at the door (431, or it closes the connection: 0 here);
+            # a few headers under it, the request is placed, and the routing reply's headers overflow it (500)
+            for extra in range(80, 100):
+                headers = {f"x-h{i}": "v" for i in range(extra)}
+                try:
+                    async with session.post(f"{stack.base_url}/v1/completions", json=body, headers=headers) as resp:
+                        statuses.append(resp.status)
+                except aiohttp.ServerDisconnectedError:
+                    statuses.append(0)
+            async with session.post(f"{stack.base_url}/v1/completions", json=body) as resp:
+                statuses.append(resp.status)
+            return statuses
+
+    statuses = asyncio.run(run())
+    assert set(statuses) <= {0, 200, 431, 500} and statuses[-1] == 200, str(statuses)
+    assert 500 in statuses, "no request met Envoy's limit after the routing reply: the case is not exercised"
+    wait_until(lambda: releases(stack, "gateway_error") == statuses.count(500), 30, "Envoy's 500s released")
+    assert releases(stack, "upstream_error") == 0
+    assert metric(stack.scheduler_metrics_port, "pilotfish_scheduler_ejections_total") == 0
+    wait_until(lambda: metric(stack.scheduler_metrics_port, "pilotfish_scheduler_inflight_requests") == 0, 30,
+               "the scheduler's account drained")  # fmt: skip

@@ -53,8 +53,8 @@ async def engine() -> AsyncIterator[tuple[str, str]]:
 
 
 def headers_message(traceparent: str) -> ep.ProcessingRequest:
-    pairs = [(":path", "/v1/completions"), ("x-request-id", "traced-1"), ("traceparent", traceparent),
-             ("tracestate", "vendor=1")]  # fmt: skip
+    pairs = [(":path", "/v1/completions"), (":method", "POST"), ("x-request-id", "traced-1"),
+             ("traceparent", traceparent), ("tracestate", "vendor=1")]  # fmt: skip
     headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs])
     message = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers))
     message.protocol_config.request_body_mode = processing_mode_pb2.ProcessingMode.BUFFERED

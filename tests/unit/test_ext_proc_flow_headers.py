@@ -57,6 +57,7 @@ def schedule_request(priority: str, flow: FlowHeaders) -> tuple[scheduler_pb2.Sc
                           flow_headers=flow)
     headers = base_pb2.HeaderMap(headers=[
         base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
         base_pb2.HeaderValue(key="x-request-priority", raw_value=priority.encode()),
     ])
     messages = [ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=headers)),

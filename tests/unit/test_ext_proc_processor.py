@@ -22,10 +22,13 @@ def servicer(max_body_bytes: int = 1 << 20) -> ExtProcServicer:
     return ExtProcServicer(router, lambda text: [1] * len(text.split()), frozenset(), max_body_bytes, ExtProcMetrics())
 
 
-def request_headers(path: str, *, full_duplex: bool, request_id: str = "rid-1", end: bool = False):
+def request_headers(
+    path: str, *, full_duplex: bool, request_id: str = "rid-1", end: bool = False, method: str = "POST"
+):
     headers = base_pb2.HeaderMap(
         headers=[
             base_pb2.HeaderValue(key=":path", raw_value=path.encode()),
+            base_pb2.HeaderValue(key=":method", raw_value=method.encode()),
             base_pb2.HeaderValue(key="x-request-id", raw_value=request_id.encode()),
         ]
     )
@@ -119,6 +122,70 @@ def test_full_duplex_body_over_the_limit_is_refused_without_waiting_for_its_end(
 
 
 def test_full_duplex_body_on_a_path_we_do_not_schedule_is_echoed_back():
-    replies = run([request_headers("/other", full_duplex=True), body(b"abc", end=True)])
+    replies = run([request_headers("/v1/models", full_duplex=True), body(b"abc", end=True)])
     assert replies[0].request_headers.response.clear_route_cache
     assert replies[1].request_body.response.body_mutation.streamed_response.body == b"abc"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/%63ompletions",  # the engine decodes it to a routed path: it would pass unscheduled
+        "/v1/chat%2Fcompletions",
+        "/v1/completions/",
+        "/v1/responses",  # generates too, through no scheduler and no flow control
+        "/v1/embeddings",
+        "/v1/load_lora_adapter",  # an engine's admin endpoint under /v1/
+        "/other",
+    ],
+)
+def test_a_path_neither_scheduled_nor_named_unscheduled_is_refused_and_reaches_no_engine(path: str) -> None:
+    svc = servicer()
+    replies = run([request_headers(path, full_duplex=False), body(COMPLETION, end=True)], svc)
+    assert [r.WhichOneof("response") for r in replies] == ["immediate_response"]
+    assert replies[0].immediate_response.status.code == 404
+    assert svc._metrics.rejected.labels("404")._value.get() == 1
+
+
+def test_the_unscheduled_paths_are_the_operators_choice() -> None:
+    router = Router(None, parse_instances([f"e0={ENGINE}"]), breaker=CircuitBreaker(3, 1.0))
+    svc = ExtProcServicer(router, lambda text: [1], frozenset(), 1 << 20, ExtProcMetrics(),
+                          unscheduled_paths=["/v1/embeddings"])  # fmt: skip
+    embeddings = run([request_headers("/v1/embeddings", full_duplex=False, end=True)], svc)
+    models = run([request_headers("/v1/models", full_duplex=False, end=True, method="GET")], svc)
+    assert set_headers(embeddings[0].request_headers.response.header_mutation)["x-gateway-destination-endpoint"] == (
+        ENGINE)
+    assert models[0].immediate_response.status.code == 404
+
+
+@pytest.mark.parametrize(("method", "end", "status"), [("GET", False, 405), ("PUT", False, 405), ("POST", True, 400)])
+def test_a_routed_path_the_engine_would_refuse_is_refused_before_it_is_scheduled(
+    method: str, end: bool, status: int
+) -> None:
+    router = Router(None, parse_instances([f"e0={ENGINE}"]), breaker=CircuitBreaker(3, 1.0))
+    picks = []
+    router.pick_round_robin = lambda subset: picks.append(subset)  # type: ignore[method-assign]
+    svc = ExtProcServicer(router, lambda text: [1], frozenset(), 1 << 20, ExtProcMetrics())
+    messages = [request_headers("/v1/completions", full_duplex=False, end=end, method=method)]
+    replies = run(messages if end else [*messages, body(COMPLETION, end=True)], svc)
+    assert replies[0].immediate_response.status.code == status and len(replies) == 1
+    assert picks == []
+
+
+def response_headers_message(status: int = 200) -> ep.ProcessingRequest:
+    headers = base_pb2.HeaderMap(headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())])
+    return ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=headers, end_of_stream=True))
+
+
+def test_a_response_sent_round_robin_is_tagged_with_its_engine_and_route() -> None:
+    models = request_headers("/v1/models", full_duplex=False, end=True, method="GET")
+    replies = run([models, response_headers_message()])
+    assert set_headers(replies[1].response_headers.response.header_mutation) == {
+        "x-pilotfish-instance": "e0", "x-pilotfish-route": "fallback"}
+
+
+def test_a_response_headers_reply_with_nothing_to_say_leaves_the_gateways_headers_alone() -> None:
+    from pilotfish.ext_proc import messages
+
+    reply = messages.response_headers_reply("", "", stream_body=False)
+    assert not reply.response_headers.response.HasField("header_mutation")

@@ -455,12 +455,15 @@ def test_counting_streams_ignore_the_access_log() -> None:
     assert len(backend.releases) == 1  # released once, by its stream
 
 
-def log_entry(flags: tuple[str, ...] = (), status: int = 200, source: str | None = "scheduler"):
+def log_entry(
+    flags: tuple[str, ...] = (), status: int = 200, source: str | None = "scheduler", details: str = "via_upstream"
+):
     from envoy.data.accesslog.v3 import accesslog_pb2
 
     entry = accesslog_pb2.HTTPAccessLogEntry()
     entry.request.request_headers["x-request-id"] = "rid"
     entry.response.response_code.value = status
+    entry.response.response_code_details = details
     for flag in flags:
         setattr(entry.common_properties.response_flags, flag, True)
     if source is not None:
@@ -469,23 +472,28 @@ def log_entry(flags: tuple[str, ...] = (), status: int = 200, source: str | None
 
 
 @pytest.mark.parametrize(
-    ("flags", "status", "reason"),
+    ("flags", "status", "details", "reason"),
     [
-        ((), 200, scheduler_pb2.RELEASE_REASON_FINISHED),
-        ((), 400, scheduler_pb2.RELEASE_REASON_FINISHED),
-        (("downstream_connection_termination",), 200, scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
-        (("downstream_remote_reset",), 200, scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
-        (("upstream_remote_reset",), 200, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
-        (("upstream_connection_termination",), 200, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
-        (("upstream_connection_failure",), 503, scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
-        ((), 503, scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
+        ((), 200, "via_upstream", scheduler_pb2.RELEASE_REASON_FINISHED),
+        ((), 400, "via_upstream", scheduler_pb2.RELEASE_REASON_FINISHED),
+        (("downstream_connection_termination",), 200, "via_upstream", scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
+        (("downstream_remote_reset",), 200, "via_upstream", scheduler_pb2.RELEASE_REASON_CLIENT_ABORT),
+        (("upstream_remote_reset",), 200, "via_upstream", scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
+        (("upstream_connection_termination",), 200, "via_upstream", scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET),
+        (("upstream_connection_failure",), 503, "upstream_reset_before_response_started{connection_failure}",
+         scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
+        ((), 503, "via_upstream", scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),  # the engine's own 503
+        # Envoy's own answer, no engine involved: a routing reply whose headers overflowed Envoy's limit
+        ((), 500, "ext_proc_error_gRPC_error_13{header_mutation_rejected}", scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR),
     ],
 )
-def test_the_access_log_says_how_a_request_ended(flags: tuple[str, ...], status: int, reason: int) -> None:
+def test_the_access_log_says_how_a_request_ended(
+    flags: tuple[str, ...], status: int, details: str, reason: int
+) -> None:
     from pilotfish.ext_proc.access_log import AccessLogReleaser
 
     released: list[tuple[str, int]] = []
-    AccessLogReleaser(lambda rid, why, *_: released.append((rid, why))).entry(log_entry(flags, status))
+    AccessLogReleaser(lambda rid, why, *_: released.append((rid, why))).entry(log_entry(flags, status, details=details))
     assert released == [("rid", reason)]
 
 

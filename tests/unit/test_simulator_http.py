@@ -258,6 +258,17 @@ async def test_errors_are_vllm_shaped(
         assert resp.status == 200
 
 
+async def test_a_body_that_is_not_the_encoding_it_declares_is_the_clients_error(
+    fleet: Fleet, http: aiohttp.ClientSession
+) -> None:
+    """Not a 500: a client's bad body must not count against the engine (the gateway ejects an engine
+    after a run of 5xx)."""
+    body = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+    async with http.post(f"{fleet.urls[0]}/v1/completions", data=body, headers={"content-encoding": "gzip"}) as resp:
+        assert resp.status == 400
+        assert (await resp.json())["type"] == "BadRequestError"
+
+
 # ---- health, models, metrics ------------------------------------------------------------------
 
 

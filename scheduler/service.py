@@ -25,6 +25,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from pilotfish.discovery.follow import discovery_configured, follow
 from pilotfish.discovery.static import Instance
+from pilotfish.grpc_malformed import MalformedRequests
 from pilotfish.metrics_http import serve_metrics
 from pilotfish.procs import StartError
 from pilotfish.protos import scheduler_pb2, scheduler_pb2_grpc
@@ -136,6 +137,13 @@ def _probe_port(host: str, port: int, flag: str) -> None:
 def _bind_error(host: str, port: int, flag: str, exc: OSError) -> StartError:
     reason = "address in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
     return StartError(f"cannot listen on {host}:{port} ({flag}): {reason}")
+
+
+def malformed_call(method: str) -> str:
+    """The `call` label of a malformed request to `method`: a Scheduler method's name (schedule, report,
+    release, session), else its service's (health)."""
+    service, _, name = method.rpartition("/")
+    return name.lower() if service == f"/{SERVICE_NAME}" else service.rpartition(".")[2].lower()
 
 
 def _peer_of(context: grpc.aio.ServicerContext) -> str:
@@ -484,10 +492,12 @@ class SchedulerServer:
             _probe_port(host, self.config.session_port, "--session-port")
         rekey_when_idle(self.core, asyncio.get_running_loop())
         # grpc's default SO_REUSEPORT would let a second scheduler silently share a busy port
-        # and the listener limits: message size, streams, connections, idle, keepalive (scheduler/limits.py)
+        # and the listener limits: message size, streams, connections, idle, keepalive (scheduler/limits.py).
+        # Last, the guard that answers a request message that does not decode (pilotfish/grpc_malformed.py)
+        malformed = MalformedRequests(self._refuse_malformed, "scheduler")
         server = self._server = grpc.aio.server(
             options=[("grpc.so_reuseport", 0), *grpc_server_options(self.config)],
-            interceptors=[self.security.aio_interceptor("scheduler_grpc")],
+            interceptors=[self.security.aio_interceptor("scheduler_grpc"), malformed],
         )
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -548,6 +558,9 @@ class SchedulerServer:
             self._discovery_task = asyncio.create_task(
                 follow(self.config, self._instance_added, self.core.remove_instance), name="scheduler-discovery"
             )
+
+    def _refuse_malformed(self, method: str) -> None:
+        self._servicer.stats.refuse(malformed_call(method), "malformed")
 
     def _instance_added(self, instance: Instance) -> None:
         """Lite mode: a discovered engine serves the configured models (any, when none is given)."""

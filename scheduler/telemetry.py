@@ -25,7 +25,7 @@ labelled `engine` (its instance id): `instance` is the target label Prometheus s
 | `pilotfish_scheduler_kv_events_gaps_total`, `..._missed_batches_total` | full: sequence gaps, batches they skipped |
 | `pilotfish_scheduler_kv_events_unchained_blocks_total` | full: stored blocks whose parent was never seen |
 | `pilotfish_scheduler_kv_events_subscriptions` | full: engines whose KV events are subscribed |
-| `pilotfish_scheduler_refused_total{call,reason}` | Schedule/Report/Release refused, clamped or dropped (limits.py) |
+| `pilotfish_scheduler_refused_total{call,reason}` | calls refused, clamped or dropped (limits.py), or malformed |
 | `pilotfish_scheduler_session_closed_total{reason}` | Session socket connections refused or closed by a limit |
 | `pilotfish_scheduler_session_connections` | open Session socket connections |
 """
@@ -250,7 +250,8 @@ class ListenerCollector(Collector):
             "pilotfish_scheduler_refused",
             "Schedule, Report and Release messages refused at the listeners, by call and reason: rate_limited, "
             "a bound (prompt_tokens, max_tokens, request_id_length, ...), or for reports clamped (count over "
-            "what the stream can generate; applied clamped) and no_progress (dropped: it would only renew)",
+            "what the stream can generate; applied clamped) and no_progress (dropped: it would only renew); "
+            "malformed: a request message that is not a protobuf, on any gRPC call (session and health too)",
             labels=["call", "reason"],
         )
         for (call, reason), n in sorted(s.refused.items()):

@@ -287,24 +287,30 @@ def test_predicted_ttft_floor_holds(full: bool, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["predicted_ttft", "predicted_delay", "predicted_stall"])
 @pytest.mark.parametrize("full", [False, True])
-def test_the_value_on_a_prompt_all_cached_is_the_cached_value(full: bool, name: str) -> None:
-    """An instance holding the whole prompt: `cached_value(state)` is the value, to the bit, whatever the prompt
-    (the index keeps members sorted by it, and walks them by it for such a request)."""
+def test_a_prompt_all_cached_still_costs_a_step_with_the_batch_and_keeps_its_floor(full: bool, name: str) -> None:
+    """An instance holding the whole prompt computes its last token in a step with its decode batch: the value
+    is that of one own token, so it rises with the batch (counted as none it was the idle TTFT, 0, whatever
+    the batch, and a burst of exact repeats all went to one engine), and the floor holds under it."""
     for profile in PROFILES:
         hits = PrefixIndex()
         hits.record_dispatch("i00", BLOCKS)
         c = _context(full, profile, hits)
         metric = METRICS.get(name)(c)
-        assert metric.cached_prompt_value
-        for ahead, batch, seq in itertools.product((0, 1, 511, 512, 9000), (0, 1, 7, 600), (0, 4000, 300_000)):
-            for released, scale in itertools.product(((0, 0, -1), (3, 30, 0), (1, 100_000, 1)), (1.0, 3.5)):
-                v = _views([(ahead, batch, seq, True, 0.0, 0, 0, 0, scale, released)], full)[0]
+        for blocks in range(1, len(BLOCKS) + 1):
+            req = RequestInfo("r", "m", prompt_tokens=16 * blocks, prefix_block_hashes=BLOCKS[:blocks],
+                              prefix_block_size=16)
+            one = RequestInfo("one", "m", prompt_tokens=1)  # one token of its own, nothing cached
+            values = []
+            for batch in (0, 1, 7, 600):
+                v = _views([(0, batch, 4000 * batch, True, 0.0, 0, 0, 0, 1.0, (3, 30, 0))], full)[0]
                 state = metric.state(v)
-                for blocks in range(1, len(BLOCKS) + 1):
-                    req = RequestInfo("r", "m", prompt_tokens=16 * blocks, prefix_block_hashes=BLOCKS[:blocks],
-                                      prefix_block_size=16)
-                    c.begin(req)
-                    assert metric.value(v, req) == metric.cached_value(state), (ahead, batch, seq, blocks)
+                c.begin(req)
+                value = metric.value(v, req)
+                assert metric.lower_bound(state) + metric.bound_offset(req, 16 * blocks) <= value * (1 + 1e-12)
+                c.begin(one)
+                assert value == metric.value(v, one), (profile, blocks, batch)
+                values.append(value)
+            assert values[0] > 0 and values == sorted(values) and values[-1] > values[1], values
 
 
 def _fleet(n: int, rng: random.Random, full: bool) -> list[InstanceView]:

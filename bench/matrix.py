@@ -16,10 +16,10 @@ It is found by a short search: the rate doubles until round-robin falls below th
 (a rate measured to pass). The larger fleets' searches start from the smallest fleet's knee scaled
 by the fleet. Load L then means L x the knee's arrival rate, applied as time compression of the
 same trace. A cell holds `--requests-per-cell` requests whatever the fleet, so the 64-engine cells
-are shorter bursts (a quarter of the requests per engine), not a steady state: the default size has
-to fit 15 minutes on 2 cores.
+are shorter bursts (a quarter of the requests per engine), not a steady state: the default size is
+meant to fit 15 minutes on 2 cores (22 min 46 s on this project's 2-core host: bench/RESULTS.md).
 
-    pilotfish bench matrix --out DIR              # the default size: 15 minutes or less on 2 cores
+    pilotfish bench matrix --out DIR              # the default size (2 worker processes)
     pilotfish bench matrix --quick --out DIR      # two workloads, one fleet, one seed: a smoke run
     pilotfish bench matrix --workloads family:rag,trace:mooncake_synthetic.jsonl --fleets 16 --out DIR
 

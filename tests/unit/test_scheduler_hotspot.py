@@ -370,3 +370,22 @@ def test_the_default_policy_keeps_shared_prefix_requests_within_its_band(full: b
     assert min(counts.values()) > 0 and max(counts.values()) <= 2 * 160 / 8
     holders = core.prefix_index.match(tuple(range(1, SHARED_BLOCKS + 1)))  # type: ignore[union-attr]
     assert set(holders) == set(views)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lite", "full"])
+def test_the_default_policy_spreads_a_burst_of_exact_repeats(full: bool) -> None:
+    """Every request the same whole prompt (block-aligned: an instance that served it holds all of it), none
+    finished yet. An instance holding it still computes each one's last token in a step with its batch, which
+    grows with each: the burst spreads, none past twice its fair share (counted as nothing of its own, every
+    repeat saw the holder at 0 ms, whatever its batch, and all went there)."""
+    fields: dict[str, object] = {"scheduling_policy": "predicted-latency"}
+    if full:
+        fields["enable_full_mode_scheduling"] = True
+    core = make_core(16, **fields)
+    counts: dict[str, int] = {}
+    for i in range(320):
+        req = RequestInfo(f"r{i}", "m", prompt_tokens=SHARED_BLOCKS * BLOCK,
+                          prefix_block_hashes=tuple(range(1, SHARED_BLOCKS + 1)), prefix_block_size=BLOCK)  # fmt: skip
+        target = core.schedule(req).target.instance_id
+        counts[target] = counts.get(target, 0) + 1
+    assert len(counts) >= 8 and max(counts.values()) <= 2 * 320 / 16, counts

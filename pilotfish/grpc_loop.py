@@ -34,7 +34,7 @@ from pilotfish.h2 import H2Connection, H2Limits, H2Stream, encode_headers
 
 log = logging.getLogger(__name__)
 
-OK, CANCELLED, UNKNOWN, NOT_FOUND = 0, 1, 2, 5
+OK, CANCELLED, UNKNOWN, INVALID_ARGUMENT, NOT_FOUND = 0, 1, 2, 3, 5
 RESOURCE_EXHAUSTED, UNIMPLEMENTED, INTERNAL, UNAUTHENTICATED = 8, 12, 13, 16
 
 RESPONSE_HEADERS = encode_headers([(":status", "200"), ("content-type", "application/grpc")])
@@ -180,8 +180,9 @@ class _Call:
         self.stream.consumed(5 + len(raw))
         try:
             return self.method.request_type.FromString(raw)
-        except DecodeError:
-            raise GrpcError(INTERNAL, "could not parse the request message") from None
+        except DecodeError:  # the peer's fault, not ours: counted, as the server's other refusals are
+            self.server.refused("malformed")
+            raise GrpcError(INVALID_ARGUMENT, "the request message is not a valid protobuf") from None
 
     async def _requests(self) -> AsyncIterator[Message]:
         while (message := await self._next()) is not None:

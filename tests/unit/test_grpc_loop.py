@@ -290,6 +290,16 @@ async def test_message_over_the_limit_is_resource_exhausted(serve: Serve) -> Non
         assert server.refusals["message_too_large"] == 1  # counted once, the passing one not at all
 
 
+async def test_a_message_that_is_not_a_protobuf_is_invalid_argument_and_counted(serve: Serve) -> None:
+    async with serve() as (server, _, channel):
+        garbage = channel.unary_unary("/test.Echo/Echo", request_serializer=lambda raw: raw)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await within(garbage(b"\xff\xff\xff\xff\x0f"))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert server.refusals["malformed"] == 1
+        assert await echo_once(channel, b"after") == (grpc.StatusCode.OK, [b"after"])  # the server goes on
+
+
 async def test_unknown_method_is_unimplemented(serve: Serve) -> None:
     async with serve() as (server, _, channel):
         with pytest.raises(grpc.aio.AioRpcError) as caught:

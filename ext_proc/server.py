@@ -152,7 +152,8 @@ class ExtProcServer:
             self.metrics.registry,
             "pilotfish_ext_proc_grpc_refused",
             "Connections, streams and calls the ext_proc's gRPC server refused, by reason (an HTTP/2 error "
-            "code's name, or message_too_large, compressed_message, unknown_method, not_grpc, unauthenticated).",
+            "code's name, or message_too_large, compressed_message, malformed, unknown_method, not_grpc, "
+            "unauthenticated).",
             ["reason"],
             lambda: {(reason,): n for reason, n in server.refusals.items()},
         )

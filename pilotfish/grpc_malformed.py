@@ -90,20 +90,13 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message is not a valid {what}")
             raise AssertionError("abort returned")  # pragma: no cover - abort always raises
 
-        kwargs = {"response_serializer": handler.response_serializer}
-        if handler.request_streaming:
-            kwargs["request_deserializer"] = _raising(decode)
-            if handler.response_streaming:
-                behaviour = _guarded(handler.stream_stream, refuse)
-                return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs) if behaviour else handler
-            behaviour = _guarded(handler.stream_unary, refuse)
-            return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs) if behaviour else handler
-        kwargs["request_deserializer"] = _lenient(decode)
-        if handler.response_streaming:
-            behaviour = _guarded(handler.unary_stream, refuse)
-            return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs) if behaviour else handler
-        behaviour = _guarded(handler.unary_unary, refuse)
-        return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs) if behaviour else handler
+        streaming = handler.request_streaming
+        kind, make = _KINDS[streaming, handler.response_streaming]
+        behaviour = _guarded(getattr(handler, kind), refuse)
+        if behaviour is None:
+            return handler
+        decoded = _raising(decode) if streaming else _lenient(decode)
+        return make(behaviour, request_deserializer=decoded, response_serializer=handler.response_serializer)
 
     def _note(self, method: str, what: str, peer: str) -> None:
         """A refusal's log line: a flood of bad messages must not flood the log."""
@@ -115,6 +108,15 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
                         self._listener, method, peer, what)  # fmt: skip
         else:
             log.debug(line, self._listener, method, peer, what)
+
+
+# (request streaming, response streaming) -> the handler's behaviour attribute, and what builds such a handler
+_KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]] = {
+    (False, False): ("unary_unary", grpc.unary_unary_rpc_method_handler),
+    (False, True): ("unary_stream", grpc.unary_stream_rpc_method_handler),
+    (True, False): ("stream_unary", grpc.stream_unary_rpc_method_handler),
+    (True, True): ("stream_stream", grpc.stream_stream_rpc_method_handler),
+}
 
 
 def _lenient(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

@@ -8,6 +8,7 @@ tests/integration/test_llumlet_rpc_guards.py.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 from collections.abc import Iterator
@@ -134,6 +135,23 @@ def test_on_loopback_without_a_token_every_call_stays_open(llumlets) -> None:
         assert list(stub.GetStatus(llumlet_pb2.GetStatusRequest(), timeout=10).admitted_request_ids) == ["r1"]
         assert list(stub.Abort(llumlet_pb2.AbortRequest(request_ids=["r1"]), timeout=10).aborted_request_ids) == ["r1"]
     assert engine.aborted == [["r1"]] and not llumlet.rpc_refused
+
+
+@pytest.mark.parametrize("method", ["GetStatus", "Abort", "MigrateIn"])
+def test_a_request_that_is_not_a_protobuf_is_invalid_argument_counted_and_changes_nothing(
+    llumlets, caplog: pytest.LogCaptureFixture, method: str
+) -> None:
+    llumlet, engine = start(llumlets, "127.0.0.1")
+    channel, stub = stub_of(llumlet)
+    with channel:
+        garbage = getattr(channel, "unary_stream" if method == "MigrateIn" else "unary_unary")(
+            f"/pilotfish.v1.Llumlet/{method}", request_serializer=lambda raw: raw)
+        for _ in range(20):
+            assert code_of(lambda: garbage(b"\xff\xff\xff\xff\x0f", timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert stub.GetStatus(llumlet_pb2.GetStatusRequest(), timeout=10).num_waiting == 1  # still served
+    assert llumlet.rpc_refused == {(method, "malformed"): 20}
+    assert engine.aborted == [] and "r1" in engine.requests
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # grpc's per-call traceback is gone
 
 
 def test_a_token_is_required_for_every_call_wherever_it_listens(llumlets) -> None:

@@ -30,6 +30,7 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pilotfish.cms.refusals import RefusalLog
 from pilotfish.config import ConfigError
@@ -56,6 +57,8 @@ NO_MIGRATION = (
 CONTROL_METHODS = frozenset({"Abort", "Migrate", "MigrateIn"})
 UNAUTHENTICATED = "unauthenticated"  # a token is configured; the call's is missing or wrong
 NO_TOKEN_CONFIGURED = "no_token_beyond_loopback"
+MALFORMED = "malformed"  # the request message is not a protobuf
+_MALFORMED = object()  # what such a message decodes to
 
 
 def _env_names(message: str) -> str:
@@ -69,6 +72,8 @@ class _Guard(grpc.ServerInterceptor):
         self._loopback = loopback
         self._refused = refused
         self._log = RefusalLog(log, what="refused llumlet call from peer")
+        # method -> (the handler found, its copy that refuses a request message that is not a protobuf)
+        self._lenient: dict[str, tuple[Any, Any]] = {}
 
     def _deny(self, method: str, code: grpc.StatusCode, reason: str, message: str) -> Any:
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
@@ -78,6 +83,35 @@ class _Guard(grpc.ServerInterceptor):
 
         return grpc.unary_unary_rpc_method_handler(deny)
 
+    def _admitted(self, method: str, handler: Any) -> Any:
+        """`handler`, refusing a request message that does not decode: grpc's own decode would answer INTERNAL
+        and log a traceback per call, inside the engine's process, for anyone who may call GetStatus."""
+        kept = self._lenient.get(method)
+        if kept is not None and kept[0] is handler:
+            return kept[1]
+        guarded = handler
+        if handler is not None and not handler.request_streaming and handler.request_deserializer is not None:
+            decode, inner = handler.request_deserializer, handler.unary_stream or handler.unary_unary
+
+            def decoded(raw: bytes) -> Any:
+                try:
+                    return decode(raw)
+                except DecodeError:
+                    return _MALFORMED
+
+            def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
+                if request is _MALFORMED:
+                    self._refused[(method, MALFORMED)] += 1
+                    self._log.note(context.peer(), MALFORMED, f"{method}: the request message is not a protobuf")
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message is not a valid protobuf")
+                return inner(request, context)
+
+            make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else (
+                grpc.unary_unary_rpc_method_handler)
+            guarded = make(behaviour, request_deserializer=decoded, response_serializer=handler.response_serializer)
+        self._lenient[method] = (handler, guarded)
+        return guarded
+
     def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         method = details.method.rsplit("/", 1)[-1]
         if self._expected:
@@ -85,13 +119,13 @@ class _Guard(grpc.ServerInterceptor):
                 if key == "authorization":
                     given = value.encode() if isinstance(value, str) else value
                     if hmac.compare_digest(given, self._expected):
-                        return continuation(details)
+                        return self._admitted(method, continuation(details))
             return self._deny(
                 method, grpc.StatusCode.UNAUTHENTICATED, UNAUTHENTICATED,
                 "missing or wrong 'authorization: Bearer <token>'",
             )  # fmt: skip
         if self._loopback or method not in CONTROL_METHODS:
-            return continuation(details)
+            return self._admitted(method, continuation(details))
         return self._deny(
             method, grpc.StatusCode.PERMISSION_DENIED, NO_TOKEN_CONFIGURED,
             f"{method} is refused: this llumlet listens beyond loopback without a token; set "

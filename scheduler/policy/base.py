@@ -154,16 +154,6 @@ class Metric(abc.ABC):
         all of them on every change, so a metric may share the work between levels)."""
         return [self.lower_bound_at(state, level) for level in self.floor_levels]
 
-    # has_floor: whether `cached_value` gives the value on a request whose whole prompt the instance holds
-    cached_prompt_value: ClassVar[bool] = False
-
-    def cached_value(self, state: Any) -> float:
-        """cached_prompt_value: the value, exactly as `evaluate` gives it, on an instance that holds the request's
-        whole prompt; it must not depend on the request (nothing of its own to prefill). A load index keeps its
-        members sorted by it, since `bound_offset` has no floor there (-inf) and every such holder would be
-        evaluated otherwise."""
-        raise NotImplementedError(f"metric {self.name!r} has no value for a prompt all cached")
-
     def drain(self, inst: InstanceView) -> Drain | None:
         """forward_predicted: how `value` moves with the clock until `inst` changes; None while it does not move."""
         return None

@@ -949,9 +949,7 @@ class BoundedLoadIndex(LoadIndex):
     2. visits the members with a hit (few) by their own floor, while it is within what a hit can still
        matter at: for a banded selector the band limit of the least value or the `need`-th best value,
        whichever is higher; for a ranked one the `need`-th best (or every hit, with a cache head, which
-       ranks the hits first). A member holding the whole prompt has no floor (`bound_offset` -inf): where
-       the metric says its value there (`cached_value`, the instance's alone), the members are kept sorted
-       by that as well, and such holders come by it;
+       ranks the hits first);
     3. runs the selector's own `select` over the visited candidates in the scan's order.
 
     That gives the scan's answer: the least value, the in-band hits, whether an in-band candidate has no
@@ -988,24 +986,16 @@ class BoundedLoadIndex(LoadIndex):
         # the members sorted again by the first metric's floor at each of its prompt levels (base.py,
         # `floor_levels`): a walk of the members without a hit uses the largest at or under the prompt
         self._levels = self._first.floor_levels
-        # and, after them, by the first metric's value on a request whose whole prompt the member holds (exact:
-        # no floor holds there, so without it every such holder is evaluated): its place in `_by_level`, or -1
-        self._cached_level = len(self._levels) if self._first.cached_prompt_value else -1
         # each member's entries per level, kept so a move finds its old ones without computing them again
         self._level_entries = {key[3]: self._level_keys(key) for key in self._sorted}
         per_member = list(self._level_entries.values())
-        lists = len(self._levels) + (self._cached_level >= 0)
-        self._by_level = [sorted(keys[i] for keys in per_member) for i in range(lists)]
+        self._by_level = [sorted(keys[i] for keys in per_member) for i in range(len(self._levels))]
         self._by_ts.sort()
 
     def _level_keys(self, key: tuple) -> list[tuple]:
-        """The member's entry at each prompt level, in `_levels`' order, then its entry for a prompt all cached."""
+        """The member's entry at each prompt level, in `_levels`' order."""
         rest = key[1:]
-        first, state = self._first, key[1][0]
-        entries = [(floor, *rest) for floor in first.lower_bounds_at(state)]
-        if self._cached_level >= 0:
-            entries.append((first.cached_value(state), *rest))
-        return entries
+        return [(floor, *rest) for floor in self._first.lower_bounds_at(key[1][0])]
 
     def _make_key(self, inst: InstanceView, instance_id: str) -> tuple:
         state_of = self._state_of
@@ -1039,7 +1029,7 @@ class BoundedLoadIndex(LoadIndex):
         offset = first.bound_offset(req, 0)
         # a member without a hit computes the whole prompt: the tightest floor is the largest level under it
         entries = self._sorted
-        for level, by_level in zip(self._levels, self._by_level, strict=False):  # (the cached list: after them)
+        for level, by_level in zip(self._levels, self._by_level, strict=True):
             if level > req.prompt_tokens:
                 break
             entries = by_level
@@ -1129,21 +1119,16 @@ class BoundedLoadIndex(LoadIndex):
         offsets = {hit: first.bound_offset(req, hit) for hit in first.ctx.prefix_hit_lengths(req)}
         # a hit's own part is the prompt past it: its floor is the member's at the largest prompt level under
         # that (as the walk's for a whole prompt), where the metric charges what grows with the prompt (a
-        # stall per decoding request) that much tighter; under the first level, the member's key; for a prompt
-        # all cached, the member's exact value there, from the list kept by it
-        levels, cached_level = self._levels, self._cached_level
+        # stall per decoding request) that much tighter; under the first level (a prompt all cached too: its own
+        # part is one token), the member's key
+        levels = self._levels
         at_level = {hit: bisect.bisect_right(levels, req.prompt_tokens - hit) - 1 for hit in offsets}
-        cached = False
-        if cached_level >= 0:
-            for hit in offsets:
-                if hit >= req.prompt_tokens:
-                    at_level[hit], offsets[hit], cached = cached_level, 0.0, True
         # a hit is visited when key + offset(its hit) <= cut: only members keyed up to cut - the least offset
         # can be. A widespread prefix has many holders and a few of them in reach: then the members in key
         # order up to there are fewer to look at than the hits (a bisect tells how many)
         entries = self._sorted
         reach = len(entries)
-        if cut < math.inf and not cached:  # (a value for a prompt all cached can be under the member's key)
+        if cut < math.inf:
             reach = bisect.bisect_right(self._floors, cut - min(offsets.values()))
         floors: Iterable[tuple[float, str]]
         if len(hits) * _LAZY_HOLDER_SHARE >= len(entries):
@@ -1180,9 +1165,7 @@ class BoundedLoadIndex(LoadIndex):
             _, states, pos, _ = key[instance_id]
             value = evaluate(states[0], inst, req)
             if value > threshold:
-                # past the band and the `need` best: it cannot matter (a hit without a floor, its prompt all
-                # cached, comes here, and most such are out of reach)
-                continue
+                continue  # past the band and the `need` best: it cannot matter
             if not admit(inst, instance_id, pos, self._values(states, inst, req, value)):
                 continue
             bisect.insort(firsts, value)

@@ -138,7 +138,6 @@ class PredictedTtft(Metric):
         return offset if offset >= 0 else offset * MAX_SPEED_SCALE
 
 
-
 class PredictedDelay(PredictedTtft):
     """Latency in ms this dispatch adds, summed over the requests it touches: the request's predicted TTFT
     (`predicted_ttft`) plus decode batch x the prefill time of its uncached tokens, since every

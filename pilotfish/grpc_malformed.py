@@ -95,7 +95,7 @@ class MalformedRequests(grpc.aio.ServerInterceptor):
         behaviour = _guarded(getattr(handler, kind), refuse)
         if behaviour is None:
             return handler
-        decoded = _raising(decode) if streaming else _lenient(decode)
+        decoded = _raising(decode) if streaming else lenient(decode)
         return make(behaviour, request_deserializer=decoded, response_serializer=handler.response_serializer)
 
     def _note(self, method: str, what: str, peer: str) -> None:
@@ -119,7 +119,9 @@ _KINDS: dict[tuple[bool, bool], tuple[str, Callable[..., grpc.RpcMethodHandler]]
 }
 
 
-def _lenient(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+def lenient(decode: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """`decode`, giving MALFORMED for bytes that are not its message (a unary request: sync servers use it too)."""
+
     def decoded_or_malformed(raw: bytes) -> Any:
         try:
             return decode(raw)

@@ -30,10 +30,11 @@ from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from pilotfish.cms.refusals import RefusalLog
 from pilotfish.config import ConfigError
+from pilotfish.grpc_malformed import MALFORMED as NOT_DECODED
+from pilotfish.grpc_malformed import lenient
 from pilotfish.protos import cms_pb2, llumlet_pb2, llumlet_pb2_grpc
 from pilotfish.security import is_loopback
 from pilotfish.vllm_plugin.config import LlumletConfig, env_name
@@ -58,7 +59,6 @@ CONTROL_METHODS = frozenset({"Abort", "Migrate", "MigrateIn"})
 UNAUTHENTICATED = "unauthenticated"  # a token is configured; the call's is missing or wrong
 NO_TOKEN_CONFIGURED = "no_token_beyond_loopback"
 MALFORMED = "malformed"  # the request message is not a protobuf
-_MALFORMED = object()  # what such a message decodes to
 
 
 def _env_names(message: str) -> str:
@@ -91,16 +91,10 @@ class _Guard(grpc.ServerInterceptor):
             return kept[1]
         guarded = handler
         if handler is not None and not handler.request_streaming and handler.request_deserializer is not None:
-            decode, inner = handler.request_deserializer, handler.unary_stream or handler.unary_unary
-
-            def decoded(raw: bytes) -> Any:
-                try:
-                    return decode(raw)
-                except DecodeError:
-                    return _MALFORMED
+            inner = handler.unary_stream or handler.unary_unary
 
             def behaviour(request: Any, context: grpc.ServicerContext) -> Any:
-                if request is _MALFORMED:
+                if request is NOT_DECODED:
                     self._refused[(method, MALFORMED)] += 1
                     self._log.note(context.peer(), MALFORMED, f"{method}: the request message is not a protobuf")
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message is not a valid protobuf")
@@ -108,7 +102,8 @@ class _Guard(grpc.ServerInterceptor):
 
             make = grpc.unary_stream_rpc_method_handler if handler.response_streaming else (
                 grpc.unary_unary_rpc_method_handler)
-            guarded = make(behaviour, request_deserializer=decoded, response_serializer=handler.response_serializer)
+            guarded = make(behaviour, request_deserializer=lenient(handler.request_deserializer),
+                           response_serializer=handler.response_serializer)  # fmt: skip
         self._lenient[method] = (handler, guarded)
         return guarded
 

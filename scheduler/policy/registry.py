@@ -328,6 +328,16 @@ def slo_spec(config: SchedulerConfig) -> dict[str, Any]:
 PREDICTED_LATENCY_METRICS = ["predicted_stall", "predicted_tpot"]
 
 
+# The default's band in full mode: 50 ms over the least predicted value, not 10% of it. 10% of a long TTFT is
+# a long time: with one 16k-token document every request shares, a cold engine's value is its prefill (1.9 s),
+# so an engine computing the document stayed in band for 190 ms of further work, about 15 requests. They waited
+# past the TTFT target behind it and then decoded together, past the TPOT target (16 engines: 0.76 of
+# round-robin's goodput at half the knee, 0.998 with the 50 ms band alone). Full mode's values are the engine's
+# own work; lite mode's count cached prompts as prefill ahead (metrics/latency.py), which the 10% allows for:
+# there the same change cost 2% of goodput on the tenants family at the knee (bench/RESULTS.md, 2026-11-29).
+FULL_MODE_BALANCE_REL = 1.0
+
+
 def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
     """The default: least predicted latency with cache affinity.
 
@@ -345,6 +355,8 @@ def predicted_latency_spec(config: SchedulerConfig) -> dict[str, Any]:
     the fallback pass ignores them)."""
     top_k = config.dispatch_top_k
     ranking = {"name": "cache_aware", "metrics": ["kv_cache_hit_len", *PREDICTED_LATENCY_METRICS], "top_k": top_k}
+    if config.enable_full_mode_scheduling:
+        ranking["balance_rel_threshold"] = FULL_MODE_BALANCE_REL
     ttft = _threshold("predicted_ttft", config.ttft_slo * config.ttft_slo_dispatch_threshold if config.ttft_slo
                       else None)
     tpot = _threshold("predicted_tpot", config.tpot_slo * config.tpot_slo_dispatch_threshold if config.tpot_slo

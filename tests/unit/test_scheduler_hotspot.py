@@ -350,7 +350,8 @@ def test_the_default_policy_keeps_shared_prefix_requests_within_its_band(full: b
     """What ships (predicted-latency, no flags): at every dispatch the target's band metric before it
     (predicted TTFT plus the decode batch's stall past what its answers absorb) is within the
     band (50 ms or 10%) of the least, whatever it caches; a burst of shared-prefix requests spreads over every
-    instance, and the index learns the block on all of them."""
+    instance, and the index learns the block on all of them. Full mode's band is 50 ms alone
+    (registry.FULL_MODE_BALANCE_REL)."""
     fields: dict[str, object] = {"scheduling_policy": "predicted-latency"}
     if full:
         fields["enable_full_mode_scheduling"] = True
@@ -365,7 +366,7 @@ def test_the_default_policy_keeps_shared_prefix_requests_within_its_band(full: b
         before = {name: metric.value(v, req) for name, v in views.items()}
         target = core.schedule(req).target.instance_id
         least = min(before.values())
-        assert before[target] <= max(least + 50.0, least * 1.1) + 1e-9
+        assert before[target] <= (least + 50.0 if full else max(least + 50.0, least * 1.1)) + 1e-9
         counts[target] += 1
     assert min(counts.values()) > 0 and max(counts.values()) <= 2 * 160 / 8
     holders = core.prefix_index.match(tuple(range(1, SHARED_BLOCKS + 1)))  # type: ignore[union-attr]
@@ -389,3 +390,21 @@ def test_the_default_policy_spreads_a_burst_of_exact_repeats(full: bool) -> None
         target = core.schedule(req).target.instance_id
         counts[target] = counts.get(target, 0) + 1
     assert len(counts) >= 8 and max(counts.values()) <= 2 * 320 / 16, counts
+
+
+def test_full_mode_opens_engines_for_a_long_shared_document_after_50_ms_of_work_each() -> None:
+    """Every request starts with one 16k-token document and the fleet is cold: a cold engine's predicted TTFT
+    is the document's prefill (about 1.9 s), and an engine already sent it is within 50 ms of that until
+    about 50 ms of questions wait behind it, so the burst opens engine after engine. With 10% of the value
+    as the band (190 ms) an engine still computing the document took about 15 requests, which waited past
+    the TTFT target and then decoded together (bench/RESULTS.md, 2026-11-29)."""
+    core = make_core(16, scheduling_policy="predicted-latency", enable_full_mode_scheduling=True)
+    doc_blocks = 1024
+    counts: dict[str, int] = {}
+    for i in range(160):
+        req = RequestInfo(f"r{i}", "m", prompt_tokens=doc_blocks * BLOCK + 48,
+                          prefix_block_hashes=(*range(1, doc_blocks + 1), hash(("question", i))),
+                          prefix_block_size=BLOCK)  # fmt: skip
+        target = core.schedule(req).target.instance_id
+        counts[target] = counts.get(target, 0) + 1
+    assert len(counts) == 16 and max(counts.values()) <= 1.5 * 160 / 16, counts

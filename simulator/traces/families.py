@@ -21,6 +21,11 @@ Families (`FAMILIES`, also `--trace family:<name>[:knob=value,...]` in `pilotfis
   thousands of tokens while most stop early (decode load that a request count hides).
 - `bursty`: the `system-prompt` shape, with arrivals that alternate between bursts at several
   times the mean rate and lulls below it (an on/off modulated Poisson process).
+- `long-and-short`: short chat turns behind a shared system prompt, and among them a few long
+  documents of their own (head-of-line blocking: a long prefill stalls every short request on its
+  engine, a request count hides the difference, and a cache helps only the short ones).
+- `long-output`: short prompts behind a shared system prompt with answers of thousands of tokens,
+  as a reasoning model writes (decode load and KV growth, not prefill, fill the engines).
 
 Lengths are a fixed int or an inclusive (low, high) range drawn uniformly; arrivals are
 Poisson at `rate` requests (for `multi-turn`: conversations) per second, `bursty`'s modulated
@@ -294,6 +299,76 @@ def bursty_trace(
     ]
 
 
+def long_and_short_trace(
+    *,
+    requests: int = 2000,
+    system: Length = 256,
+    turn: Length = (64, 512),
+    long: Length = (16_000, 32_000),
+    long_share: float = 0.1,
+    output: Length = (32, 256),
+    rate: float = 20.0,
+    seed: int = 0,
+    namespace: str = "fam-mix",
+) -> Trace:
+    """Short chat turns and a few long documents.
+
+    requests; system: tokens of the system prompt every short request starts with; turn: each short
+    request's own tokens after it; long: tokens of a long request, a document of its own that shares
+    nothing; long_share: the share of requests that are long (0 to 1, each drawn independently);
+    output: every request's output tokens; rate, seed, namespace as in `system_prompt_trace`.
+    """
+    if not 0 <= long_share <= 1:
+        raise ValueError("long_share must be within 0..1")
+    rng = random.Random(f"{namespace}:{seed}")
+    system_len = _draw(rng, system)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    key = f"{namespace}:{seed}"
+    out: Trace = []
+    for i, at in enumerate(arrivals):
+        if rng.random() < long_share:
+            segments = [(f"{key}:doc:{i}", max(1, _draw(rng, long)))]
+        else:
+            segments = [(f"{key}:sys", system_len), (f"{key}:t:{i}", max(1, _draw(rng, turn)))]
+        out.append(_request(f"{namespace}-{i}", at, segments, _draw(rng, output)))
+    return out
+
+
+def long_output_trace(
+    *,
+    requests: int = 2000,
+    system: Length = 512,
+    prompt: Length = (100, 1000),
+    output_min: int = 1000,
+    output_max: int = 8000,
+    rate: float = 20.0,
+    seed: int = 0,
+    namespace: str = "fam-long-out",
+) -> Trace:
+    """Short prompts, long answers.
+
+    requests; system: shared system-prompt tokens; prompt: each request's own tokens after it;
+    output_min, output_max: output lengths are log-uniform between them (as many answers between
+    1,000 and 2,000 tokens as between 4,000 and 8,000); rate, seed, namespace as in `system_prompt_trace`.
+    """
+    if not 1 <= output_min <= output_max:
+        raise ValueError("need 1 <= output_min <= output_max")
+    rng = random.Random(f"{namespace}:{seed}")
+    system_len = _draw(rng, system)
+    arrivals = poisson_arrivals(requests, rate, seed)
+    key = f"{namespace}:{seed}"
+    low, high = math.log(output_min), math.log(output_max)
+    return [
+        _request(
+            f"{namespace}-{i}",
+            at,
+            [(f"{key}:sys", system_len), (f"{key}:p:{i}", max(1, _draw(rng, prompt)))],
+            min(output_max, int(math.exp(rng.uniform(low, high)))),
+        )
+        for i, at in enumerate(arrivals)
+    ]
+
+
 FAMILIES: dict[str, Callable[..., Trace]] = {
     "system-prompt": system_prompt_trace,
     "multi-turn": multi_turn_trace,
@@ -301,6 +376,8 @@ FAMILIES: dict[str, Callable[..., Trace]] = {
     "rag": rag_trace,
     "heavy-tail": heavy_tail_trace,
     "bursty": bursty_trace,
+    "long-and-short": long_and_short_trace,
+    "long-output": long_output_trace,
 }
 
 

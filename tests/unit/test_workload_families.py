@@ -14,6 +14,8 @@ from pilotfish.simulator.traces.families import (
     bursty_trace,
     family_trace,
     heavy_tail_trace,
+    long_and_short_trace,
+    long_output_trace,
     multi_turn_trace,
     rag_trace,
     system_prompt_trace,
@@ -28,6 +30,8 @@ SMALL = {
     "rag": {"requests": 60},
     "heavy-tail": {"requests": 60},
     "bursty": {"requests": 60},
+    "long-and-short": {"requests": 60, "long_share": 0.3},
+    "long-output": {"requests": 60},
 }
 
 
@@ -140,6 +144,37 @@ def test_heavy_tail_outputs_follow_the_pareto_law() -> None:
         heavy_tail_trace(requests=1, alpha=0)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), share=st.sampled_from([0.0, 0.1, 0.5, 1.0]))
+def test_long_and_short_mixes_long_unshared_documents_into_short_turns(seed: int, share: float) -> None:
+    trace = long_and_short_trace(requests=400, long_share=share, seed=seed)
+    long = [r for r in trace if len(r.segments) == 1]
+    short = [r for r in trace if len(r.segments) == 2]
+    assert len(long) + len(short) == 400
+    assert all(16_000 <= r.input_length <= 32_000 for r in long)
+    assert len({r.segments[0][0] for r in long}) == len(long)  # each document its own
+    assert len({r.segments[0] for r in short}) <= 1 and all(64 <= r.segments[1][1] <= 512 for r in short)
+    if share in (0.0, 1.0):
+        assert len(long) == 400 * share
+    else:  # each request long with probability `share`: within 5 standard deviations
+        assert abs(len(long) - 400 * share) <= 5 * (400 * share * (1 - share)) ** 0.5
+    with pytest.raises(ValueError, match="long_share"):
+        long_and_short_trace(requests=1, long_share=1.5)
+
+
+def test_long_output_answers_are_log_uniform_between_the_bounds() -> None:
+    trace = long_output_trace(requests=20_000, output_min=1000, output_max=8000, seed=2)
+    outputs = [r.output_length for r in trace]
+    assert min(outputs) >= 1000 and max(outputs) <= 8000
+    # log-uniform: each doubling of the length holds a third of the answers
+    for low in (1000, 2000, 4000):
+        share = sum(1 for o in outputs if low <= o < 2 * low) / len(outputs)
+        assert share == pytest.approx(1 / 3, abs=0.02)
+    assert len({r.segments[0] for r in trace}) == 1 and all(100 <= r.segments[1][1] <= 1000 for r in trace)
+    with pytest.raises(ValueError, match="output_min"):
+        long_output_trace(requests=1, output_min=0)
+
+
 @pytest.mark.parametrize(("burst", "duty"), [(4.0, 0.2), (2.0, 0.25), (1.0, 0.5)])
 def test_bursty_arrivals_keep_the_mean_and_crowd_the_bursts(burst: float, duty: float) -> None:
     arrivals = bursty_arrivals(20_000, 50.0, burst, 10.0, duty, seed=1)
@@ -173,6 +208,9 @@ def test_bursty_trace_is_the_system_prompt_shape_with_other_arrivals() -> None:
         ("heavy-tail:requests=50,output_min=8,output_max=64,alpha=2.5",
          lambda t: all(8 <= r.output_length <= 64 for r in t)),
         ("bursty:requests=9,burst=2.0,period=5.0,duty=0.3", lambda t: len(t) == 9),
+        ("long-and-short:requests=20,long_share=1.0,long=100-200",
+         lambda t: all(100 <= r.input_length <= 200 for r in t)),
+        ("long-output:requests=20,output_min=5,output_max=9", lambda t: all(5 <= r.output_length <= 9 for r in t)),
     ],
 )
 def test_family_trace_parses_knobs(spec: str, check) -> None:

@@ -228,12 +228,24 @@ def heavy_tail_trace(
     if alpha <= 0 or output_min < 1 or output_max < output_min:
         raise ValueError("need alpha > 0 and 1 <= output_min <= output_max")
     rng = random.Random(f"{namespace}:{seed}")
+    return _outputs_by_law(
+        rng, lambda: min(output_max, int(output_min * rng.paretovariate(alpha))),
+        requests=requests, system=system, prompt=prompt, rate=rate, seed=seed, namespace=namespace,
+    )  # fmt: skip
+
+
+def _outputs_by_law(
+    rng: random.Random, output: Callable[[], int], *, requests: int, system: Length, prompt: Length, rate: float,
+    seed: int, namespace: str,
+) -> Trace:
+    """A shared system prompt, then each request's own prompt, with output lengths from `output` (drawn from `rng`
+    before each prompt): the shape of the families that differ only in their answers' law."""
     system_len = _draw(rng, system)
     arrivals = poisson_arrivals(requests, rate, seed)
     key = f"{namespace}:{seed}"
     out: Trace = []
     for i, at in enumerate(arrivals):
-        length = min(output_max, int(output_min * rng.paretovariate(alpha)))
+        length = output()
         segments = [(f"{key}:sys", system_len), (f"{key}:p:{i}", max(1, _draw(rng, prompt)))]
         out.append(_request(f"{namespace}-{i}", at, segments, length))
     return out
@@ -354,19 +366,11 @@ def long_output_trace(
     if not 1 <= output_min <= output_max:
         raise ValueError("need 1 <= output_min <= output_max")
     rng = random.Random(f"{namespace}:{seed}")
-    system_len = _draw(rng, system)
-    arrivals = poisson_arrivals(requests, rate, seed)
-    key = f"{namespace}:{seed}"
     low, high = math.log(output_min), math.log(output_max)
-    return [
-        _request(
-            f"{namespace}-{i}",
-            at,
-            [(f"{key}:sys", system_len), (f"{key}:p:{i}", max(1, _draw(rng, prompt)))],
-            min(output_max, int(math.exp(rng.uniform(low, high)))),
-        )
-        for i, at in enumerate(arrivals)
-    ]
+    return _outputs_by_law(
+        rng, lambda: min(output_max, int(math.exp(rng.uniform(low, high)))),
+        requests=requests, system=system, prompt=prompt, rate=rate, seed=seed, namespace=namespace,
+    )  # fmt: skip
 
 
 FAMILIES: dict[str, Callable[..., Trace]] = {

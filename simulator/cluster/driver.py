@@ -21,11 +21,12 @@ requests between engines is `migrate`; the engine-side mechanics are in migratio
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
 from array import array
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,7 +55,7 @@ from pilotfish.simulator.engine.request import FinishReason, SimRequest
 from pilotfish.simulator.engine.scheduler import V1Engine
 from pilotfish.simulator.engine.step_time import StepTimeProfile, profile_for, scaled_profile
 from pilotfish.simulator.traces.model import Segment, TraceRequest
-from pilotfish.simulator.traces.prompts import prompt_token_ids
+from pilotfish.simulator.traces.prompts import prompt_token_ids, segments_token_ids
 from pilotfish.simulator.virtual import TimedOutput, VirtualEngine
 from pilotfish.vllm_plugin.config import LlumletConfig
 
@@ -141,35 +142,14 @@ def _engine_profiles(config: ClusterConfig, profile: StepTimeProfile) -> list[St
     return [scaled[scale] for scale in scales]
 
 
-class _PromptHashes:
-    """Prompts' block hashes kept per process, by segments and block size, the least recently used
-    dropped past `size`.
-
-    A bench runs one trace under many policies and loads, in one worker process, and the driver
-    hashed every prompt's blocks again each time: 10% of a Mooncake cell's run on 64 engines
-    (prompts of 12,000 tokens on average). The prompt's tokens are a pure function of its segments
-    (`prompt_token_ids`), and its hashes of its tokens, so a kept entry is what hashing gives; kept
-    as 8-byte integers (a hash is a C long), not Python ints, a Mooncake trace's hashes take 6 MB."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._kept: OrderedDict[tuple[tuple[Segment, ...], int], array] = OrderedDict()
-
-    def hashes(self, segments: tuple[Segment, ...], tokens: list[int], block_size: int) -> list[int]:
-        """The hashes of `tokens`' full blocks, which `segments` make (a fresh list: callers extend theirs)."""
-        key = (segments, block_size)
-        kept = self._kept.get(key)
-        if kept is None:
-            kept = self._kept[key] = array("q", block_hashes(tokens, block_size))
-            if len(self._kept) > self.size:
-                self._kept.popitem(last=False)
-        else:
-            self._kept.move_to_end(key)
-        return kept.tolist()
-
-
-# eight traces of a matrix cell's 1,024 requests: a worker interleaves the cells of the workloads queued at once
-_PROMPT_HASHES = _PromptHashes(8192)
+# A bench runs one trace under many policies and loads in one worker process, and the driver hashed every
+# prompt's blocks again each run: 10% of a Mooncake cell's run on 64 engines (prompts of 12,000 tokens on
+# average). A prompt's tokens are a function of its segments, and its hashes of its tokens, so a kept entry is
+# what hashing gives. Kept as 8-byte integers (a hash is a C long), not Python ints: a Mooncake trace's take
+# 6 MB. 8,192: eight traces of a matrix cell's 1,024 requests (a worker interleaves the cells queued at once).
+@functools.lru_cache(maxsize=8192)
+def _prompt_block_hashes(segments: tuple[Segment, ...], block_size: int) -> array:
+    return array("q", block_hashes(segments_token_ids(segments), block_size))
 
 
 class ClusterSim:
@@ -418,8 +398,8 @@ class ClusterSim:
         tokens = self.prompt_builder(request)
         block_size = self.config.engine.block_size
         # computed once: the router's prefix hashes are the engine's, which extends them lazily
-        if self.prompt_builder is prompt_token_ids:
-            hashes = _PROMPT_HASHES.hashes(request.segments, tokens, block_size)
+        if self.prompt_builder is prompt_token_ids:  # a builder of its own need not follow the segments
+            hashes = _prompt_block_hashes(request.segments, block_size).tolist()
         else:
             hashes = block_hashes(tokens, block_size)
         max_tokens = min(request.output_length, self.config.engine.max_model_len - len(tokens))

@@ -94,8 +94,13 @@ def segment_text(segment: Segment) -> str:
 
 
 def prompt_token_ids(request: TraceRequest) -> list[int]:
+    return segments_token_ids(request.segments)
+
+
+def segments_token_ids(segments: tuple[Segment, ...]) -> list[int]:
+    """The token ids of a prompt made of `segments` (a prompt's are a function of its segments alone)."""
     out: list[int] = []
-    for key, length in request.segments:
+    for key, length in segments:
         if length == _CHUNK:
             out.extend(_chunk_ids(key, 0))  # the common Mooncake block, without a copy
         elif length < _CHUNK:

@@ -193,7 +193,7 @@ def test_prompt_hashes_kept_per_process_give_the_same_run() -> None:
     from pilotfish.simulator.engine.block_hash import block_hashes
     from pilotfish.simulator.traces.prompts import prompt_token_ids
 
-    kept = driver._PROMPT_HASHES
+    kept = driver._prompt_block_hashes
     requests = trace(3, 4)
 
     def run() -> list[tuple[int, float, float]]:
@@ -201,32 +201,24 @@ def test_prompt_hashes_kept_per_process_give_the_same_run() -> None:
                             router_by_name("scheduler")).run(requests)
         return [(r.engine, r.first_token, r.finished) for r in result.records]
 
-    kept._kept.clear()
+    kept.cache_clear()
     cold = run()
-    assert len(kept._kept) == len({r.segments for r in requests})  # one entry per distinct prompt
-    entry = kept._kept[(requests[0].segments, ENGINE.block_size)]
+    assert kept.cache_info().currsize == len({r.segments for r in requests})  # one entry per distinct prompt
+    entry = kept(requests[0].segments, ENGINE.block_size)
     assert entry.tolist() == block_hashes(prompt_token_ids(requests[0]), ENGINE.block_size)
+    hits = kept.cache_info().hits
     assert run() == cold  # every prompt's hashes from the kept entries now
-    # least recently used dropped past the size
-    was = kept.size
-    try:
-        kept.size = 2
-        kept._kept.clear()
-        for r in requests[:3]:
-            kept.hashes(r.segments, prompt_token_ids(r), ENGINE.block_size)
-        assert list(kept._kept) == [(r.segments, ENGINE.block_size) for r in requests[1:3]]
-    finally:
-        kept.size = was
-        kept._kept.clear()
+    assert kept.cache_info().hits - hits == len(requests)
+    kept.cache_clear()
 
 
 def test_a_prompt_builder_of_its_own_is_hashed_each_time() -> None:
     from pilotfish.simulator.cluster import driver
     from pilotfish.simulator.traces.prompts import prompt_token_ids
 
-    driver._PROMPT_HASHES._kept.clear()
+    driver._prompt_block_hashes.cache_clear()
     requests = trace(2, 3)
     result = ClusterSim(ClusterConfig(engines=2, engine=ENGINE, profile=PROFILE), RoundRobinRouter(),
                         prompt_builder=lambda r: list(prompt_token_ids(r))).run(requests)
     assert len(result.records) == len(requests)
-    assert not driver._PROMPT_HASHES._kept  # its tokens need not follow from the segments
+    assert driver._prompt_block_hashes.cache_info().currsize == 0  # its tokens need not follow from the segments

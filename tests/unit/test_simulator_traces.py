@@ -217,3 +217,21 @@ def test_a_short_segment_draws_the_same_tokens_as_a_whole_chunk_begins_with() ->
         for length in (1, 2, 3, 15, 16, 17, 255, 511, 512, 513):
             assert segment_token_ids((key, length)) == whole[:length]
             assert fallback_token_ids(segment_text((key, length))) == whole[:length]
+
+
+def test_a_chunks_draws_are_the_prngs_16_bit_words_masked_into_the_pool() -> None:
+    """The masking done a byte at a time in C gives each draw's 16-bit value masked into the pool, as one draw
+    at a time does: every trace's token ids (and so every simulated prefix and figure) stay what they were."""
+    import random
+    from array import array
+
+    from pilotfish.simulator.traces import prompts
+
+    mask = prompts._POOL_SIZE - 1
+    for key, index in (("mc:7", 0), ("qw:123456", 3), ("fam-sys:0:sys", 1), ("", 0)):
+        seed = key if index == 0 else f"{key}/{index}"
+        for count in (1, 2, 3, 16, 17, 511, 512):
+            words = array("H", random.Random(seed).randbytes(4 * ((count + 1) // 2)))[:count]
+            assert prompts._chunk_indices(key, index, count).tolist() == [w & mask for w in words]
+    ids = prompts._chunk_ids("mc:7", 2)
+    assert ids == tuple(prompts._IDS[i] for i in prompts._chunk_indices("mc:7", 2))

@@ -27,7 +27,12 @@ MAX_ADMITTED_IDS = 4096
 MAX_HOST_LENGTH = 253
 MAX_MODEL_LENGTH = 256
 MAX_ENDPOINT_LENGTH = 512
-_HOST_LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
+# used with fullmatch: `$` would also match before a final "\n", and a host that ends in one
+# breaks every header it is put in
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+# ASCII from '!' to '~': what an address may hold anywhere, the scope of an IPv6 one included
+# (ipaddress takes "fe80::1%a\nb")
+_HOST_CHARS = re.compile(r"[!-~]+")
 
 # BadRecord.reason codes (metric labels; keep the set small and fixed)
 OVERSIZE = "oversize"
@@ -116,7 +121,7 @@ def decode_metadata(raw: bytes, expected_instance: str | None = None) -> cms_pb2
 
 def valid_host(host: str) -> bool:
     """An IPv4 or IPv6 address (brackets allowed) or a DNS name; nothing else may be dialled."""
-    if not host or len(host) > MAX_HOST_LENGTH:
+    if not host or len(host) > MAX_HOST_LENGTH or not _HOST_CHARS.fullmatch(host):
         return False
     bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
@@ -125,7 +130,7 @@ def valid_host(host: str) -> bool:
     except ValueError:
         pass
     name = host[:-1] if host.endswith(".") else host
-    return bool(name) and all(_HOST_LABEL.match(label) for label in name.split("."))
+    return bool(name) and all(_HOST_LABEL.fullmatch(label) for label in name.split("."))
 
 
 @dataclass(frozen=True, slots=True)

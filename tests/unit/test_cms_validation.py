@@ -321,10 +321,39 @@ def test_bad_metadata_is_refused(fields: dict[str, Any], fragment: str) -> None:
         decode_metadata(meta(**fields).SerializeToString(), "a")
 
 
-@pytest.mark.parametrize("host", ["10.0.0.1", "fe80::1", "[fe80::1]", "engine-0.pool.svc.cluster.local", "localhost"])
+@pytest.mark.parametrize(
+    "host", ["10.0.0.1", "fe80::1", "[fe80::1]", "fe80::1%eth0", "engine-0.pool.svc.cluster.local", "localhost", "a."]
+)
 def test_real_hosts_pass(host: str) -> None:
     assert valid_host(host)
     assert decode_metadata(meta(host=host).SerializeToString(), "a").host == host
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "127.0.0.1\n",  # a final newline: `$` matches before it, and the address breaks Envoy's headers
+        "a\n",
+        "1\n.2",
+        "engine-0.pool\n",
+        "[fe80::1]\n",
+        "fe80::1%a\nb",  # ipaddress takes any scope
+        "fe80::1%a b",
+        "\u0661\u0662\u0667.0.0.1",  # digits, but not ASCII ones
+        "b\u00fccher.example",
+    ],
+)
+def test_a_host_with_anything_but_ascii_letters_and_marks_is_refused(host: str) -> None:
+    assert not valid_host(host)
+    with pytest.raises(BadRecord, match="usable address") as refused:
+        decode_metadata(meta(host=host).SerializeToString(), "a")
+    assert refused.value.reason == "invalid_field"
+
+
+@pytest.mark.parametrize("value", ["e0\n", "e0\r", "e\n0", "\ne0"])
+def test_an_id_with_a_newline_anywhere_is_refused(value: str) -> None:
+    with pytest.raises(keys.BadId):
+        keys.check_id(value, "instance id")
 
 
 def test_metadata_for_a_model_not_served_is_refused() -> None:

@@ -67,6 +67,27 @@ def instance_events_pattern(cluster: str) -> str:
 
 
 def instance_of(key: str | bytes) -> str:
-    """The instance id at the end of a meta or status key."""
-    text = key.decode() if isinstance(key, bytes) else key
+    """The instance id at the end of a meta or status key, for display (a name that is not UTF-8
+    shows its bad bytes as U+FFFD): a reader takes ids with `instance_in`, which checks the key."""
+    text = key.decode(errors="replace") if isinstance(key, bytes) else key
     return text.rsplit(":", 1)[-1]
+
+
+def instance_in(key: str | bytes, cluster: str, kind: str) -> str:
+    """The instance id of a key that is exactly `pilotfish:<cluster>:<kind>:<instance>`, or BadId.
+
+    The SCAN pattern's `*` matches anything, ':' and bytes that are not UTF-8 included, so a key
+    found by it may be any name anyone wrote: `meta:x:engine-1` must not pass as another key of
+    engine-1's, nor one that does not decode stop the reader."""
+    prefix = f"{PREFIX}:{cluster}:{kind}:"
+    # bounded before decoding: an id is at most MAX_ID_LENGTH characters of at most 4 bytes
+    if len(key) > len(prefix) + 4 * MAX_ID_LENGTH:
+        raise BadId(f"key of {len(key)} characters is longer than any {kind} key")
+    if isinstance(key, bytes):
+        try:
+            key = key.decode()
+        except UnicodeDecodeError:
+            raise BadId(f"key {key[:120]!r} is not UTF-8") from None
+    if not key.startswith(prefix):
+        raise BadId(f"key {key[:120]!r} is not {prefix}<instance>")
+    return check_id(key[len(prefix) :], "instance id of key")

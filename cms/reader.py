@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from pilotfish.cms import keys
 from pilotfish.cms.notices import MAX_NOTICE, MAX_PLAIN_NOTICE, PushParser, pack_command, split_notice
 from pilotfish.cms.records import (
+    INVALID,
     MALFORMED,
     MAX_RECORD_BYTES,
     OVERSIZE,
@@ -207,8 +208,20 @@ class CmsReader:
     async def poll_once(self) -> None:
         """Read every record once: apply what changed, drop instances whose keys are gone."""
         meta_keys, status_keys = await self._scan(keys.meta_pattern(self.cluster), keys.status_pattern(self.cluster))
-        # one pipeline for both kinds (metadata applied first, so a status finds its instance)
-        seen = await self._read_all([(k, keys.META) for k in meta_keys] + [(k, keys.STATUS) for k in status_keys])
+        found: list[tuple[str, str, str]] = []
+        # metadata first, so a status finds its instance
+        for kind, names in ((keys.META, meta_keys), (keys.STATUS, status_keys)):
+            for name in names:
+                try:
+                    instance_id = keys.instance_in(name, self.cluster, kind)
+                except keys.BadId as exc:
+                    # refused by its name alone, unread: one such key must not stop the poll (the
+                    # departures and newcomers it would otherwise miss)
+                    self._refuse_name(name, exc)
+                    continue
+                found.append((name.decode(), kind, instance_id))
+        # one pipeline for both kinds
+        seen = await self._read_all(found)
         meta_seen, status_seen = seen[keys.META], seen[keys.STATUS]
         missing = {(keys.META, i) for i in self.sink.known() - meta_seen}
         held = self._last_digest
@@ -245,20 +258,21 @@ class CmsReader:
             pending = [i for i in pending if cursors[i]]
         return found
 
-    async def _read_all(self, found: list[tuple[bytes, str]]) -> dict[str, set[str]]:
-        """Read and apply each (key, kind) in order; the instances whose key held a value, by kind."""
+    async def _read_all(self, found: list[tuple[str, str, str]]) -> dict[str, set[str]]:
+        """Read and apply each (key, kind, instance) in order; the instances whose key held a value,
+        by kind."""
         seen: dict[str, set[str]] = {keys.META: set(), keys.STATUS: set()}
         for start in range(0, len(found), MGET_BATCH):
             batch = found[start : start + MGET_BATCH]
             pipe = self._client.pipeline(transaction=False)
-            for key, _ in batch:
+            for key, _, _ in batch:
                 pipe.getrange(key, 0, MAX_RECORD_BYTES)  # at most one byte over the bound
             values = await pipe.execute(raise_on_error=False)
-            for (key, kind), raw in zip(batch, values, strict=True):
+            for (key, kind, instance_id), raw in zip(batch, values, strict=True):
                 if raw != b"":  # b"": gone since the SCAN (GETRANGE reads a missing key as empty)
                     # a key holding a bad record still exists: the sink keeps what it held
-                    await self._apply(key.decode(errors="replace"), kind, raw)
-                    seen[kind].add(keys.instance_of(key))
+                    await self._apply(key, kind, raw, instance_id)
+                    seen[kind].add(instance_id)
         return seen
 
     async def _listen(self, recovered: Any) -> None:
@@ -358,17 +372,17 @@ class CmsReader:
             raw = exc
         if raw == b"":
             return  # deleted since; the poll settles departures
-        await self._apply(key, kind, raw)
+        await self._apply(key, kind, raw, instance_id)
 
-    async def _apply(self, key: str, kind: str, raw: bytes | Exception) -> bool:
+    async def _apply(self, key: str, kind: str, raw: bytes | Exception, instance_id: str = "") -> bool:
         """Decode and hand over; True if the key holds a valid record (changed or not)."""
         if isinstance(raw, bytes) and len(raw) > MAX_RECORD_BYTES and not self._known_value(key, raw):
             # only the bound's worth was read: ask for the whole size, for the refusal's summary
             size = len(raw)
             with contextlib.suppress(Exception):
                 size = int(await self._client.strlen(key))
-            return self._hand_over(key, kind, raw, size)
-        return self._hand_over(key, kind, raw)
+            return self._hand_over(key, kind, raw, size, instance_id)
+        return self._hand_over(key, kind, raw, instance_id=instance_id)
 
     def _known_value(self, key: str, raw: bytes) -> bool:
         """The value last handed over or refused for `key`."""
@@ -425,6 +439,15 @@ class CmsReader:
         self._refusals.note(instance_id, failure.reason, f"{key}: {failure}")
         if self._note_refused is not None:
             self._note_refused(instance_id, failure.reason)
+
+    def _refuse_name(self, name: bytes, failure: keys.BadId) -> None:
+        """Count and log (rate-limited) a key refused for its name; counted once while remembered."""
+        text = name.decode(errors="replace")
+        if text in self._rejected:
+            return
+        # no instance id to name: the key's last part, escaped, stands for it in the log
+        label = ascii(name.rsplit(b":", 1)[-1][:keys.MAX_ID_LENGTH])
+        self._reject(text, label, BadRecord(f"key refused: {failure}", INVALID), 0, b"")
 
     def _forget(self, key: str) -> bool:
         self._rejected.pop(key, None)

@@ -76,6 +76,14 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 
 # seconds of streams read to their first token with no access-log entry, after which the missing log is reported
 _NO_ACCESS_LOG_AFTER = 300.0
+# Where the access log releases (--response-bodies skip or first-token), a stream that ends before its response
+# (the client reset while it was scheduled) is released by the access log only if Envoy applied the routing reply:
+# a reset that beat the reply to Envoy leaves an entry without the scheduler's tag, and nothing else would release
+# the request (the scheduler held its load until its 300 s staleness expiry; any client could pile it up). Such a
+# stream waits this long for its entry (sent as the request ends), then is released from here. Bounded: past
+# _MAX_AWAITING_LOG waiting at once, a stream is released at its end (a later entry's release finds nothing).
+ACCESS_LOG_WAIT_S = 5.0
+_MAX_AWAITING_LOG = 65536
 
 _INTERNAL_ERROR = RequestError(500, "the gateway failed on this request; it was not sent to an engine")
 
@@ -159,6 +167,7 @@ class ExtProcServicer:
         response_bodies: str = "count",
         flow_headers: FlowHeaders | None = None,
         unscheduled_paths: Iterable[str] = UNSCHEDULED_PATHS,
+        access_log_wait_s: float = ACCESS_LOG_WAIT_S,
     ) -> None:
         self._unscheduled_paths = frozenset(unscheduled_paths)
         self._prefix_block_size = prefix_block_size
@@ -186,6 +195,11 @@ class ExtProcServicer:
         # _NO_ACCESS_LOG_AFTER seconds on, longer than nearly any answer runs
         self._first_unlogged_end: float | None = None
         self._watching_access_log = True  # until an entry comes, or the missing log was reported
+        # streams the access log is to release, by request id, while they last: an entry that comes first marks its
+        # stream released; and those that ended first, each until its entry comes or the wait runs out
+        self._live: dict[str, _Stream] = {}
+        self._awaiting_log: dict[str, tuple[asyncio.TimerHandle, int]] = {}
+        self._access_log_wait_s = access_log_wait_s
         self._clock = time.monotonic
         self._destination_fallbacks = destination_fallbacks
         self._router = router
@@ -234,6 +248,7 @@ class ExtProcServicer:
                     return
         finally:
             self._metrics.active_streams.dec()
+            self._live.pop(s.request_id, None)
             # The stream ended before the response did: the client went away or the upstream reset
             # (Envoy does not tell the ext_proc which).
             if s.decision is not None and not s.released:
@@ -431,6 +446,8 @@ class ExtProcServicer:
                 self._router.release(s.request_id, CLIENT_ABORT)  # out of its queue: never dispatched
                 raise
             tracing.decided(span, s.decision)
+        if self._access_log_releases and s.decision.source == SCHEDULER:
+            self._live[s.request_id] = s
         self._metrics.schedule_seconds.observe(time.perf_counter() - started)
         self._metrics.routed.labels(s.decision.source).inc()
         return new_body
@@ -611,9 +628,29 @@ class ExtProcServicer:
             if s.counter.oversized:
                 self._metrics.sse_oversized_events.inc(s.counter.oversized)
         # A round-robin fallback was never scheduled, so the scheduler holds nothing to release; with
-        # response bodies skipped, the release comes from Envoy's access log instead.
-        if s.decision is not None and s.decision.source == SCHEDULER and (self._count_tokens or s.observed):
+        # response bodies skipped or read to the first token, the release comes from Envoy's access log instead.
+        if s.decision is None or s.decision.source != SCHEDULER:
+            return
+        if self._count_tokens or s.observed:
             self._send_release(s.request_id, reason)
+        elif self._access_log_releases:
+            self._await_access_log(s.request_id, reason)
+
+    def _await_access_log(self, request_id: str, reason: int) -> None:
+        """The stream ended unreleased: its access-log entry releases it if it comes within the wait, else this
+        (see ACCESS_LOG_WAIT_S)."""
+        if len(self._awaiting_log) >= _MAX_AWAITING_LOG:
+            self._access_log_never_came(request_id, reason)
+            return
+        handle = asyncio.get_running_loop().call_later(
+            self._access_log_wait_s, self._access_log_never_came, request_id, reason
+        )
+        self._awaiting_log[request_id] = (handle, reason)
+
+    def _access_log_never_came(self, request_id: str, reason: int) -> None:
+        self._awaiting_log.pop(request_id, None)
+        self._metrics.unlogged_releases.inc()
+        self._send_release(request_id, reason)
 
     def _no_access_log_yet(self) -> None:
         now = self._clock()
@@ -640,6 +677,11 @@ class ExtProcServicer:
         if not self._access_log_releases:
             return
         self._watching_access_log = False
+        awaiting = self._awaiting_log.pop(request_id, None)
+        if awaiting is not None:  # its stream ended first: released here, not when the wait runs out
+            awaiting[0].cancel()
+        elif (live := self._live.pop(request_id, None)) is not None:
+            live.released = True  # the entry came first: its stream's end releases nothing
         if served_elsewhere and self._served_from_access_log:
             self._metrics.served_elsewhere.inc()
             log.debug("request %s served by %s, not its pick", request_id, served_elsewhere)

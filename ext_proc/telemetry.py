@@ -46,6 +46,13 @@ class ExtProcMetrics:
             ["reason"],
             registry=self.registry,
         )
+        self.unlogged_releases = Counter(
+            "pilotfish_ext_proc_unlogged_releases",
+            "Requests the access log was to release (--response-bodies skip or first-token) whose stream ended "
+            "before their response and whose entry did not come: released by the ext_proc after a wait (a client "
+            "reset that beat the routing reply to Envoy leaves an entry Envoy did not tag).",
+            registry=self.registry,
+        )
         self.schedule_seconds = Histogram(
             "pilotfish_ext_proc_schedule_seconds",
             "Schedule call latency, including fallback decisions.",

@@ -1,0 +1,76 @@
+"""Where Envoy's access log releases (--response-bodies skip or first-token), a stream that ends before its
+response is released from the ext_proc when its entry does not come: a client reset that beats the routing reply
+to Envoy leaves an entry without the scheduler's tag, and the scheduler held such a request's load until its
+staleness expiry (300 s; any client could pile it up). The entry, where it comes, still releases exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.protos import scheduler_pb2
+from tests.unit.test_ext_proc_protocol import STREAMING, FakeBackend, body, headers, servicer
+
+FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
+CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
+WAIT_S = 0.05
+
+
+async def _until(condition: object, limit_s: float = 10.0) -> None:
+    """Wait for `condition()` (the loop runs meanwhile), at most `limit_s`."""
+    async with asyncio.timeout(limit_s):
+        while not condition():  # type: ignore[operator]
+            await asyncio.sleep(0.005)
+
+
+async def _stream(svc: ExtProcServicer, backend: FakeBackend, log_while_live: bool) -> None:
+    """One request routed, then its stream ends with no response (the client left); with `log_while_live`
+    the access-log entry comes between the routing reply and the stream's end."""
+    routed = asyncio.Event()
+
+    async def feed() -> AsyncIterator[ep.ProcessingRequest]:
+        yield headers()
+        yield body(STREAMING)
+        await routed.wait()
+
+    async for reply in svc.Process(feed(), None):
+        if reply.HasField("request_body"):  # the routing reply
+            if log_while_live:
+                svc.release_from_access_log(backend.scheduled[0].request_id, FINISHED)
+            routed.set()
+
+
+@pytest.mark.parametrize("bodies", ["first-token", "skip"])
+def test_a_stream_that_ends_unlogged_is_released_from_here_after_the_wait(bodies: str) -> None:
+    svc, backend, metrics = servicer(response_bodies=bodies, access_log_wait_s=WAIT_S)
+
+    async def scenario() -> None:
+        await _stream(svc, backend, log_while_live=False)
+        assert backend.releases == []  # not at the stream's end: its entry may still come
+        await _until(lambda: backend.releases)
+
+    asyncio.run(scenario())
+    assert backend.releases == [(backend.scheduled[0].request_id, CLIENT_ABORT)]
+    assert metrics.unlogged_releases._value.get() == 1
+
+
+@pytest.mark.parametrize("log_while_live", [False, True])
+def test_an_entry_before_or_after_the_streams_end_releases_it_once(log_while_live: bool) -> None:
+    svc, backend, metrics = servicer(response_bodies="first-token", access_log_wait_s=WAIT_S)
+
+    async def scenario() -> None:
+        await _stream(svc, backend, log_while_live)
+        if not log_while_live:
+            svc.release_from_access_log(backend.scheduled[0].request_id, FINISHED)
+        # a second request's wait running out shows the first one's would have too
+        await _stream(svc, backend, log_while_live=False)
+        await _until(lambda: len(backend.releases) == 2)
+
+    asyncio.run(scenario())
+    first, second = (r.request_id for r in backend.scheduled)
+    assert backend.releases == [(first, FINISHED), (second, CLIENT_ABORT)]  # the entry's reason, once
+    assert metrics.unlogged_releases._value.get() == 1

@@ -21,11 +21,12 @@ Values are read with GETRANGE 0..MAX_RECORD_BYTES, so a record over the size bou
 without being transferred whole, let alone decoded. Records are decoded by `cms.records`
 (strict, bounded); a bad one is counted by reason, logged at WARNING (rate-limited per instance
 and reason, cms/refusals.py) and skipped, and the sink keeps what it held. Of a refused record
-only a summary is kept (`Rejected`: instance, reason, size, digest), so the same value polled
-again is skipped without a second line. Redis faults are retried with exponential backoff and
-jitter, capped at MAX_BACKOFF so the view resumes within about a second of Redis returning (a
-WARNING when the outage starts, INFO when it ends); the reader never exits on one. Everything
-runs on the caller's event loop, so the sink needs no locks.
+only a summary is kept (`Rejected`: instance, reason, size, digest), and a fingerprint of the value
+its key held (`RefusedKeys`, bounded), so the same value polled again costs a lookup: it is not
+decoded, counted or logged again until the key changes or leaves Redis. Redis faults are retried
+with exponential backoff and jitter, capped at MAX_BACKOFF so the view resumes within about a
+second of Redis returning (a WARNING when the outage starts, INFO when it ends); the reader never
+exits on one. Everything runs on the caller's event loop, so the sink needs no locks.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ from pilotfish.cms.records import (
     decode_status,
     digest,
 )
-from pilotfish.cms.refusals import RefusalLog
+from pilotfish.cms.refusals import LOG_INTERVAL_SECONDS, RefusalLog, RefusedKeys
 from pilotfish.protos import cms_pb2
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,11 @@ FIRST_BACKOFF = 0.05
 MAX_BACKOFF = 1.0
 CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
-# summaries of refused records kept (one per key); beyond this the oldest is forgotten
+# summaries of refused records kept (one per key, for `rejected()`); beyond this the oldest is
+# forgotten. Whether a key's value was refused already is `RefusedKeys`'s, with a larger bound.
 MAX_REJECTED = 4 * MGET_BATCH
+# the value digest a key refused for its name is remembered with (its value is never read)
+_BAD_NAME = digest(b"")
 # own channels whose instance id has been checked (see `_Sender`); beyond this they are checked afresh
 MAX_SENDERS = 4096
 
@@ -113,7 +117,11 @@ class CmsReader:
         # a digest of the last value each key held and handed over: records are never kept whole
         self._last_digest: dict[str, bytes] = {}
         self._rejected: dict[str, Rejected] = {}
-        self._refusals = RefusalLog(log, what="rejected CMS record")
+        # which value each refused key held, so an unchanged one costs a lookup per poll
+        self._refused_keys = RefusedKeys()
+        self.num_unremembered = 0  # refusals past that memory's bound: not counted (see `_reject`)
+        self._unremembered_logged_at = float("-inf")
+        self._refusals = RefusalLog(log, clock, what="rejected CMS record")
         self._note_refused = getattr(sink, "record_refused", None)
         self._polled = asyncio.Event()
         self.num_redis_errors = 0
@@ -209,6 +217,7 @@ class CmsReader:
         """Read every record once: apply what changed, drop instances whose keys are gone."""
         meta_keys, status_keys = await self._scan(keys.meta_pattern(self.cluster), keys.status_pattern(self.cluster))
         found: list[tuple[str, str, str]] = []
+        present: set[int] = set()  # every key this scan found, as `RefusedKeys` fingerprints it
         # metadata first, so a status finds its instance
         for kind, names in ((keys.META, meta_keys), (keys.STATUS, status_keys)):
             for name in names:
@@ -217,9 +226,13 @@ class CmsReader:
                 except keys.BadId as exc:
                     # refused by its name alone, unread: one such key must not stop the poll (the
                     # departures and newcomers it would otherwise miss)
+                    present.add(hash(name))
+                    present.add(hash(name.decode(errors="replace")))
                     self._refuse_name(name, exc)
                     continue
-                found.append((name.decode(), kind, instance_id))
+                key = name.decode()
+                present.add(hash(key))
+                found.append((key, kind, instance_id))
         # one pipeline for both kinds
         seen = await self._read_all(found)
         meta_seen, status_seen = seen[keys.META], seen[keys.STATUS]
@@ -239,6 +252,10 @@ class CmsReader:
                 self.sink.remove(instance_id)
             elif self._forget(keys.status_key(self.cluster, instance_id)):
                 self.sink.status_gone(instance_id)
+        # refusals of keys that are gone are forgotten: the memory holds only keys Redis holds
+        self._refused_keys.retain(present)
+        for key in [key for key in self._rejected if hash(key) not in present]:
+            del self._rejected[key]
         self.num_polls += 1
 
     async def _scan(self, *patterns: str) -> list[list[bytes]]:
@@ -387,8 +404,7 @@ class CmsReader:
     def _known_value(self, key: str, raw: bytes) -> bool:
         """The value last handed over or refused for `key`."""
         raw_digest = digest(raw)
-        held = self._rejected.get(key)
-        return self._last_digest.get(key) == raw_digest or (held is not None and held.digest == raw_digest)
+        return self._last_digest.get(key) == raw_digest or self._refused_keys.holds(key, raw_digest)
 
     def _hand_over(
         self, key: str, kind: str, raw: bytes | Exception, full_size: int = 0, instance_id: str = ""
@@ -403,8 +419,7 @@ class CmsReader:
             raw_digest, size = digest(raw), len(raw)
             if self._last_digest.get(key) == raw_digest:
                 return True  # unchanged since it was handed over
-            held = self._rejected.get(key)
-            if held is not None and held.digest == raw_digest:
+            if self._refused_keys.holds(key, raw_digest):
                 return False  # the same refused value, polled again
             failure = None
             if size > MAX_RECORD_BYTES:
@@ -423,6 +438,7 @@ class CmsReader:
             self._reject(key, instance_id, failure, size, raw_digest)
             return False
         self._rejected.pop(key, None)
+        self._refused_keys.discard(key)
         self._last_digest[key] = raw_digest
         if kind == keys.META:
             self.sink.apply_metadata(record)
@@ -430,8 +446,24 @@ class CmsReader:
             self.sink.apply_status(record)
         return True
 
-    def _reject(self, key: str, instance_id: str, failure: BadRecord, size: int, raw_digest: bytes) -> None:
-        """Count and log (rate-limited) a refused record; keep its summary, never its bytes."""
+    def _reject(
+        self, key: str, instance_id: str, failure: BadRecord, size: int, raw_digest: bytes, name: bytes = b""
+    ) -> None:
+        """Count and log (rate-limited) a refused record; keep its summary, never its bytes.
+        `name`: the key as Redis has it, when refused for its name (not UTF-8, say)."""
+        if not self._refused_keys.add(name or key, raw_digest):
+            # past the memory's bound, a refusal cannot be told from the same one last poll: counting
+            # or logging it would count and log every such key on every poll; one summary instead
+            self.num_unremembered += 1
+            now = self._clock()
+            if now - self._unremembered_logged_at >= LOG_INTERVAL_SECONDS:
+                self._unremembered_logged_at = now
+                log.warning(
+                    "more than %d CMS keys hold refused records: those past the bound are neither counted "
+                    "nor logged one by one (%d such refusals so far)",
+                    self._refused_keys.limit, self.num_unremembered,
+                )
+            return
         self._rejected.pop(key, None)
         while len(self._rejected) >= MAX_REJECTED:  # bound the memory a flood of bad keys costs
             del self._rejected[next(iter(self._rejected))]
@@ -441,16 +473,17 @@ class CmsReader:
             self._note_refused(instance_id, failure.reason)
 
     def _refuse_name(self, name: bytes, failure: keys.BadId) -> None:
-        """Count and log (rate-limited) a key refused for its name; counted once while remembered."""
-        text = name.decode(errors="replace")
-        if text in self._rejected:
+        """Count and log (rate-limited) a key refused for its name, once while it exists."""
+        if self._refused_keys.holds(name, _BAD_NAME):
             return
         # no instance id to name: the key's last part, escaped, stands for it in the log
-        label = ascii(name.rsplit(b":", 1)[-1][:keys.MAX_ID_LENGTH])
-        self._reject(text, label, BadRecord(f"key refused: {failure}", INVALID), 0, b"")
+        label = ascii(name.rsplit(b":", 1)[-1][: keys.MAX_ID_LENGTH])
+        text = name.decode(errors="replace")
+        self._reject(text, label, BadRecord(f"key refused: {failure}", INVALID), 0, _BAD_NAME, name)
 
     def _forget(self, key: str) -> bool:
         self._rejected.pop(key, None)
+        self._refused_keys.discard(key)
         return self._last_digest.pop(key, None) is not None
 
     def forget_all(self, instances: Iterable[str]) -> None:

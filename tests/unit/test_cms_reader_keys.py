@@ -200,3 +200,121 @@ def test_a_bad_key_name_is_refused_once_and_the_poll_goes_on(caplog: pytest.LogC
     assert set(sink.metas) == {"e2"}
     assert reader.num_polls == 3
     assert reader.refused_by_reason == {"invalid_field": 3}  # each bad key counted once
+
+
+# -- refused keys cost a lookup per poll, however many; the memory of them is bounded ------------------
+
+
+class CountingDecodes:
+    """Counts the records the reader decodes."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import pilotfish.cms.reader as reader_module
+
+        self.n = 0
+        for name in ("decode_metadata", "decode_status"):
+            real = getattr(reader_module, name)
+
+            def counted(*args: Any, _real: Any = real) -> Any:
+                self.n += 1
+                return _real(*args)
+
+            monkeypatch.setattr(reader_module, name, counted)
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> int:
+    return len([r for r in caplog.records if r.levelno == logging.WARNING])
+
+
+def test_thousands_of_unchanged_bad_records_are_decoded_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    redis, sink, reader, clock = setup()
+    decodes = CountingDecodes(monkeypatch)
+    n = 3000  # more than the reader's 2048 summaries, more than the log's 1024 pairs
+    for k in range(n):
+        redis.data[key("meta", f"bad-{k}")] = b"\xff\xff not a protobuf"
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    caplog.set_level(logging.WARNING)
+    poll(reader)
+    assert reader.refused_by_reason == {"malformed": n} and len(sink.refused) == n
+    assert decodes.n == n + 1
+    first_lines = warnings(caplog)
+    assert first_lines <= 110  # all pairs together log a bounded number of lines
+    for _ in range(3):
+        clock.now += 2
+        poll(reader)
+    assert decodes.n == n + 1  # nothing decoded again
+    assert reader.refused_by_reason == {"malformed": n} and len(sink.refused) == n
+    assert warnings(caplog) == first_lines
+    assert set(sink.metas) == {"e0"}
+    # a key that changes is refused (and counted) again; one that leaves is forgotten
+    redis.data[key("meta", "bad-0")] = b"\xff changed"
+    del redis.data[key("meta", "bad-1")]
+    poll(reader)
+    assert reader.refused_by_reason == {"malformed": n + 1}
+    assert len(reader._refused_keys) == n - 1
+    redis.data[key("meta", "bad-1")] = b"\xff\xff not a protobuf"  # back: refused afresh
+    poll(reader)
+    assert reader.refused_by_reason == {"malformed": n + 2}
+
+
+def test_past_the_memory_bound_refusals_are_neither_counted_nor_logged_one_by_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from pilotfish.cms.refusals import RefusedKeys
+
+    redis, sink, reader, clock = setup()
+    reader._refused_keys = RefusedKeys(limit=100)
+    for k in range(150):
+        redis.data[key("status", f"bad-{k}")] = b"\xff"
+    caplog.set_level(logging.WARNING)
+    for _ in range(4):
+        poll(reader)
+        clock.now += 2
+    assert len(reader._refused_keys) == 100  # the bound holds
+    assert reader.refused_by_reason == {"malformed": 100}
+    assert reader.num_unremembered == 4 * 50
+    summaries = [r for r in caplog.records if "more than 100 CMS keys" in r.getMessage()]
+    assert len(summaries) == 1  # rate-limited: one per interval
+    clock.now += 30
+    poll(reader)
+    assert len([r for r in caplog.records if "more than 100 CMS keys" in r.getMessage()]) == 2
+    # a real engine's record still goes through
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    poll(reader)
+    assert set(sink.metas) == {"e0"}
+
+
+def test_refusal_lines_of_all_pairs_together_are_bounded_per_interval(caplog: pytest.LogCaptureFixture) -> None:
+    from pilotfish.cms.refusals import RefusalLog
+
+    now = [0.0]
+    refusals = RefusalLog(logging.getLogger("t"), clock=lambda: now[0], interval=30.0, max_lines=10)
+    caplog.set_level(logging.WARNING)
+    for k in range(5000):
+        refusals.note(f"i{k}", "malformed", "x")
+    assert len(caplog.records) == 11  # ten lines, and one saying the rest are not logged
+    assert refusals.counts == {"malformed": 5000}
+    now[0] = 31.0
+    refusals.note("j", "malformed", "x")
+    assert len(caplog.records) == 12 and "4990 refusals of any instance not logged" in caplog.records[-1].getMessage()
+
+
+def test_the_memory_of_refused_keys_stays_within_its_stated_bound() -> None:
+    import tracemalloc
+
+    from pilotfish.cms.records import digest
+    from pilotfish.cms.refusals import MAX_REFUSED_KEYS, RefusedKeys
+
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        refused = RefusedKeys()
+        for k in range(MAX_REFUSED_KEYS + 1000):
+            refused.add(f"pilotfish:c:meta:bad-{k}-" + "x" * 100, digest(b"%d" % k))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert len(refused) == MAX_REFUSED_KEYS
+    assert used < 7.5 * 2**20, used  # the bound refusals.py states

@@ -413,7 +413,10 @@ class CmsReader:
         `instance_id`: the key's, when the caller knows it."""
         instance_id = instance_id or keys.instance_of(key)
         if isinstance(raw, Exception):  # not a string key: nothing a writer of ours would leave
-            raw_digest, size = b"", 0
+            # the error stands for the value, so the same wrong-typed key polled again is skipped
+            raw_digest, size = digest(b"error: " + str(raw).encode(errors="replace")), 0
+            if self._refused_keys.holds(key, raw_digest):
+                return False
             failure = BadRecord(f"{kind} key holds no string ({raw})", MALFORMED)
         else:
             raw_digest, size = digest(raw), len(raw)

@@ -318,3 +318,20 @@ def test_the_memory_of_refused_keys_stays_within_its_stated_bound() -> None:
         tracemalloc.stop()
     assert len(refused) == MAX_REFUSED_KEYS
     assert used < 7.5 * 2**20, used  # the bound refusals.py states
+
+
+def test_a_key_of_the_wrong_type_is_refused_once_until_it_changes() -> None:
+    redis, sink, reader, clock = setup()
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    redis.data[key("status", "e0")] = {b"a": b"b"}  # a hash
+    for _ in range(3):
+        poll(reader)
+        clock.now += 0.5
+    assert reader.refused_by_reason == {"malformed": 1} and sink.refused == [("e0", "malformed")]
+    redis.data[key("status", "e0")] = status_bytes("e0", 4)
+    poll(reader)
+    assert sink.statuses["e0"].update_id == 4
+    redis.data[key("status", "e0")] = {b"a": b"b"}  # changed back: refused again, once
+    poll(reader)
+    poll(reader)
+    assert reader.refused_by_reason == {"malformed": 2}

@@ -10,6 +10,12 @@ module decides what they mean:
   discovery (--cms-instance-admission, by default whenever --discovery names a backend), its
   host:port is one discovery lists; metadata that fails waits, bounded, and is admitted the
   moment discovery lists its address (and removed when discovery drops it);
+- metadata gets the same bounds (it has no epoch): a timestamp_ms more than the skew ahead, or an
+  update_id beyond both the held one plus the jump and the clock in microseconds plus the skew, is
+  refused (counted by the status reasons, nothing changes). Metadata is kept if its update_id is not
+  lower than the one held, or if the one held is past what the clock allows now, or if its
+  timestamp_ms is newer by more than the staleness window (a llumlet restarted on a clock set
+  back): so a forged record cannot pin the instance's address past the forger (docs/cms-trust.md);
 - a status that claims a future the scheduler's clock cannot have (timestamp_ms or epoch more
   than --cms-max-clock-skew-seconds ahead, an update_id jump beyond --cms-max-update-id-jump and
   the clock) is refused before anything else looks at it: counted by reason, logged at WARNING
@@ -38,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pilotfish.cms.records import Bounds, implausible
+from pilotfish.cms.records import FUTURE_TIMESTAMP, UPDATE_ID_JUMP, Bounds, implausible
 from pilotfish.cms.refusals import RefusalLog
 from pilotfish.config import ConfigError
 from pilotfish.discovery.follow import discovery_configured
@@ -128,7 +134,8 @@ class CmsView:
         self._clock = clock
         self._wall_clock = wall_clock
         self.trust = trust if trust is not None else CmsTrust()
-        self._meta_ids: dict[str, int] = {}
+        # (update_id, timestamp_ms) of the metadata held per instance: what a later record must beat
+        self._meta_ids: dict[str, tuple[int, int]] = {}
         self._pending: OrderedDict[str, cms_pb2.InstanceStatus] = OrderedDict()
         # the epoch of each held status (InstanceView.status has no room for it)
         self._epochs: dict[str, int] = {}
@@ -141,6 +148,7 @@ class CmsView:
         self._discovered_addresses: Counter[str] = Counter()
         self._refusals = RefusalLog(log, clock, what="refused CMS record")
         self._restarts = RefusalLog(log, clock, what="took a CMS status as a llumlet restart")
+        self._meta_overrides = RefusalLog(log, clock, what="took CMS metadata with a lower update_id than held")
         # refusals the reader reports (size, decoding), by reason
         self._reader_refused: Counter[str] = Counter()
         # scheduler-clock time each instance's status was last applied: view staleness
@@ -170,14 +178,25 @@ class CmsView:
         """Create or update the instance; False if the record is not newer than the one held, or
         not admitted (a model not served, an address discovery does not list)."""
         held = self._meta_ids.get(meta.instance_id)
-        if held is not None and meta.update_id and meta.update_id < held:
-            log.debug("dropped stale metadata of %s (update_id %d < %d)", meta.instance_id, meta.update_id, held)
+        now_ms = int(self._wall_clock() * 1000)
+        bounds = self.trust.bounds
+        # checked before anything else, as statuses are: without it one record with a huge update_id
+        # pins the instance's address, every real record after it looking stale
+        reason = metadata_implausible(meta, now_ms, bounds, held[0] if held is not None else None)
+        if reason:
+            detail = (
+                f"metadata update_id {meta.update_id}, timestamp_ms {meta.timestamp_ms}; "
+                f"the scheduler's clock reads {now_ms} ms"
+            )
+            return self._refuse(meta.instance_id, reason, detail)
+        if held is not None and meta.update_id and meta.update_id < held[0] and not self._outlived(meta, held, now_ms):
+            log.debug("dropped stale metadata of %s (update_id %d < %d)", meta.instance_id, meta.update_id, held[0])
             return False
         models = self.trust.models
         if models and meta.model not in models:
             # not even kept for later: the instance could never serve a request here
             return self._refuse(meta.instance_id, UNSERVED_MODEL, f"model {meta.model[:80]!r} is not served here")
-        self._meta_ids[meta.instance_id] = meta.update_id
+        self._meta_ids[meta.instance_id] = (meta.update_id, meta.timestamp_ms)
         address = f"{_host(meta.host)}:{meta.http_port}"
         if self.trust.follow_discovery and address not in self._discovered_addresses:
             self._unadmitted[meta.instance_id] = meta
@@ -216,6 +235,22 @@ class CmsView:
         pending = self._pending.pop(meta.instance_id, None)
         if pending is not None:
             self.apply_status(pending)
+        return True
+
+    def _outlived(self, meta: cms_pb2.InstanceMetadata, held: tuple[int, int], now_ms: int) -> bool:
+        """Whether metadata with a lower update_id than the held one replaces it all the same: the held
+        update_id is past what the clock allows now (a forger stepped it a jump beyond the clock; no writer
+        counts that far), or the record's timestamp_ms is newer by more than the staleness window (a llumlet
+        restarted on a clock set back, or a forged update_id within the skew: metadata has no epoch)."""
+        held_id, held_ms = held
+        ceiling = _update_id_ceiling(now_ms, self.trust.bounds)
+        if held_id > ceiling:
+            why = f"the held update_id {held_id} is past the clock's {ceiling}; the new one is {meta.update_id}"
+        elif meta.timestamp_ms > held_ms + self._restart_ms:
+            why = f"update_id fell from {held_id} to {meta.update_id} with a timestamp newer than {held_ms} ms"
+        else:
+            return False
+        self._meta_overrides.note(meta.instance_id, "metadata", why)
         return True
 
     # -- status ------------------------------------------------------------------------------------
@@ -405,6 +440,32 @@ class CmsView:
         from pilotfish.discovery.follow import follow
 
         await follow(config, lambda found: self.discovered(found.instance_id, found.address), self.undiscovered)
+
+
+def _update_id_ceiling(now_ms: int, bounds: Bounds) -> int:
+    """The highest update_id a writer may claim from scratch: llumlets count from the wall clock in
+    microseconds (up to the skew ahead), simple writers from 1 (up to the jump)."""
+    return max(bounds.max_update_id_jump, (now_ms + bounds.max_clock_skew_ms) * 1000)
+
+
+def metadata_implausible(
+    meta: cms_pb2.InstanceMetadata, now_ms: int, bounds: Bounds, held_update_id: int | None = None
+) -> str:
+    """The reason code metadata is refused for, or "" when it is plausible: the bounds
+    `pilotfish.cms.records.implausible` puts on a status, for a record without an epoch.
+
+    - timestamp_ms more than the skew ahead of `now_ms` (the reader's wall clock);
+    - update_id beyond both the held one plus `max_update_id_jump` and the clock in microseconds plus
+      the skew. A held update_id itself past that ceiling is no base: otherwise a forger writing record
+      after record could climb a jump each time, as far ahead of the clock as it likes.
+    """
+    if meta.timestamp_ms > now_ms + bounds.max_clock_skew_ms:
+        return FUTURE_TIMESTAMP
+    ceiling = _update_id_ceiling(now_ms, bounds)
+    base = held_update_id if held_update_id is not None and held_update_id <= ceiling else 0
+    if meta.update_id > max(base + bounds.max_update_id_jump, ceiling):
+        return UPDATE_ID_JUMP
+    return ""
 
 
 def _host(host: str) -> str:

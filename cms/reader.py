@@ -252,6 +252,13 @@ class CmsReader:
                 self.sink.remove(instance_id)
             elif self._forget(keys.status_key(self.cluster, instance_id)):
                 self.sink.status_gone(instance_id)
+        # digests of keys that are gone are forgotten, but for those whose departure waits out the
+        # grace (the status check above needs them): a key whose instance the sink never knew (a status
+        # with no metadata) has no departure, and ids rotated through Redis would be kept forever
+        waiting = {keys.status_key(self.cluster, instance_id) for _, instance_id in self._missing_since}
+        waiting |= {keys.meta_key(self.cluster, i) for kind, i in self._missing_since if kind == keys.META}
+        for key in [key for key in held if hash(key) not in present and key not in waiting]:
+            del held[key]
         # refusals of keys that are gone are forgotten: the memory holds only keys Redis holds
         self._refused_keys.retain(present)
         for key in [key for key in self._rejected if hash(key) not in present]:

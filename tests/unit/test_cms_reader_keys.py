@@ -335,3 +335,50 @@ def test_a_key_of_the_wrong_type_is_refused_once_until_it_changes() -> None:
     poll(reader)
     poll(reader)
     assert reader.refused_by_reason == {"malformed": 2}
+
+
+# -- what the reader remembers of keys that left Redis -----------------------------------------------------
+
+
+def test_statuses_without_metadata_under_rotated_ids_are_not_remembered_once_gone() -> None:
+    redis, _, reader, clock = setup()
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    redis.data[key("status", "e0")] = status_bytes("e0")
+    for round_ in range(5):
+        ghosts = [key("status", f"ghost-{round_}-{k}") for k in range(100)]
+        for name in ghosts:
+            redis.data[name] = status_bytes(name.decode().rsplit(":", 1)[-1])
+        poll(reader)
+        for name in ghosts:
+            del redis.data[name]
+        clock.now += 1
+    poll(reader)
+    # only e0's two keys are remembered, however many ids came and went
+    assert set(reader._last_digest) == {key("meta", "e0").decode(), key("status", "e0").decode()}
+
+
+def test_a_departure_waiting_out_the_grace_keeps_what_it_needs() -> None:
+    redis, sink, reader, clock = setup()
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    redis.data[key("status", "e0")] = status_bytes("e0")
+    poll(reader)
+    del redis.data[key("status", "e0")]
+    poll(reader)
+    clock.now += 1
+    poll(reader)
+    assert "e0" in sink.statuses  # within the grace
+    clock.now += 5
+    poll(reader)
+    assert "e0" not in sink.statuses and set(sink.metas) == {"e0"}
+    # both keys gone (a Redis restart, say), then only the metadata back: the status still leaves
+    redis.data[key("status", "e0")] = status_bytes("e0", 2)
+    poll(reader)
+    assert sink.statuses["e0"].update_id == 2
+    del redis.data[key("meta", "e0")], redis.data[key("status", "e0")]
+    poll(reader)
+    clock.now += 1
+    redis.data[key("meta", "e0")] = meta_bytes("e0")
+    poll(reader)
+    clock.now += 5
+    poll(reader)
+    assert set(sink.metas) == {"e0"} and "e0" not in sink.statuses

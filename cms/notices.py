@@ -25,16 +25,38 @@ MAX_INLINE_RECORD = 16 * 1024
 # a notice without a record: "<kind>:<instance>"
 MAX_PLAIN_NOTICE = keys.MAX_ID_LENGTH + 16
 MAX_NOTICE = MAX_PLAIN_NOTICE + MAX_INLINE_RECORD
-# a bulk string on the subscribed connection longer than this cannot be a notice of ours
+# a bulk string on the subscribed connection longer than this cannot be a notice of ours: it is
+# discarded as it arrives, never buffered, and the message carries OVERSIZED in its place
 MAX_BULK = MAX_NOTICE + 1024
 # aggregate headers we take on the subscribed connection: a message is 3 elements (pmessage 4)
 MAX_ELEMENTS = 8
+# an incomplete message buffered at most: a pmessage's four bulks, each within MAX_BULK
+MAX_PENDING = 4 * (MAX_BULK + 64)
+
+
+class _Oversized:
+    """Stands, in a parsed message, for a bulk over MAX_BULK that was discarded unread."""
+
+    def __repr__(self) -> str:
+        return "OVERSIZED"
+
+
+OVERSIZED = _Oversized()
+# what an oversized bulk is replaced with in the parser's buffer: a type byte no RESP reply has
+_MARK = b"\x00\r\n"
 
 _STATUS_PREFIX = keys.STATUS.encode() + b":"
 
 
 class ProtocolError(Exception):
     """The subscribed connection carried something no Redis pub/sub reply looks like."""
+
+
+class _TooBig(Exception):
+    """A bulk over MAX_BULK: its header starts at `at`, its `size` bytes at `payload`."""
+
+    def __init__(self, at: int, payload: int, size: int) -> None:
+        self.at, self.payload, self.size = at, payload, size
 
 
 def pack_command(*parts: bytes) -> bytes:
@@ -78,29 +100,47 @@ def split_notice(data: bytes) -> tuple[str, str, bytes | None] | None:
 class PushParser:
     """Incremental RESP2/RESP3 parser of a subscribed connection: `feed` bytes, get whole messages.
 
-    A message is the list of its elements (bytes, int or None). Bounded: a bulk over `MAX_BULK` or
-    an aggregate over `MAX_ELEMENTS` raises ProtocolError (the caller drops the connection), so a
-    stray giant message cannot make the reader buffer it.
+    A message is the list of its elements (bytes, int, None, or OVERSIZED). Bounded: a bulk over
+    `MAX_BULK` is discarded as its bytes arrive and its message carries OVERSIZED in its place, so
+    one publisher's giant message costs neither the buffer nor the connection that every instance's
+    notices share; an aggregate over `MAX_ELEMENTS`, which no publisher can cause, raises
+    ProtocolError (the caller drops the connection).
     """
 
     def __init__(self) -> None:
         self._buf = b""
+        self._skip = 0  # bytes of an oversized bulk (and its CRLF) still to discard
 
-    def feed(self, data: bytes) -> list[list[bytes | int | None]]:
+    def feed(self, data: bytes) -> list[list[object]]:
+        if self._skip:
+            if len(data) <= self._skip:
+                self._skip -= len(data)
+                return []
+            data, self._skip = data[self._skip :], 0
         buf = self._buf + data if self._buf else data
-        out: list[list[bytes | int | None]] = []
+        out: list[list[object]] = []
         pos = 0
         end = len(buf)
         while pos < end:
-            parsed = _parse(buf, pos, 0)
+            try:
+                parsed = _parse(buf, pos, 0)
+            except _TooBig as big:
+                # the bulk becomes a mark, and its message is parsed again from its start
+                stop = big.payload + big.size + 2
+                self._skip = max(0, stop - end)
+                buf = buf[: big.at] + _MARK + buf[stop:]
+                end = len(buf)
+                if self._skip:
+                    break
+                continue
             if parsed is None:
                 break
             value, pos = parsed
             if isinstance(value, list):
                 out.append(value)
         self._buf = buf[pos:]
-        if len(self._buf) > MAX_BULK + 64:  # a frame that can never complete within the bounds
-            raise ProtocolError(f"an incomplete reply of over {MAX_BULK} bytes")
+        if len(self._buf) > MAX_PENDING:  # a frame that can never complete within the bounds
+            raise ProtocolError(f"an incomplete reply of over {MAX_PENDING} bytes")
         return out
 
 
@@ -119,7 +159,7 @@ def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
         if size < 0:
             return None, after  # a null bulk
         if size > MAX_BULK:
-            raise ProtocolError(f"a {size}-byte string on the subscribed connection")
+            raise _TooBig(pos, after, size)
         if len(buf) < after + size + 2:
             return None
         return buf[after : after + size], after + size + 2
@@ -132,6 +172,7 @@ def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
             # a bulk string (every element of a pub/sub message) read here, not by a call per element:
             # the same checks as the "$" case below
             if buf.startswith(b"$", after):
+                at = after
                 eol = buf.find(b"\r\n", after)
                 if eol < 0:
                     if len(buf) - after > 64:
@@ -143,7 +184,7 @@ def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
                     items.append(None)
                     continue
                 if size > MAX_BULK:
-                    raise ProtocolError(f"a {size}-byte string on the subscribed connection")
+                    raise _TooBig(at, after, size)
                 if len(buf) < after + size + 2:
                     return None
                 items.append(buf[after : after + size])
@@ -161,6 +202,8 @@ def _parse(buf: bytes, pos: int, depth: int) -> tuple[object, int] | None:
         return head, after
     if kind == b"_":
         return None, after
+    if kind == _MARK[:1]:
+        return OVERSIZED, after
     if kind == b"-":
         raise ProtocolError(f"error reply: {head[:200].decode(errors='replace')}")
     raise ProtocolError(f"unexpected reply type {kind!r}")

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from pilotfish.cms import keys
-from pilotfish.cms.notices import MAX_NOTICE, MAX_PLAIN_NOTICE, PushParser, pack_command, split_notice
+from pilotfish.cms.notices import MAX_BULK, MAX_NOTICE, OVERSIZED, PushParser, pack_command, split_notice
 from pilotfish.cms.records import (
     INVALID,
     MALFORMED,
@@ -329,7 +329,7 @@ class CmsReader:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(conn.disconnect(), CLOSE_TIMEOUT)
 
-    def _take_notices(self, messages: list[list[bytes | int | None]]) -> dict[tuple[str, str], None]:
+    def _take_notices(self, messages: list[list[object]]) -> dict[tuple[str, str], None]:
         """Hand over the inline statuses among `messages` (of each instance only the newest: the view
         would drop the older ones anyway); returns the plainly announced keys, to be read with a GET."""
         inline: dict[str, bytes] = {}
@@ -356,10 +356,17 @@ class CmsReader:
             elif len(message) == 3 and message[0] == b"message" and isinstance(message[2], bytes):
                 data, sender = message[2], None
             else:
+                if OVERSIZED in message:  # a message over the parser's bound, discarded unread
+                    self._refuse_notice(message, OVERSIZE, f"a notice of over {MAX_BULK} bytes")
                 continue  # a subscription's confirmation, or nothing of ours
             notice = split_notice(data)
             if notice is None:
-                log.debug("ignored CMS notice %r", data[:MAX_PLAIN_NOTICE])
+                # skipped, the subscription goes on: a publisher's bad notice must not cost every other
+                # instance its fast path
+                if len(data) > MAX_NOTICE:
+                    self._refuse_notice(message, OVERSIZE, f"a notice of {len(data)} bytes (max {MAX_NOTICE})")
+                else:
+                    self._refuse_notice(message, MALFORMED, f"not a notice: {data[:80]!r}")
                 continue
             self.num_notices += 1
             kind, instance_id, record = notice
@@ -384,6 +391,20 @@ class CmsReader:
             key = known.status_key if known is not None else keys.status_key(self.cluster, instance_id)
             self._hand_over(key, keys.STATUS, record, instance_id=instance_id)
         return plain
+
+    def _refuse_notice(self, message: list[object], reason: str, detail: str) -> None:
+        """Count and log (rate-limited) a notice that is no notice of ours; nothing is read or changed."""
+        channel = message[2] if message[0] == b"pmessage" else message[1]
+        if not isinstance(channel, bytes):
+            label = "?"
+        elif channel.startswith(self._own_channel_prefix):  # the instance whose channel it came on
+            label = channel[len(self._own_channel_prefix) :][: keys.MAX_ID_LENGTH].decode(errors="replace")
+            label = label if label.isprintable() else ascii(label)
+        else:
+            label = "(shared channel)"
+        self._refusals.note(label, reason, f"{detail}, on {ascii(channel)[:300]}")
+        if self._note_refused is not None:
+            self._note_refused(label, reason)
 
     async def _read_key(self, kind: str, instance_id: str) -> None:
         make_key = keys.meta_key if kind == keys.META else keys.status_key

@@ -9,6 +9,8 @@ from pilotfish.cms.notices import (
     MAX_BULK,
     MAX_INLINE_RECORD,
     MAX_NOTICE,
+    MAX_PENDING,
+    OVERSIZED,
     ProtocolError,
     PushParser,
     split_notice,
@@ -78,7 +80,6 @@ def test_parser_takes_nulls_and_simple_strings() -> None:
     "data",
     [
         b"-NOPERM this user has no permissions\r\n",  # a refused SUBSCRIBE
-        b"$%d\r\n" % (MAX_BULK + 1),  # a bulk over the bound, refused before it is buffered
         b"*100\r\n",
         b"?1\r\n",
         b"*x\r\n",
@@ -88,3 +89,32 @@ def test_parser_takes_nulls_and_simple_strings() -> None:
 def test_parser_refuses_what_no_notice_looks_like(data: bytes) -> None:
     with pytest.raises(ProtocolError):
         PushParser().feed(data)
+
+
+@pytest.mark.parametrize("resp3", [True, False])
+def test_an_oversized_bulk_is_discarded_unbuffered_and_the_stream_goes_on(resp3: bool) -> None:
+    big = b"status:e1:" + b"x" * (MAX_BULK + 5000)
+    stream = (
+        push(b"pmessage", b"p*", b"ch:e0", b"status:e0:a", resp3=resp3)
+        + push(b"pmessage", b"p*", b"ch:e1", big, resp3=resp3)
+        + push(b"message", b"ch", b"meta:e2", resp3=resp3)
+    )
+    want = [
+        [b"pmessage", b"p*", b"ch:e0", b"status:e0:a"],
+        [b"pmessage", b"p*", b"ch:e1", OVERSIZED],
+        [b"message", b"ch", b"meta:e2"],
+    ]
+    for cut in (1, 7, 1000, 4096, len(stream)):
+        parser = PushParser()
+        got = []
+        for i in range(0, len(stream), cut):
+            got += parser.feed(stream[i : i + cut])
+            assert len(parser._buf) <= 64 + 32  # the big bulk's bytes are never buffered
+        assert got == want, cut
+
+
+def test_a_bulk_over_the_bound_is_refused_before_it_is_buffered() -> None:
+    parser = PushParser()
+    assert parser.feed(b"$%d\r\n" % (MAX_BULK + 1)) == []
+    assert parser.feed(b"y" * MAX_BULK) == [] and parser._buf == b"\x00\r\n"
+    assert MAX_PENDING >= 4 * MAX_BULK  # a pmessage's four bulks within the bound may wait whole

@@ -143,3 +143,30 @@ def test_the_scans_of_both_patterns_share_round_trips_until_each_cursor_ends() -
     assert found == [[b"m1", b"m2", b"m3"], [b"s1", b"s2"]]
     # each pattern asked again only while its cursor is not back at 0
     assert log == [[("m*", 0), ("s*", 0)], [("m*", 1)], [("m*", 2)]]
+
+
+def test_an_oversized_or_malformed_notice_is_refused_and_the_subscription_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    import logging
+
+    from pilotfish.cms.notices import MAX_BULK
+
+    sink = Sink()
+    reader = CmsReader("redis://127.0.0.1:1/0", CLUSTER, sink)
+    sub = _Subscription(reader, _Previous())
+    caplog.set_level(logging.WARNING)
+    huge = pmessage("sim-0", b"status:sim-0:" + b"x" * (MAX_BULK + 3000))
+    stream = pmessage("sim-1", b"status:sim-1:" + record("sim-1", 1))
+    for _ in range(200):  # a stream of them on sim-0's own channel, cut where the reads fall
+        stream += huge + pmessage("sim-0", b"nonsense")
+    stream += pmessage("sim-1", b"status:sim-1:" + record("sim-1", 2))
+    for i in range(0, len(stream), 4096):
+        sub.data_received(stream[i : i + 4096])
+        assert sub.ended is None  # the connection every instance's notices share stays up
+    # the other instance's notices all arrive
+    assert [(s.instance_id, s.update_id) for s in sink.statuses] == [("sim-1", 1), ("sim-1", 2)]
+    assert reader.refused_by_reason == {"oversize": 200, "malformed": 200}
+    assert sink.refused.count(("sim-0", "oversize")) == 200
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2  # one per instance and reason, rate-limited

@@ -44,13 +44,15 @@ GATEWAY_ERROR = scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR
 
 _CLIENT_GONE = ("downstream_connection_termination", "downstream_remote_reset", "stream_idle_timeout")
 _FROM_UPSTREAM = "via_upstream"  # response_code_details of a response the upstream sent
+# an engine's own 429: overloaded or rate-limited, its failure as a 5xx is (processor.py ENGINE_REFUSED says why)
+_ENGINE_REFUSED = 429
 _NO_UPSTREAM = ("upstream_connection_failure", "no_healthy_upstream", "upstream_overflow", "upstream_request_timeout")
 
 
 def release_reason(entry: accesslog_pb2.HTTPAccessLogEntry) -> int:
     """How the request ended, from the entry's response flags, status and its details.
 
-    A 5xx is the engine's failure only where the engine answered it (`via_upstream`) or a flag says the
+    A 5xx (or a 429) is the engine's failure only where the engine answered it (`via_upstream`) or a flag says the
     upstream failed. Envoy's own 5xx otherwise is the gateway's: a client can provoke one at will (a
     request whose headers fill Envoy's limit fails the routing reply's header mutation, after the
     scheduler placed it), and counted against the engine it would eject healthy engines."""
@@ -61,7 +63,8 @@ def release_reason(entry: accesslog_pb2.HTTPAccessLogEntry) -> int:
         return UPSTREAM_RESET
     if any(getattr(flags, name) for name in _NO_UPSTREAM):
         return UPSTREAM_ERROR
-    if entry.response.response_code.value >= 500:
+    status = entry.response.response_code.value
+    if status >= 500 or status == _ENGINE_REFUSED:
         return UPSTREAM_ERROR if entry.response.response_code_details == _FROM_UPSTREAM else GATEWAY_ERROR
     return FINISHED
 

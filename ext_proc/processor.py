@@ -29,6 +29,7 @@ import logging
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
@@ -65,6 +66,24 @@ _REASON_LABELS = {
     GATEWAY_ERROR: "gateway_error",
     scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET: "upstream_reset",
 }
+# An engine's own 429 says it is overloaded or rate-limited: a failure of that engine, as a 5xx is. Released as a
+# success it dropped the request's load and counted for the engine, so an engine answering 429 at once to everything
+# looked idle and healthy and drew the traffic it refused (a client cannot make an engine answer 429)
+ENGINE_REFUSED = 429
+
+
+def ended_by_status(status: int) -> int:
+    """How a whole (not streamed) response ended, by its status: the engine's failure or a finished request."""
+    return UPSTREAM_ERROR if status >= 500 or status == 0 or status == ENGINE_REFUSED else FINISHED
+
+
+def ended_by_stream(counter: TokenCounter) -> int:
+    """How a 200 stream that reached its end ended: an engine ends every stream with `data: [DONE]` (vLLM even a
+    failed one, after an error event), so one without it was cut short by the engine: its failure. Released as
+    finished, an engine answering empty or truncated streams at once looked idle and healthy and drew the traffic."""
+    return FINISHED if counter.done else UPSTREAM_ERROR
+
+
 _Mode = processing_mode_pb2.ProcessingMode
 FULL_DUPLEX = _Mode.FULL_DUPLEX_STREAMED
 STREAMED = _Mode.STREAMED
@@ -199,6 +218,8 @@ class ExtProcServicer:
         # stream released; and those that ended first, each until its entry comes or the wait runs out
         self._live: dict[str, _Stream] = {}
         self._awaiting_log: dict[str, tuple[asyncio.TimerHandle, int]] = {}
+        # released from here with a reason the access log cannot tell; their entries are ignored (oldest forgotten)
+        self._released_here: OrderedDict[str, None] = OrderedDict()
         self._access_log_wait_s = access_log_wait_s
         self._clock = time.monotonic
         self._destination_fallbacks = destination_fallbacks
@@ -301,7 +322,7 @@ class ExtProcServicer:
             s.done = True
             if s.counter is not None and not s.released:
                 s.counter.finish()
-                self._release(s, FINISHED)
+                self._release(s, ended_by_stream(s.counter))
             return [messages.CONTINUE_RESPONSE_TRAILERS]
         return []  # a message kind newer than this gateway: nothing to answer
 
@@ -500,7 +521,7 @@ class ExtProcServicer:
         elif decision is not None:
             # Not a stream: an engine sends a whole response's headers only once it is done (or
             # failed), so nothing more can change the request's load.
-            self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
+            self._release(s, ended_by_status(s.status))
         # Done unless a body comes: none follows an end_of_stream, nor a body this reply turns off
         # (mode NONE), except where Envoy does not take the override: in full duplex (every byte is
         # owed back) and on a stream that sends bodies without waiting for header replies (STREAMED
@@ -538,7 +559,7 @@ class ExtProcServicer:
             if body.end_of_stream:
                 counter.finish()
         if body.end_of_stream:
-            self._release(s, FINISHED)
+            self._release(s, ended_by_stream(counter))
         elif counter.tokens and s.decision.source == SCHEDULER:
             self._router.report(s.request_id, counter.tokens, prefill_done=True)
         if full_duplex:
@@ -556,6 +577,10 @@ class ExtProcServicer:
         of the response. In full duplex every byte is owed back, so the stream stays, uncounted."""
         counter.feed(body.body)
         full_duplex = s.response_mode == FULL_DUPLEX
+        if body.end_of_stream:  # the whole stream came before (or with) its first token: its end is known here
+            counter.finish()
+            if not counter.done:  # cut short: the engine's failure, told from here
+                self._release_instead_of_access_log(s, UPSTREAM_ERROR)
         if counter.tokens or body.end_of_stream:
             decision = s.decision
             assert decision is not None
@@ -589,7 +614,7 @@ class ExtProcServicer:
                 counter.feed(body.body)
                 if body.end_of_stream:
                     counter.finish()
-                    self._release(s, FINISHED)
+                    self._release(s, ended_by_stream(counter))
                 elif counter.tokens and s.decision.source == SCHEDULER:
                     self._router.report(s.request_id, counter.tokens, prefill_done=True)
             elif kind == "response_headers":
@@ -617,7 +642,7 @@ class ExtProcServicer:
             s.counter = TokenCounter()
         else:  # a whole response: done
             s.done = True
-            self._release(s, UPSTREAM_ERROR if s.status >= 500 or s.status == 0 else FINISHED)
+            self._release(s, ended_by_status(s.status))
 
     # -- ends ------------------------------------------------------------------------------------
 
@@ -635,6 +660,19 @@ class ExtProcServicer:
             self._send_release(s.request_id, reason)
         elif self._access_log_releases:
             self._await_access_log(s.request_id, reason)
+
+    def _release_instead_of_access_log(self, s: _Stream, reason: int) -> None:
+        """Release with a reason the access log cannot tell (a 200 stream cut short), its entry then ignored."""
+        s.released = True
+        decision = s.decision
+        if decision is None or decision.source != SCHEDULER:
+            return
+        self._send_release(s.request_id, reason)
+        if self._access_log_releases:
+            # its entry's release (a success) would end the engine's run of failures that this one adds to
+            self._released_here[s.request_id] = None
+            while len(self._released_here) > _MAX_AWAITING_LOG:
+                self._released_here.popitem(last=False)
 
     def _await_access_log(self, request_id: str, reason: int) -> None:
         """The stream ended unreleased: its access-log entry releases it if it comes within the wait, else this
@@ -677,6 +715,8 @@ class ExtProcServicer:
         if not self._access_log_releases:
             return
         self._watching_access_log = False
+        if self._released_here.pop(request_id, 0) is None:  # (None: it was there)
+            return
         awaiting = self._awaiting_log.pop(request_id, None)
         if awaiting is not None:  # its stream ended first: released here, not when the wait runs out
             awaiting[0].cancel()

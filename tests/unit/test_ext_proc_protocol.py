@@ -26,6 +26,7 @@ Mode = processing_mode_pb2.ProcessingMode
 E0, E1, E2 = "127.0.0.1:9001", "127.0.0.1:9002", "127.0.0.1:9003"
 COMPLETION = json.dumps({"model": "m", "prompt": "hello there", "max_tokens": 4}).encode()
 STREAMING = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 4, "stream": True}).encode()
+UPSTREAM_ERROR = scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
 SSE = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n', b"data: [DONE]\n\n"]
 
 
@@ -213,12 +214,14 @@ def test_a_stream_cut_before_its_end_is_released_once_as_client_abort() -> None:
     assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_CLIENT_ABORT]
 
 
-def test_a_stream_ended_by_trailers_is_released_finished() -> None:
-    svc, backend, _ = servicer()
+def test_a_stream_ended_by_trailers_is_released_finished_if_it_came_whole() -> None:
+    """Trailers end the stream; one without its `data: [DONE]` was cut short by the engine: its failure."""
     trailers = ep.ProcessingRequest(response_trailers=ep.HttpTrailers())
-    replies = run(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0]), trailers])
-    assert replies[-1].HasField("response_trailers")
-    assert [r for _, r in backend.releases] == [scheduler_pb2.RELEASE_REASON_FINISHED]
+    for events, reason in ((SSE, scheduler_pb2.RELEASE_REASON_FINISHED), (SSE[:1], UPSTREAM_ERROR)):
+        svc, backend, _ = servicer()
+        replies = run(svc, [headers(), body(STREAMING), response_headers(), *map(response_body, events), trailers])
+        assert replies[-1].HasField("response_trailers")
+        assert [r for _, r in backend.releases] == [reason]
 
 
 # -- body modes ------------------------------------------------------------------------------------
@@ -483,6 +486,8 @@ def log_entry(
         (("upstream_connection_failure",), 503, "upstream_reset_before_response_started{connection_failure}",
          scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),
         ((), 503, "via_upstream", scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),  # the engine's own 503
+        ((), 429, "via_upstream", scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR),  # the engine refused: overloaded
+        ((), 429, "local_rate_limited", scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR),  # Envoy's own 429
         # Envoy's own answer, no engine involved: a routing reply whose headers overflowed Envoy's limit
         ((), 500, "ext_proc_error_gRPC_error_13{header_mutation_rejected}", scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR),
     ],

@@ -82,7 +82,8 @@ def test_a_response_that_is_not_a_stream_ends_at_its_headers() -> None:
 
 def test_a_stream_ended_by_trailers_ends_there() -> None:
     svc, backend, _ = servicer()
-    replies, _ = run_to_the_end(svc, [headers(), body(STREAMING), response_headers(), response_body(SSE[0]), TRAILERS])
+    stream = [headers(), body(STREAMING), response_headers(), *map(response_body, SSE), TRAILERS]
+    replies, _ = run_to_the_end(svc, stream)
     assert replies[-1].HasField("response_trailers") and [r for _, r in backend.releases] == [FINISHED]
 
 

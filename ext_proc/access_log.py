@@ -63,9 +63,14 @@ def release_reason(entry: accesslog_pb2.HTTPAccessLogEntry) -> int:
         return UPSTREAM_RESET
     if any(getattr(flags, name) for name in _NO_UPSTREAM):
         return UPSTREAM_ERROR
-    status = entry.response.response_code.value
+    status, from_upstream = entry.response.response_code.value, entry.response.response_code_details == _FROM_UPSTREAM
     if status >= 500 or status == _ENGINE_REFUSED:
-        return UPSTREAM_ERROR if entry.response.response_code_details == _FROM_UPSTREAM else GATEWAY_ERROR
+        return UPSTREAM_ERROR if from_upstream else GATEWAY_ERROR
+    if status == 200 and from_upstream and not entry.response.response_body_bytes:
+        # every answer to a completion has a body (a stream ends in `data: [DONE]`): an empty 200 is the engine
+        # failing fast, which released as finished made it look idle and healthy (the only sign of it where the
+        # gateway reads no response body, in full mode)
+        return UPSTREAM_ERROR
     return FINISHED
 
 

@@ -467,6 +467,7 @@ def log_entry(
     entry.request.request_headers["x-request-id"] = "rid"
     entry.response.response_code.value = status
     entry.response.response_code_details = details
+    entry.response.response_body_bytes = 100  # an answer has a body
     for flag in flags:
         setattr(entry.common_properties.response_flags, flag, True)
     if source is not None:
@@ -500,6 +501,17 @@ def test_the_access_log_says_how_a_request_ended(
     released: list[tuple[str, int]] = []
     AccessLogReleaser(lambda rid, why, *_: released.append((rid, why))).entry(log_entry(flags, status, details=details))
     assert released == [("rid", reason)]
+
+
+def test_the_access_log_takes_an_empty_200_from_the_engine_as_its_failure() -> None:
+    """Every answer to a completion has a body; the only sign of an engine failing fast with empty 200s where
+    the gateway reads no response body (full mode)."""
+    from pilotfish.ext_proc.access_log import release_reason
+
+    entry = log_entry()
+    assert release_reason(entry) == scheduler_pb2.RELEASE_REASON_FINISHED
+    entry.response.response_body_bytes = 0
+    assert release_reason(entry) == scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR
 
 
 def served_entry(served: str, picked: str = E0, prefill: str = ""):

@@ -29,6 +29,10 @@ module decides what they mean:
 - every plausible status, newer or not, reconciles the in-flight account (see account.py); a
   "gap" there is an update_id jump spanning at least --account-admitted-window-ms (writers
   list each admitted id for that long; writers with time-based update_ids jump every time);
+- a status's finished totals tell the LRS how long the engine's answers run (their growth since
+  the held status, all of them after a restart); a status whose output tokens grew by more than
+  MAX_ANSWER_TOKENS per finished request is refused (`invalid_field`), since the learned answer
+  lengths steer the default policy;
 - a status feeds its last step to the instance's online step-time fit;
 - a status for an instance without metadata waits (bounded) until the metadata arrives.
 
@@ -44,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pilotfish.cms.records import FUTURE_TIMESTAMP, UPDATE_ID_JUMP, Bounds, implausible
+from pilotfish.cms.records import FUTURE_TIMESTAMP, INVALID, UPDATE_ID_JUMP, Bounds, implausible
 from pilotfish.cms.refusals import RefusalLog
 from pilotfish.config import ConfigError
 from pilotfish.discovery.follow import discovery_configured
@@ -66,6 +70,11 @@ log = logging.getLogger(__name__)
 MAX_PENDING = 4096
 # metadata held for instances not admitted (yet); more is a flood, oldest dropped
 MAX_UNADMITTED = 4096
+
+# output tokens one finished request may add to a status's finished_output_tokens_total: past any served
+# model's context (10M tokens at most today), so no real answer is refused. A forger's +2^62 tokens on +1
+# request was taken and set the engine's learned answer length (predicted_stall) for good (audit F7)
+MAX_ANSWER_TOKENS = 1 << 24
 
 ADMISSION_MODES = ("auto", "cms", "discovery")
 # refusal reasons of the view's own (the reader's are in cms/records.py)
@@ -295,6 +304,17 @@ class CmsView:
             and update_id > held.update_id + 1
             and timestamp_ms - held.timestamp_ms >= self._window_ms
         )
+        restart = not newer and held is not None and timestamp_ms > held.timestamp_ms + self._restart_ms
+        answered = tokens = 0
+        if (newer or restart) and (status.num_finished_total or status.finished_output_tokens_total):
+            answered, tokens = _answer_growth(status, held, new_epoch)
+            # what the learned answer lengths take from one record is bounded, or one record sets them
+            if tokens > max(answered, 1) * MAX_ANSWER_TOKENS:
+                detail = (
+                    f"finished_output_tokens_total grew by {tokens} with {answered} finished requests "
+                    f"(at most {MAX_ANSWER_TOKENS} tokens each)"
+                )
+                return self._refuse(instance_id, INVALID, detail)
         if newer and new_epoch:
             assert held is not None
             self._restarts.note(
@@ -305,7 +325,8 @@ class CmsView:
             )
             # what the old llumlet exported last may be lost: reconcile as after a gap
             gap = True
-        if not newer and held is not None and timestamp_ms > held.timestamp_ms + self._restart_ms:
+        if restart:
+            assert held is not None
             self._restarts.note(
                 instance_id,
                 "timestamp",
@@ -318,9 +339,9 @@ class CmsView:
             log.debug("dropped stale status of %s (update_id %d)", instance_id, update_id)
             return False
         self._epochs[instance_id] = epoch
-        inst.status = applied = EngineStatus.from_proto(status)
-        if self._answered is not None and applied.num_finished_total:
-            self._count_answers(inst, held, applied, new_epoch)
+        inst.status = EngineStatus.from_proto(status)
+        if self._answered is not None and answered > 0 and tokens >= 0:
+            self._answered(inst, answered, tokens)
         model = inst.step_model
         if model is None:
             model = inst.step_model = StepTimeModel(self._profile, self._prior_weight)
@@ -345,19 +366,6 @@ class CmsView:
         self.num_applied += 1
         self._changed(inst)
         return True
-
-    def _count_answers(
-        self, inst: InstanceView, held: EngineStatus | None, applied: EngineStatus, new_epoch: bool
-    ) -> None:
-        """The finished totals' growth since the held status; a restarted writer (new epoch, or totals
-        that fell) counts from 0, so its first record's totals are all new."""
-        assert self._answered is not None
-        finished, tokens = applied.num_finished_total, applied.finished_output_tokens_total
-        if held is not None and not new_epoch and finished >= held.num_finished_total:
-            finished -= held.num_finished_total
-            tokens -= held.finished_output_tokens_total
-        if finished > 0 and tokens >= 0:
-            self._answered(inst, finished, tokens)
 
     # -- departures ----------------------------------------------------------------------------------
 
@@ -440,6 +448,15 @@ class CmsView:
         from pilotfish.discovery.follow import follow
 
         await follow(config, lambda found: self.discovered(found.instance_id, found.address), self.undiscovered)
+
+
+def _answer_growth(status: cms_pb2.InstanceStatus, held: EngineStatus | None, new_epoch: bool) -> tuple[int, int]:
+    """The finished totals' growth since the held status: (requests, output tokens). A restarted writer
+    (new epoch, or totals that fell) counts from 0, so its first record's totals are all new."""
+    finished, tokens = status.num_finished_total, status.finished_output_tokens_total
+    if held is not None and not new_epoch and finished >= held.num_finished_total:
+        return finished - held.num_finished_total, tokens - held.finished_output_tokens_total
+    return finished, tokens
 
 
 def _update_id_ceiling(now_ms: int, bounds: Bounds) -> int:

@@ -15,6 +15,14 @@ from dataclasses import dataclass
 
 from pilotfish.scheduler.view.types import InstanceView, LrsLoad
 
+# answers a learned mean answer length weighs, per instance and fleet-wide: past it the counts are cut to
+# half with their ratio kept, so an answer's weight halves with every half window of answers after it. A
+# lifetime mean let one bad sample (a forged status: +1 answer of 2^62 tokens) set an engine's figure for
+# good (audit F7); a window of a thousand answers is a lifetime for a benchmark cell (1024 requests) and
+# follows a shift of a real engine's answers within a few thousand
+ANSWER_WINDOW = 1024
+FLEET_ANSWER_WINDOW = 4 * ANSWER_WINDOW
+
 
 @dataclass(slots=True, eq=False)
 class RequestEntry:
@@ -191,11 +199,15 @@ class LocalRealtimeState:
     def _count_answers(self, load: LrsLoad, instance_id: str, requests: int, tokens: int) -> None:
         """The instance's answers and the fleet's, whose mean at a power of two every cold instance is told when
         it moves (and its change noticed): a few times a run, not per answer."""
-        load.num_released += requests
-        load.released_generated_tokens += tokens
+        released, released_tokens = load.num_released + requests, load.released_generated_tokens + tokens
+        if released > ANSWER_WINDOW:
+            released, released_tokens = _halved(released, released_tokens, ANSWER_WINDOW)
+        load.num_released, load.released_generated_tokens = released, released_tokens
         self._cold.pop(instance_id, None)
         self._released += requests
         self._released_tokens += tokens
+        if self._released > FLEET_ANSWER_WINDOW:
+            self._released, self._released_tokens = _halved(self._released, self._released_tokens, FLEET_ANSWER_WINDOW)
         mean = self._released_tokens // self._released
         level = 1 << (mean.bit_length() - 1) if mean > 0 else 0
         if level == self._fleet_level:
@@ -237,3 +249,11 @@ class LocalRealtimeState:
         else:
             load.prefill_tokens -= entry.prompt_tokens
         self._on_change(entry.instance_id)
+
+
+def _halved(count: int, tokens: int, window: int) -> tuple[int, int]:
+    """`count` answers of `tokens` in all, past `window`, as half a window of answers at the same mean (rounded
+    down): the older answers weigh less from here on, and one record's count, however large, weighs at most
+    the window."""
+    kept = window // 2
+    return kept, tokens * kept // count

@@ -242,8 +242,9 @@ class PredictedStall(PredictedDelay):
     """`predicted_delay` with the stall charged past what the batch absorbs: predicted TTFT plus decode
     batch x max(prefill time of the uncached tokens - absorbed, `least_stall_share` x that time), where
     absorbed is
-    `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance so
-    far: LrsLoad.released_generated_tokens / num_released; in lite mode as the gateway told them with the
+    `absorbed_ms_per_token` x (1 + the mean output tokens of the requests released from this instance
+    recently (a window of about a thousand answers): LrsLoad.released_generated_tokens / num_released; in lite
+    mode as the gateway told them with the
     releases, in full mode as the engine's status records count its finished requests). An instance nothing was released
     from yet goes by the fleet's mean output instead (at a power of two, LrsLoad.fleet_output_level, which the
     LRS keeps and notifies), and only the least share is charged while nothing was released anywhere (no

@@ -12,32 +12,16 @@ from typing import Any
 
 import pytest
 
-from pilotfish.protos import cms_pb2
-from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.view.cms_view import MAX_ANSWER_TOKENS
 from pilotfish.scheduler.view.lrs import ANSWER_WINDOW, FLEET_ANSWER_WINDOW, LocalRealtimeState
 from pilotfish.scheduler.view.types import Endpoint, InstanceView, RequestInfo
+from tests.unit.test_answer_lengths import WALL, _core, _status
 
-WALL = 1_700_000_000.0
 NOW_MS = int(WALL * 1000)
 # both engines decode 8 requests; `b` also has a short prefill queued, so `a` is a little less loaded
 BATCH = {"num_running": 8, "num_running_decode": 8, "running_decode_seq_len_sum": 8 * 600}
 B_LOAD = {**BATCH, "uncomputed_prefill_tokens": 200, "num_running_prefill": 1, "num_running": 9}
-
-
-def _core() -> SchedulerCore:
-    core = SchedulerCore(SchedulerConfig(model=["m"], enable_full_mode_scheduling=True), wall_clock=lambda: WALL)
-    for k, name in enumerate(("a", "b")):
-        core.apply_metadata(cms_pb2.InstanceMetadata(instance_id=name, host="h", http_port=1 + k, model="m"))
-    return core
-
-
-def _status(name: str, update_id: int, finished: int, tokens: int, **kw: Any) -> cms_pb2.InstanceStatus:
-    return cms_pb2.InstanceStatus(
-        instance_id=name, update_id=update_id, timestamp_ms=NOW_MS, schedulable=True,
-        num_finished_total=finished, finished_output_tokens_total=tokens, **kw,
-    )  # fmt: skip
 
 
 def _mean(core: SchedulerCore, name: str) -> float:

@@ -18,25 +18,16 @@ from pilotfish.protos import cms_pb2
 from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.view.cms_view import metadata_implausible
+from tests.unit.test_cms_validation import NOW_MS, U64_MAX
+from tests.unit.test_cms_validation import Clocks as WallClocks
 
-WALL = 1_700_000_000.0
-NOW_MS = int(WALL * 1000)
-U64_MAX = 2**64 - 1
 SKEW_MS = 5_000  # the default --cms-max-clock-skew-seconds
 JUMP = 1_000_000  # the default --cms-max-update-id-jump
 CEILING = (NOW_MS + SKEW_MS) * 1000  # the highest update_id a clock-counting writer may claim now
 
 
-class Clocks:
-    """The scheduler's wall clock and monotonic clock, moved by hand."""
-
-    def __init__(self) -> None:
-        self.wall = WALL
-        self.mono = 100.0
-
-    def advance(self, seconds: float) -> None:
-        self.wall += seconds
-        self.mono += seconds
+class Clocks(WallClocks):
+    """The scheduler's clocks, moved by hand, and the wall clock in microseconds (what a llumlet counts from)."""
 
     @property
     def us(self) -> int:

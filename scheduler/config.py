@@ -278,7 +278,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             ge=0,
             description="eject an engine after this many upstream failures in a row (the gateway's Release "
-            "reason UPSTREAM_ERROR: a 5xx or no connection; or a request the gateway served elsewhere); "
+            "reason UPSTREAM_ERROR: a 5xx or 429, no connection, an empty 200 or a stream without its "
+            "data: [DONE]; or a request the gateway served elsewhere); "
             "0 = never",
         ),
     ] = 3
@@ -320,6 +321,15 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
     health_probe_concurrency: Annotated[
         int, Meta(ge=1, le=1024, description="probes in flight at once, across all engines")
     ] = 32
+    engine_stall_seconds: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: eject an engine whose statuses show requests on it while its step count "
+            "stands still this long (a hung GPU or engine loop, which the llumlet's refresh keeps looking "
+            "fresh), until it steps again; 0 = never",
+        ),
+    ] = 30.0
 
     # -- input bounds and listener limits (scheduler/limits.py, session_server.py; scheduler/README.md) --
     max_model_len: Annotated[

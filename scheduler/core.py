@@ -161,6 +161,8 @@ class SchedulerCore:
                 # the engines' finished answers, counted where lite mode counts its releases (predicted_stall)
                 answered=self._lrs.answered,
                 speeds=self.speeds,
+                stalled=self._engine_stalled,
+                stall_seconds=config.engine_stall_seconds,
             )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))
@@ -495,6 +497,10 @@ class SchedulerCore:
         """One health probe of an engine (health.HealthProber); unknown instances are ignored."""
         if instance_id in self._instances:
             self._drop(self.health.probe(instance_id, ok))
+
+    def _engine_stalled(self, inst: InstanceView, stalled: bool) -> None:
+        """Full mode: the engine's statuses show it stalled, or stepping again (view/cms_view.py)."""
+        self._drop(self.health.stall(inst.instance_id, stalled))
 
     def _drop(self, request_ids: list[str]) -> None:
         """Release requests whose load engine health had kept (held as failures)."""

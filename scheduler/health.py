@@ -11,6 +11,11 @@ Two signals take it out of the candidates:
   engine for `base_s` x (its ejections in a row), at most `max_s`; then it is let back on
   *probation*: its next failure ejects it again at once (for longer), its next success forgives
   every ejection before (the next one lasts `base_s` again). Any success resets the failure run.
+- **stalled** (full mode, `stall`): the engine's statuses keep coming, fresh, while it holds requests
+  and its step count stands still for --engine-stall-seconds: a hung GPU or engine loop. The llumlet
+  refreshes its record whatever the engine does, so the status looks live, the engine answers its
+  probes (vLLM's /health asks whether the engine process lives, not whether it steps) and a request
+  there never fails: it hangs. Out until a status shows it stepping again, then on probation.
 - **active** (`HealthProber`, where discovery says nothing of readiness): GET each engine's
   health path every interval; `probe_failures` failed probes in a row eject it until a probe
   succeeds, after which it is on probation as above. A probe that succeeds after one failed
@@ -47,6 +52,7 @@ log = logging.getLogger(__name__)
 
 PASSIVE = "upstream_errors"  # the ejection reasons, as the metric's label
 PROBE = "health_probes"
+STALLED = "stalled"
 
 
 @dataclass(slots=True, eq=False)
@@ -58,6 +64,7 @@ class _State:
     probe_down: bool = False  # ejected by probes, until one succeeds
     probation: bool = False  # back after an ejection: one failure ejects it again
     down_seen: bool = False  # a probe failed during the passive ejection: a good one ends it
+    stalled: bool = False  # its statuses show work and no step for the stall period (full mode)
     total: Counter[str] = field(default_factory=Counter)  # ejections by reason, monotonic
     held: list[str] = field(default_factory=list)  # request ids released as failures, load kept
 
@@ -184,6 +191,23 @@ class EngineHealth:
         self._update(instance_id, state)
         return self._drop_holds(state)
 
+    def stall(self, instance_id: str, stalled: bool) -> list[str]:
+        """The engine's statuses show it stalled (work, no step for the stall period), or stepping again.
+        Returns the held request ids whose load to drop now."""
+        state = self._state(instance_id)
+        if stalled == state.stalled:
+            return []
+        state.stalled = stalled
+        if stalled:
+            state.total[STALLED] += 1
+            log.warning("instance %s ejected: requests on it, and no step for the stall period", instance_id)
+        else:
+            state.probation = True
+            state.failures = 0
+            log.warning("instance %s steps again: back on probation", instance_id)
+        self._update(instance_id, state)
+        return self._drop_holds(state) if stalled else []
+
     def tick(self) -> list[str]:
         """Let back the engines whose ejection ran out, and end holds past their deadline.
         Returns the held request ids whose load to drop now."""
@@ -249,7 +273,7 @@ class EngineHealth:
         self._update(instance_id, state)
 
     def _update(self, instance_id: str, state: _State) -> None:
-        out = bool(state.until) or state.probe_down
+        out = bool(state.until) or state.probe_down or state.stalled
         if out == (instance_id in self._ejected):
             return
         if out:

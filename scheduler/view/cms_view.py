@@ -125,9 +125,20 @@ class CmsView:
         wall_clock: Callable[[], float] = time.time,
         answered: Callable[[InstanceView, int, int], None] | None = None,
         speeds: EngineSpeeds | None = None,
+        stalled: Callable[[InstanceView, bool], None] | None = None,
+        stall_seconds: float = 0.0,
     ) -> None:
         """`answered(inst, requests, tokens)`: told the requests that left an engine with their answers
-        (and those answers' tokens) between two of its statuses, from the records' finished totals."""
+        (and those answers' tokens) between two of its statuses, from the records' finished totals.
+        `stalled(inst, True)`: the engine's statuses showed requests on it and the same step for
+        `stall_seconds` by their own timestamps (a hung engine the llumlet keeps reporting); `(inst, False)`
+        once one shows it stepping, or idle, again."""
+        self._stalled = stalled
+        self._stall_ms = int(stall_seconds * 1000)
+        # per instance: the step its statuses last showed, and since when (their timestamp) they have shown
+        # it with requests on the engine (None: idle at that step); and which instances are stalled now
+        self._steps: dict[str, tuple[int, int | None]] = {}
+        self._stalled_ids: set[str] = set()
         self._answered = answered
         self._speeds = speeds  # told each engine step a status reports, once (view/speed.py)
         self._window_ms = admitted_window_ms
@@ -339,7 +350,7 @@ class CmsView:
             log.debug("dropped stale status of %s (update_id %d)", instance_id, update_id)
             return False
         self._epochs[instance_id] = epoch
-        inst.status = EngineStatus.from_proto(status)
+        inst.status = applied = EngineStatus.from_proto(status)
         if self._answered is not None and answered > 0 and tokens >= 0:
             self._answered(inst, answered, tokens)
         model = inst.step_model
@@ -362,10 +373,29 @@ class CmsView:
                 status.last_step_decode_batch,
                 status.last_step_seq_len_sum,
             )
+        if self._stalled is not None and self._stall_ms:
+            self._watch_steps(inst, applied)
         self.received_at[instance_id] = self._clock()
         self.num_applied += 1
         self._changed(inst)
         return True
+
+    def _watch_steps(self, inst: InstanceView, status: EngineStatus) -> None:
+        """Whether the engine has stalled: requests on it, and the same step in every status for the stall
+        period. Only writers that count steps are judged (step_id 0 says nothing)."""
+        assert self._stalled is not None
+        instance_id, step = inst.instance_id, status.step_id
+        busy = status.num_running > 0 or status.num_waiting > 0
+        held = self._steps.get(instance_id)
+        if held is None or held[0] != step or not busy or held[1] is None:
+            self._steps[instance_id] = (step, status.timestamp_ms if busy else None)
+            if instance_id in self._stalled_ids:  # (stalled means busy at the same step: it moved or idles now)
+                self._stalled_ids.discard(instance_id)
+                self._stalled(inst, False)
+            return
+        if step and instance_id not in self._stalled_ids and status.timestamp_ms - held[1] >= self._stall_ms:
+            self._stalled_ids.add(instance_id)
+            self._stalled(inst, True)
 
     # -- departures ----------------------------------------------------------------------------------
 
@@ -391,6 +421,8 @@ class CmsView:
 
     def _drop_admitted(self, instance_id: str) -> bool:
         self._admitted.pop(instance_id, None)
+        self._steps.pop(instance_id, None)
+        self._stalled_ids.discard(instance_id)
         self.received_at.pop(instance_id, None)
         self._epochs.pop(instance_id, None)
         if self._prefix is not None:

@@ -13,6 +13,7 @@ import http.client
 import json
 import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -400,6 +401,51 @@ def test_abort_over_grpc_ends_the_stream(engine: Engine):
             WAIT,
             "the aborted request to leave the running batch",
         )
+
+
+async def test_a_hung_engine_core_is_found_stalled_and_let_back_once_it_steps(
+    engine: Engine, redis_server: services.RunningService
+):
+    """A hung GPU or engine loop, as SIGSTOP on vLLM's engine core makes one: the export process goes on
+    refreshing the last record (fresh timestamps, the same step, a request running), the engine's /health would
+    still answer, and the request hangs. The full-mode scheduler ejects the engine as stalled, and lets it back
+    once it steps again."""
+    config = SchedulerConfig(
+        enable_full_mode_scheduling=True, redis_url=redis_server.url, cms_cluster=CLUSTER, port=free_port(),
+        cms_poll_interval_seconds=0.2, engine_stall_seconds=2.0,
+    )  # fmt: skip
+    server = SchedulerServer(config)
+    await server.start()
+    results: dict[str, str] = {}
+    request = threading.Thread(target=complete, args=(engine, "hung-1", LONG_TOKENS, results))
+    cores = [pid for pid in descendants(engine.child.pid) if _comm(pid).startswith("VLLM::EngineCor")]
+    assert len(cores) == 1
+    stopped = False
+    try:
+        core = server.core
+
+        def running() -> bool:  # the request on the engine, which has stepped (a writer's step 0 says nothing)
+            inst = next((i for i in core.instances() if i.instance_id == engine.instance_id), None)
+            status = inst.status if inst is not None else None
+            return status is not None and status.num_running > 0 and status.step_id > 0
+
+        request.start()
+        await wait_until_async(running, WAIT, "the request running, as the scheduler sees it")
+        os.kill(cores[0], signal.SIGSTOP)
+        stopped = True
+        await wait_until_async(lambda: core.health.is_ejected(engine.instance_id), WAIT, "the engine found stalled")
+        assert core.health.ejections(engine.instance_id)["stalled"] == 1
+        assert running()  # the record stays live: the request on it, as the export process refreshes it
+        os.kill(cores[0], signal.SIGCONT)
+        stopped = False
+        await wait_until_async(lambda: not core.health.is_ejected(engine.instance_id), WAIT, "the engine back")
+        assert core.health.on_probation(engine.instance_id)
+    finally:
+        if stopped:
+            os.kill(cores[0], signal.SIGCONT)
+        await asyncio.to_thread(request.join, WAIT * 2)
+        await server.stop(grace=1)
+    assert results.get("hung-1") == "length"  # it ran on to its end once the engine came back
 
 
 def test_vllms_own_shutdown_removes_the_keys(engine: Engine):

@@ -105,6 +105,17 @@ def _hcm_and_ext_proc(text: str) -> tuple[dict, dict]:
     return hcm, ext_proc["typed_config"]
 
 
+def test_the_client_listener_bounds_streams_windows_and_the_time_to_send_headers():
+    """Envoy's edge settings on the listener clients reach: 100 streams and 64 KiB of window per HTTP/2
+    connection (its defaults: 2^31-1 streams), and 10 s to send the request headers (a client sending a byte a
+    second got 408 at 10 s on `pilotfish up`, against a connection held for good)."""
+    text = render_sidecar(listen_port=1, admin_port=2, ext_proc_ports=[3], default_endpoints=[("127.0.0.1", 5)])
+    hcm, _ = _hcm_and_ext_proc(text)
+    assert hcm["http2_protocol_options"]["max_concurrent_streams"] == 100
+    assert hcm["http2_protocol_options"]["initial_stream_window_size"] == 65536
+    assert hcm["request_headers_timeout"] == "10s"
+
+
 @pytest.mark.parametrize(
     ("response_body_mode", "observe", "header_mode", "access_log"),
     [("NONE", False, "SKIP", True), ("STREAMED", False, "SEND", False), ("NONE", True, "SEND", False)],

@@ -44,7 +44,8 @@ GATEWAY_ERROR = scheduler_pb2.RELEASE_REASON_GATEWAY_ERROR
 
 _CLIENT_GONE = ("downstream_connection_termination", "downstream_remote_reset", "stream_idle_timeout")
 _FROM_UPSTREAM = "via_upstream"  # response_code_details of a response the upstream sent
-# an engine's own 429: overloaded or rate-limited, its failure as a 5xx is (processor.py ENGINE_REFUSED says why)
+# an engine's own 429: overloaded or rate-limited, its failure as a 5xx is (where its origin is unknown, on the
+# ext_proc stream, neither: processor.py REFUSED)
 _ENGINE_REFUSED = 429
 _NO_UPSTREAM = ("upstream_connection_failure", "no_healthy_upstream", "upstream_overflow", "upstream_request_timeout")
 

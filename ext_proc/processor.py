@@ -66,15 +66,19 @@ _REASON_LABELS = {
     GATEWAY_ERROR: "gateway_error",
     scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET: "upstream_reset",
 }
-# An engine's own 429 says it is overloaded or rate-limited: a failure of that engine, as a 5xx is. Released as a
-# success it dropped the request's load and counted for the engine, so an engine answering 429 at once to everything
-# looked idle and healthy and drew the traffic it refused (a client cannot make an engine answer 429)
-ENGINE_REFUSED = 429
+# A 429 here may be the engine's (overloaded: its failure, as the access log counts it where it says the engine sent
+# it) or a rate-limit filter's after this one, which a client provokes at will: said of no engine, never a success
+# either (a success dropped the load and counted for the engine, so an engine refusing everything at once looked
+# idle and healthy)
+REFUSED = 429
 
 
 def ended_by_status(status: int) -> int:
-    """How a whole (not streamed) response ended, by its status: the engine's failure or a finished request."""
-    return UPSTREAM_ERROR if status >= 500 or status == 0 or status == ENGINE_REFUSED else FINISHED
+    """How a whole (not streamed) response ended, by its status: the engine's failure, a finished request, or
+    (a 429 of unknown origin) neither."""
+    if status == REFUSED:
+        return GATEWAY_ERROR
+    return UPSTREAM_ERROR if status >= 500 or status == 0 else FINISHED
 
 
 def ended_by_stream(counter: TokenCounter) -> int:
@@ -584,7 +588,7 @@ class ExtProcServicer:
         if counter.tokens or body.end_of_stream:
             decision = s.decision
             assert decision is not None
-            if decision.source == SCHEDULER:
+            if decision.source == SCHEDULER and not s.released:  # (released from here above: nothing to add)
                 if counter.tokens:
                     self._router.report(s.request_id, counter.tokens, prefill_done=True)
                 self._answer_sizes.read(s.request_id, counter.complete_bytes, counter.events, counter.tokens)
@@ -658,7 +662,13 @@ class ExtProcServicer:
             return
         if self._count_tokens or s.observed:
             self._send_release(s.request_id, reason)
-        elif self._access_log_releases:
+        elif self._access_log_releases and s.status == 0 and (
+            not self._served_from_access_log or s.request_mode == BUFFERED
+        ):
+            # ended before any response reached this stream: Envoy may never have taken the routing reply. Not
+            # with response bodies skipped and a streamed request body, whose stream Envoy closes right after the
+            # routing reply (nothing more is owed it: Envoy's ext_proc_stream_close_optimization) while the
+            # request runs on: its entry comes at its end, and a release here would drop its load early
             self._await_access_log(s.request_id, reason)
 
     def _release_instead_of_access_log(self, s: _Stream, reason: int) -> None:
@@ -670,9 +680,13 @@ class ExtProcServicer:
         self._send_release(s.request_id, reason)
         if self._access_log_releases:
             # its entry's release (a success) would end the engine's run of failures that this one adds to
-            self._released_here[s.request_id] = None
-            while len(self._released_here) > _MAX_AWAITING_LOG:
-                self._released_here.popitem(last=False)
+            self._forget_entry(s.request_id)
+
+    def _forget_entry(self, request_id: str) -> None:
+        """The request was released from here: its access-log entry, when it comes, releases nothing."""
+        self._released_here[request_id] = None
+        while len(self._released_here) > _MAX_AWAITING_LOG:
+            self._released_here.popitem(last=False)
 
     def _await_access_log(self, request_id: str, reason: int) -> None:
         """The stream ended unreleased: its access-log entry releases it if it comes within the wait, else this
@@ -688,6 +702,7 @@ class ExtProcServicer:
     def _access_log_never_came(self, request_id: str, reason: int) -> None:
         self._awaiting_log.pop(request_id, None)
         self._metrics.unlogged_releases.inc()
+        self._forget_entry(request_id)  # one coming later releases nothing (a release here is the request's one)
         self._send_release(request_id, reason)
 
     def _no_access_log_yet(self) -> None:

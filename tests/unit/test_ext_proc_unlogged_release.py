@@ -13,7 +13,16 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.ext_proc.processor import ExtProcServicer
 from pilotfish.protos import scheduler_pb2
-from tests.unit.test_ext_proc_protocol import STREAMING, FakeBackend, body, headers, servicer
+from tests.unit.test_ext_proc_protocol import (
+    STREAMING,
+    FakeBackend,
+    Mode,
+    body,
+    headers,
+    response_headers,
+    run,
+    servicer,
+)
 
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
@@ -74,3 +83,37 @@ def test_an_entry_before_or_after_the_streams_end_releases_it_once(log_while_liv
     first, second = (r.request_id for r in backend.scheduled)
     assert backend.releases == [(first, FINISHED), (second, CLIENT_ABORT)]  # the entry's reason, once
     assert metrics.unlogged_releases._value.get() == 1
+
+
+def test_an_entry_after_the_wait_releases_nothing_more() -> None:
+    svc, backend, metrics = servicer(response_bodies="first-token", access_log_wait_s=WAIT_S)
+
+    async def scenario() -> None:
+        await _stream(svc, backend, log_while_live=False)
+        await _until(lambda: backend.releases)
+
+    asyncio.run(scenario())
+    rid = backend.scheduled[0].request_id
+    svc.release_from_access_log(rid, FINISHED)  # late: the request's one release was sent already
+    assert backend.releases == [(rid, CLIENT_ABORT)] and metrics.releases.labels("finished")._value.get() == 0
+
+
+@pytest.mark.parametrize("request_mode", [Mode.STREAMED, Mode.FULL_DUPLEX_STREAMED])
+def test_skipping_bodies_a_streamed_request_bodys_stream_ends_at_routing_and_its_entry_releases_it(
+    request_mode: int,
+) -> None:
+    """Envoy closes such a stream right after the routing reply (nothing more is owed it) while the request runs
+    on: its end says nothing, and only the entry, at the request's end, releases it."""
+    svc, backend, _ = servicer(response_bodies="skip", access_log_wait_s=WAIT_S)
+    run(svc, [headers(request_mode=request_mode, early=True), body(STREAMING)])
+    rid = backend.scheduled[0].request_id
+    assert backend.releases == [] and not svc._awaiting_log  # no wait armed: nothing would release it early
+    svc.release_from_access_log(rid, FINISHED)
+    assert backend.releases == [(rid, FINISHED)]
+
+
+def test_reading_to_the_first_token_a_whole_answer_is_left_to_its_entry() -> None:
+    """Its response came through Envoy, so the entry will carry the scheduler's tag: nothing waits for it."""
+    svc, backend, _ = servicer(response_bodies="first-token", access_log_wait_s=WAIT_S)
+    run(svc, [headers(), body(STREAMING), response_headers(200, "application/json")])
+    assert backend.releases == [] and not svc._awaiting_log

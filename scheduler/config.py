@@ -278,8 +278,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             ge=0,
             description="eject an engine after this many upstream failures in a row (the gateway's Release "
-            "reason UPSTREAM_ERROR: a 5xx or 429, no connection, an empty 200 or a stream without its "
-            "data: [DONE]; or a request the gateway served elsewhere); "
+            "reason UPSTREAM_ERROR: a 5xx or the engine's own 429, no connection, an empty 200 or a stream "
+            "without its data: [DONE]; or a request the gateway served elsewhere); "
             "0 = never",
         ),
     ] = 3
@@ -325,8 +325,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         float,
         Meta(
             ge=0,
-            description="full mode: eject an engine whose statuses show requests on it while its step count "
-            "stands still this long (a hung GPU or engine loop, which the llumlet's refresh keeps looking "
+            description="full mode: eject an engine whose statuses show requests running on it while its step "
+            "count stands still this long (a hung GPU or engine loop, which the llumlet's refresh keeps looking "
             "fresh), until it steps again; 0 = never",
         ),
     ] = 30.0

@@ -381,11 +381,14 @@ class CmsView:
         return True
 
     def _watch_steps(self, inst: InstanceView, status: EngineStatus) -> None:
-        """Whether the engine has stalled: requests on it, and the same step in every status for the stall
-        period. Only writers that count steps are judged (step_id 0 says nothing)."""
+        """Whether the engine has stalled: requests running on it, and the same step in every status for the
+        stall period. Only writers that count steps are judged (step_id 0 says nothing). Waiting requests alone
+        say nothing: the llumlet counts only steps that schedule tokens, and an engine may hold requests it cannot
+        schedule yet (a decode engine waiting for a prefill's KV, a grammar still compiling); a hung step always
+        has requests running (the llumlet marks them running when they are scheduled)."""
         assert self._stalled is not None
         instance_id, step = inst.instance_id, status.step_id
-        busy = status.num_running > 0 or status.num_waiting > 0
+        busy = status.num_running > 0
         held = self._steps.get(instance_id)
         if held is None or held[0] != step or not busy or held[1] is None:
             self._steps[instance_id] = (step, status.timestamp_ms if busy else None)

@@ -104,3 +104,13 @@ def test_the_stall_check_is_off_at_zero() -> None:
     a.report()
     run(clocks, 3 * STALL_S, a, steps=(0,))
     assert ejections(c, "a") == 0 and not c.health.is_ejected("a")
+
+
+def test_requests_waiting_with_none_running_are_no_stall() -> None:
+    """A decode engine waiting for a prefill's KV, or a grammar still compiling: requests it cannot schedule
+    yet, no step taken, and nothing hung."""
+    c, clocks, a, b = fleet()
+    a.report(num_running=0, num_waiting=3), b.report()
+    run(clocks, 3 * STALL_S, b, steps=(3,))
+    a.report(num_running=0, num_waiting=3)
+    assert ejections(c, "a") == 0 and not c.health.is_ejected("a")

@@ -261,8 +261,11 @@ class SessionSocketServer:
             await asyncio.sleep(limits.sweep_interval_s)
             now = self.loop.time()
             for conn in list(self.connections_set):
-                if conn.partial_since and now - conn.partial_since > limits.frame_timeout_s:
-                    conn.timed_out("frame_timeout", f"a frame incomplete for over {limits.frame_timeout_s:g} s")
+                if conn.partial_since:
+                    # a frame under way is bounded by its own timeout, never called idle: a sweep between the
+                    # connection's start and its first bytes being read (a loaded machine) closed it as idle
+                    if now - conn.partial_since > limits.frame_timeout_s:
+                        conn.timed_out("frame_timeout", f"a frame incomplete for over {limits.frame_timeout_s:g} s")
                 elif now - conn.last_frame > limits.idle_timeout_s:
                     conn.timed_out("idle_timeout", f"no complete frame for {limits.idle_timeout_s:g} s")
 

@@ -65,6 +65,10 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
                 raise ValueError(f"{name} must be >= 0, got {value}")
 
 
+# --answer-faults: how an engine's completions fail fast ("ok": they do not)
+ANSWER_FAULTS = ("ok", "refuse", "empty", "cut")
+
+
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     engines: Annotated[int, Meta(ge=1, description="simulated engines, one port each")] = 2
     host: Annotated[str, Meta(description="address every engine binds")] = "127.0.0.1"
@@ -103,6 +107,12 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
         Meta(description="each engine's --step-scale, a pattern repeated over the fleet (1,4: every other engine "
              "four times slower); empty: the engine config's for all"),
     ] = msgspec.field(default_factory=list)
+    answer_faults: Annotated[
+        list[str],
+        Meta(description="each engine's answers, a pattern repeated over the fleet: ok, or a fast failure behind a "
+             "live server whose /health answers: refuse (429 to every completion), empty (200 streams with no "
+             "body), cut (one token, then the end without data: [DONE]); empty: ok for all"),
+    ] = msgspec.field(default_factory=list)  # fmt: skip
     infer_types: Annotated[
         list[str],
         Meta(description="prefill/decode role of each engine in order: neutral, prefill or decode (empty: all "

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from pilotfish.config import ConfigError
-from pilotfish.simulator.config import EngineConfig, ServeConfig
+from pilotfish.simulator.config import ANSWER_FAULTS, EngineConfig, ServeConfig
 from pilotfish.simulator.engine.base import EngineCore
 from pilotfish.simulator.engine.step_time import repeated_scales
 from pilotfish.simulator.server.app import EngineApp
@@ -120,6 +120,9 @@ async def serve_engines(
         raise ConfigError(f"--infer-types: {len(roles)} roles for {len(ports)} engines")
     if bad := [r for r in roles if r not in ("neutral", "prefill", "decode")]:
         raise ConfigError(f"--infer-types: {bad[0]!r} is not neutral, prefill or decode")
+    if bad := [f for f in serve.answer_faults if f not in ANSWER_FAULTS]:
+        raise ConfigError(f"--answer-faults: {bad[0]!r} is not one of {', '.join(ANSWER_FAULTS)}")
+    faults = serve.answer_faults or ["ok"]
     peers: set[str] = set()  # every engine of this fleet, filled as they bind: who may prefill for whom
     try:
         for i, (port, config) in enumerate(zip(ports, configs, strict=True)):
@@ -142,7 +145,8 @@ async def serve_engines(
             driver = EngineDriver(core, publisher)
             driver.start()
             drivers.append(driver)
-            app = EngineApp(engine_id, serve, config, driver, tokenizer, peers).build()
+            fault = faults[i % len(faults)]
+            app = EngineApp(engine_id, serve, config, driver, tokenizer, peers, "" if fault == "ok" else fault).build()
             # handler_cancellation: a client that hangs up cancels its handler, which aborts the request
             runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
             await runner.setup()

@@ -62,8 +62,10 @@ class EngineApp:
         driver: EngineDriver,
         tokenizer: Tokenizer,
         prefill_peers: set[str] | None = None,
+        fault: str = "",
     ) -> None:
         self.engine_id = engine_id
+        self.fault = fault  # --answer-faults: how every completion fails fast ("": it does not)
         # the engines this one may ask to prefill for it ("host:port"): never an address a request names
         # beyond them, so the header cannot send the engine anywhere else
         self.prefill_peers = prefill_peers if prefill_peers is not None else set()
@@ -161,6 +163,18 @@ class EngineApp:
         with self._span(request):
             return await self._generate(request, chat=True)
 
+    async def _fail_fast(self, http: web.Request) -> web.StreamResponse:
+        """--answer-faults: a broken engine behind a live server, failing each completion at once while its
+        /health answers (the black hole a gateway must not mistake for an idle, healthy engine)."""
+        if self.fault == "refuse":
+            raise ApiError(429, "the engine is overloaded", "TooManyRequestsError")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(http)
+        if self.fault == "cut":
+            await response.write(b'data: {"choices": [{"index": 0, "text": " cut", "finish_reason": null}]}\n\n')
+        await response.write_eof()
+        return response
+
     def _span(self, request: web.Request) -> contextlib.AbstractContextManager[Any]:
         """The engine's span of a request, continuing the gateway's `traceparent` (pilotfish/tracing.py)."""
         h = request.headers
@@ -170,6 +184,8 @@ class EngineApp:
 
     async def _generate(self, http: web.Request, *, chat: bool) -> web.StreamResponse:
         data = decode_body(await http.read())
+        if self.fault:
+            return await self._fail_fast(http)
         parsed = parse_request(data, chat=chat, served_model=self.serve.model, tokenizer=self.tokenizer)
         prompt_len = len(parsed.prompt_token_ids)
         limit = self.engine.max_model_len

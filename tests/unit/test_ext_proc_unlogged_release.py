@@ -12,6 +12,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from pilotfish.ext_proc.processor import ExtProcServicer
+from pilotfish.procs import wait_until_async
 from pilotfish.protos import scheduler_pb2
 from tests.unit.test_ext_proc_protocol import (
     STREAMING,
@@ -27,13 +28,7 @@ from tests.unit.test_ext_proc_protocol import (
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
 CLIENT_ABORT = scheduler_pb2.RELEASE_REASON_CLIENT_ABORT
 WAIT_S = 0.05
-
-
-async def _until(condition: object, limit_s: float = 10.0) -> None:
-    """Wait for `condition()` (the loop runs meanwhile), at most `limit_s`."""
-    async with asyncio.timeout(limit_s):
-        while not condition():  # type: ignore[operator]
-            await asyncio.sleep(0.005)
+LIMIT_S = 10.0  # a loaded machine's bound; a passing run returns as soon as the release comes
 
 
 async def _stream(svc: ExtProcServicer, backend: FakeBackend, log_while_live: bool) -> None:
@@ -60,7 +55,7 @@ def test_a_stream_that_ends_unlogged_is_released_from_here_after_the_wait(bodies
     async def scenario() -> None:
         await _stream(svc, backend, log_while_live=False)
         assert backend.releases == []  # not at the stream's end: its entry may still come
-        await _until(lambda: backend.releases)
+        await wait_until_async(lambda: bool(backend.releases), LIMIT_S, "a release")
 
     asyncio.run(scenario())
     assert backend.releases == [(backend.scheduled[0].request_id, CLIENT_ABORT)]
@@ -77,7 +72,7 @@ def test_an_entry_before_or_after_the_streams_end_releases_it_once(log_while_liv
             svc.release_from_access_log(backend.scheduled[0].request_id, FINISHED)
         # a second request's wait running out shows the first one's would have too
         await _stream(svc, backend, log_while_live=False)
-        await _until(lambda: len(backend.releases) == 2)
+        await wait_until_async(lambda: len(backend.releases) == 2, LIMIT_S, "two releases")
 
     asyncio.run(scenario())
     first, second = (r.request_id for r in backend.scheduled)
@@ -90,7 +85,7 @@ def test_an_entry_after_the_wait_releases_nothing_more() -> None:
 
     async def scenario() -> None:
         await _stream(svc, backend, log_while_live=False)
-        await _until(lambda: backend.releases)
+        await wait_until_async(lambda: bool(backend.releases), LIMIT_S, "a release")
 
     asyncio.run(scenario())
     rid = backend.scheduled[0].request_id

@@ -221,7 +221,7 @@ class ExtProcServicer:
         # streams the access log is to release, by request id, while they last: an entry that comes first marks its
         # stream released; and those that ended first, each until its entry comes or the wait runs out
         self._live: dict[str, _Stream] = {}
-        self._awaiting_log: dict[str, tuple[asyncio.TimerHandle, int]] = {}
+        self._awaiting_log: dict[str, asyncio.TimerHandle] = {}  # its timer carries the reason
         # released from here with a reason the access log cannot tell; their entries are ignored (oldest forgotten)
         self._released_here: OrderedDict[str, None] = OrderedDict()
         self._access_log_wait_s = access_log_wait_s
@@ -697,7 +697,7 @@ class ExtProcServicer:
         handle = asyncio.get_running_loop().call_later(
             self._access_log_wait_s, self._access_log_never_came, request_id, reason
         )
-        self._awaiting_log[request_id] = (handle, reason)
+        self._awaiting_log[request_id] = handle
 
     def _access_log_never_came(self, request_id: str, reason: int) -> None:
         self._awaiting_log.pop(request_id, None)
@@ -734,7 +734,7 @@ class ExtProcServicer:
             return
         awaiting = self._awaiting_log.pop(request_id, None)
         if awaiting is not None:  # its stream ended first: released here, not when the wait runs out
-            awaiting[0].cancel()
+            awaiting.cancel()
         elif (live := self._live.pop(request_id, None)) is not None:
             live.released = True  # the entry came first: its stream's end releases nothing
         if served_elsewhere and self._served_from_access_log:

@@ -159,6 +159,8 @@ class CmsView:
         self._pending: OrderedDict[str, cms_pb2.InstanceStatus] = OrderedDict()
         # the epoch of each held status (InstanceView.status has no room for it)
         self._epochs: dict[str, int] = {}
+        # the admitted_total of the status held, where its writer counts (gap detection)
+        self._admitted_totals: dict[str, int] = {}
         # metadata that failed admission, kept until it passes (discovery lists its address)
         self._unadmitted: OrderedDict[str, cms_pb2.InstanceMetadata] = OrderedDict()
         # the metadata each admitted instance was admitted with
@@ -306,14 +308,21 @@ class CmsView:
             newer = epoch > (held_epoch or 0)
         else:
             newer = update_id > held.update_id
-        # ids are listed for a window after admission: one can only be lost if statuses were
-        # skipped (update_id jumped) across a stretch longer than that window
+        # ids are listed for a window after admission: one can only be lost if statuses were skipped
+        # across a stretch longer than that window. A writer that counts its admissions says whether
+        # all since the held status are listed; for one that does not, an update_id jump is taken as
+        # a skip (it also comes of a pause: update_ids are microseconds of wall time)
+        admitted_total = status.admitted_total if status.HasField("admitted_total") else None
+        held_total = self._admitted_totals.get(instance_id)
         gap = (
             newer
             and held is not None
             and not new_epoch
-            and update_id > held.update_id + 1
-            and timestamp_ms - held.timestamp_ms >= self._window_ms
+            and (
+                admitted_total - held_total > len(status.admitted_request_ids)
+                if admitted_total is not None and held_total is not None
+                else update_id > held.update_id + 1 and timestamp_ms - held.timestamp_ms >= self._window_ms
+            )
         )
         restart = not newer and held is not None and timestamp_ms > held.timestamp_ms + self._restart_ms
         answered = tokens = 0
@@ -350,6 +359,10 @@ class CmsView:
             log.debug("dropped stale status of %s (update_id %d)", instance_id, update_id)
             return False
         self._epochs[instance_id] = epoch
+        if admitted_total is None:
+            self._admitted_totals.pop(instance_id, None)
+        else:
+            self._admitted_totals[instance_id] = admitted_total
         inst.status = applied = EngineStatus.from_proto(status)
         if self._answered is not None and answered > 0 and tokens >= 0:
             self._answered(inst, answered, tokens)
@@ -413,6 +426,7 @@ class CmsView:
             inst.status = None
             self.received_at.pop(instance_id, None)
             self._epochs.pop(instance_id, None)
+            self._admitted_totals.pop(instance_id, None)
             self._changed(inst)
 
     def remove(self, instance_id: str) -> bool:
@@ -428,6 +442,7 @@ class CmsView:
         self._stalled_ids.discard(instance_id)
         self.received_at.pop(instance_id, None)
         self._epochs.pop(instance_id, None)
+        self._admitted_totals.pop(instance_id, None)
         if self._prefix is not None:
             self._prefix.forget(instance_id)
         return self._remove(instance_id)

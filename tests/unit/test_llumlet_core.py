@@ -218,7 +218,7 @@ def run_simulation(seed: int, num_requests: int, num_blocks: int) -> None:
         state = llumlet.state
         counters = dict(zip(COUNTER_FIELDS, counter_values(state), strict=True))
         ids = [rid for _, rid in state.admitted]
-        assert state.snapshot(7, 1234) == status_record("sim-0", 7, counters, ids, 1234)
+        assert state.snapshot(7, 1234) == status_record("sim-0", 7, counters, ids, 1234, state.admitted_total)
     assert llumlet.state.requests == {}
     final = llumlet.export_once()
     assert (final.num_waiting, final.num_running, final.uncomputed_prefill_tokens, final.used_kv_tokens) == (0, 0, 0, 0)
@@ -231,7 +231,8 @@ def test_snapshot_carries_every_counter_as_status_record_does():
     for i, name in enumerate(COUNTER_FIELDS):  # a distinct value each, so a field left out shows
         setattr(s, name, (i + 1) if name != "schedulable" else False)
     counters = dict(zip(COUNTER_FIELDS, counter_values(s), strict=True))
-    assert s.snapshot(3, 99) == status_record("sim-0", 3, counters, ["r1"], 99)
+    assert s.snapshot(3, 99) == status_record("sim-0", 3, counters, ["r1"], 99, admitted_total=1)
+    assert s.snapshot(3, 99).HasField("admitted_total")  # a counting writer says so, even at 0
     assert s.snapshot(3, 99).num_waiting_prefill == s.num_waiting
 
 

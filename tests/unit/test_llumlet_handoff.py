@@ -481,3 +481,41 @@ def test_llumlet_decode_step_goes_whole_while_profiling_or_beyond_a_ticks_range(
         assert exporter.handoff._seq == seq + 1
         record = HandoffReader(mapped, block_size=16).poll()
         assert record is not None and record.counters["last_step_duration_us"] == duration_us
+
+
+
+def test_the_exporter_counts_admissions_and_a_stretch_it_lost_as_more_than_a_status_lists(monkeypatch):
+    """admitted_total lets the scheduler tell statuses it missed from a pause: ids read count one each, and ids
+    the exporter could not read (the engine overran the ring while it slept) more than any status can list."""
+    monkeypatch.setattr(handoff, "RING_SIZE", 100)
+    fd, region = create_region()
+    read_end, write_end = os.pipe()
+    fake = FakeWriter()
+    cfg = LlumletConfig(cms_url="redis://unused")
+    meta = cms_pb2.InstanceMetadata(instance_id="e0", host="h", http_port=1)
+    exporter = Exporter(cfg, "e0", meta, map_region(fd), read_end, os.getppid(), writer=fake)  # type: ignore[arg-type]
+    state, writer = LoadState("e0", admitted_window_ms=60_000), HandoffWriter(region)
+    try:
+
+        def export() -> cms_pb2.InstanceStatus:
+            record = exporter.reader.poll()
+            assert record is not None
+            exporter._take(record)
+            exporter._write_status()
+            return fake.statuses[-1]
+
+        state.added("r1", 1)
+        writer.publish(state, 0)
+        one = export()
+        assert one.HasField("admitted_total") and one.admitted_total == 1
+        for i in range(20):  # published while the exporter slept: the ring wraps past what it read
+            state.added(f"request-{i:03d}", 1)
+            writer.publish(state, 0)
+        state.added("last", 1)
+        writer.publish(state, 0)
+        after = export()
+        assert exporter.reader.lost_ids == 1
+        assert after.admitted_total - one.admitted_total > len(after.admitted_request_ids)
+    finally:
+        for f in (fd, read_end, write_end):
+            os.close(f)

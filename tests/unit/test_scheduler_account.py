@@ -374,3 +374,30 @@ def test_gap_needs_a_skip_longer_than_the_admitted_window(skip_ms: int, gap: boo
     t1 = t0 + skip_ms
     core.apply_status(status("a", t1 * 1000, timestamp_ms=t1))
     assert (core.inflight_size == 0) is gap
+
+
+@pytest.mark.parametrize(
+    ("admitted_since", "listed", "gap"),
+    [
+        (0, [], False),  # an idle engine's refresh, seconds later: nothing admitted, nothing lost
+        (2, ["x", "y"], False),  # every id admitted since is listed
+        (3, ["x", "y"], True),  # one admitted since was listed only by statuses never read
+    ],
+)
+def test_a_counting_writer_says_whether_a_pause_lost_ids(admitted_since: int, listed: list[str], gap: bool) -> None:
+    """update_ids are microseconds of wall time, so an idle engine's refresh 3 s later looked like skipped
+    statuses and confirmed whatever was in flight there (a server swallowing its requests looked idle again);
+    admitted_total tells a pause from a skip."""
+    clock = Clock()
+    core = make_core(clock, account_admitted_window_ms=2000)
+    t0 = int(WALL * 1000)
+    core.apply_metadata(meta("a"))
+    core.apply_status(status("a", t0 * 1000, timestamp_ms=t0, admitted_total=7))
+    core.schedule(RequestInfo("r", "m", prompt_tokens=10))
+    clock.now += GRACE + 3
+    t1 = t0 + 3000
+    core.apply_status(status("a", t1 * 1000, listed, timestamp_ms=t1, admitted_total=7 + admitted_since))
+    assert (core.inflight_size == 0) is gap
+    # a writer that does not count (no admitted_total) falls back to the update_id jump
+    core.apply_status(status("a", (t1 + 2000) * 1000, timestamp_ms=t1 + 2000))
+    assert core.inflight_size == 0

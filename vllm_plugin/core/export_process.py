@@ -268,6 +268,7 @@ class Exporter:
         self.watch_pid = watch_pid
         self.record: Record | None = None
         self.admitted: deque[tuple[int, str]] = deque()  # (monotonic ns, id) as read, oldest first
+        self.admitted_total = 0  # the record's admitted_total: ids read, and a list's worth more per loss
         self.update_id = 0
         self._meta_update_id = 0
         self._dirty_since_ns = 0
@@ -397,10 +398,13 @@ class Exporter:
     # ---- writes ---------------------------------------------------------------------------------
 
     def _take(self, record: Record) -> None:
+        lost = self.reader.lost_ids
         ids = self.reader.ids_until(record.ring_end)
         if ids:
             now_ns = time.monotonic_ns()
             self.admitted.extend((now_ns, rid) for rid in ids)
+        # a stretch not read: more than a status can list, so a reader takes it as statuses it missed
+        self.admitted_total += len(ids) + (self.reader.lost_ids - lost) * (self.config.max_admitted_ids + 1)
         if record.dirty_since_ns and not self._dirty_since_ns:
             self._dirty_since_ns = record.dirty_since_ns  # the oldest change not yet written
         self.record = record
@@ -415,7 +419,13 @@ class Exporter:
         # ours, not the engine's: a refresh re-writes an unchanged record and must still be newer
         self.update_id = max(self.update_id + 1, record.update_id, time.time_ns() // 1000)
         self.writer.write_status(
-            status_record(self.instance_id, self.update_id, record.counters, [rid for _, rid in admitted])
+            status_record(
+                self.instance_id,
+                self.update_id,
+                record.counters,
+                [rid for _, rid in admitted],
+                admitted_total=self.admitted_total,
+            )
         )
         if self._dirty_since_ns:
             self.staleness_us.append((time.monotonic_ns() - self._dirty_since_ns) / 1000)

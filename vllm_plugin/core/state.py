@@ -55,6 +55,7 @@ def status_record(
     counters: dict[str, int],
     admitted_ids: list[str],
     timestamp_ms: int | None = None,
+    admitted_total: int = 0,
 ) -> cms_pb2.InstanceStatus:
     """The CMS status record; `timestamp_ms` None is now (a virtual clock may well read 0)."""
     return cms_pb2.InstanceStatus(
@@ -63,6 +64,7 @@ def status_record(
         timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
         num_waiting_prefill=counters["num_waiting"],
         admitted_request_ids=admitted_ids,
+        admitted_total=admitted_total,
         **counters,
     )
 
@@ -372,6 +374,7 @@ class LoadState:
             timestamp_ms=time.time_ns() // 1_000_000 if timestamp_ms is None else timestamp_ms,
             num_waiting_prefill=self.num_waiting,
             admitted_request_ids=[rid for _, rid in self.admitted],
+            admitted_total=self.admitted_total,
             step_id=self.step_id,
             schedulable=self.schedulable,
             num_waiting=self.num_waiting,

@@ -330,6 +330,16 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "fresh), until it steps again; 0 = never",
         ),
     ] = 30.0
+    engine_admission_seconds: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="full mode: a request sent to a neutral or prefill engine that no status of it lists as "
+            "admitted this long, while its statuses keep coming and it admits nothing sent after the request, "
+            "is unadmitted; two in a row eject the engine as upstream failures would (an HTTP server that takes "
+            "requests and passes none to its engine); 0 = never",
+        ),
+    ] = 10.0
 
     # -- input bounds and listener limits (scheduler/limits.py, session_server.py; scheduler/README.md) --
     max_model_len: Annotated[

@@ -19,6 +19,7 @@ Not thread-safe: one owner (an event loop) calls it.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,7 +44,7 @@ from pilotfish.scheduler.policy.index import LoadIndex, load_index
 from pilotfish.scheduler.policy.metrics.latency import PredictedTtft
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
 from pilotfish.scheduler.telemetry import Telemetry
-from pilotfish.scheduler.view.account import InflightAccount
+from pilotfish.scheduler.view.account import AccountEntry, InflightAccount
 from pilotfish.scheduler.view.cms_view import CmsTrust, CmsView
 from pilotfish.scheduler.view.lrs import LocalRealtimeState, RequestEntry
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 # below this many candidates a scan is as fast as keeping an index up to date
 INDEX_MIN_INSTANCES = 16
 _ENGINE_FAILURES = (scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET)
+# how often in-flight entries past --engine-admission-seconds are looked at (health.py, unadmitted)
+JUDGE_EVERY_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,11 +127,15 @@ class SchedulerCore:
         self._lite_ttft = PredictedTtft(self.ctx) if self._lrs.observes_first_tokens else None
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
+        # full mode: in-flight entries past the admission period whose engine has sent no status since
+        self._unjudged: list[AccountEntry] = []
+        self._next_judgement = 0.0
         self.account = InflightAccount(
             config.request_local_account_staleness_seconds,
             config.account_admission_grace_seconds,
             clock,
             on_change=self._changed,
+            overdue_seconds=config.engine_admission_seconds if self.full_mode else 0.0,
         )
         self._models = frozenset(config.model)
         self._instances: dict[str, InstanceView] = {}
@@ -502,6 +509,32 @@ class SchedulerCore:
         """Full mode: the engine's statuses show it stalled, or stepping again (view/cms_view.py)."""
         self._drop(self.health.stall(inst.instance_id, stalled))
 
+    def _judge_unadmitted(self) -> None:
+        """Full mode: a request its engine has not admitted within --engine-admission-seconds counts against
+        the engine once a status of the engine came after it was sent (the llumlet reports, and did not list
+        it), if the engine admitted nothing sent after it (one slow request, e.g. a prompt whose images the
+        server still fetches, does not stop the others). An HTTP server that takes requests and passes none
+        to its engine looks idle and healthy otherwise: its llumlet reports an idle engine, /health answers."""
+        assert self.cms is not None
+        now = self._clock()
+        if now < self._next_judgement:
+            return  # Schedule expires too: a look per JUDGE_EVERY_S is enough for a rule of seconds
+        self._next_judgement = now + JUDGE_EVERY_S
+        received, admitted, grace = self.cms.received_at, self.account.admitted_at, self.account.grace
+        waiting = self._unjudged
+        waiting += self.account.overdue()
+        if not waiting:
+            return
+        self._unjudged = []
+        for entry in waiting:
+            if not self.account.holds(entry):
+                continue  # released or confirmed meanwhile
+            instance_id = entry.inst.instance_id
+            if received.get(instance_id, -math.inf) < entry.dispatched_at + grace:
+                self._unjudged.append(entry)  # no status since it was sent: judged when one comes
+            elif admitted.get(instance_id, -math.inf) <= entry.dispatched_at:
+                self._drop(self.health.unadmitted(instance_id))
+
     def _drop(self, request_ids: list[str]) -> None:
         """Release requests whose load engine health had kept (held as failures)."""
         for request_id in request_ids:
@@ -522,6 +555,8 @@ class SchedulerCore:
                 self._lrs.staleness_seconds,
             )
         if self.full_mode:
+            if self.account.overdue_seconds:
+                self._judge_unadmitted()
             unconfirmed = self.account.expire()
             if unconfirmed:
                 log.warning(

@@ -16,6 +16,12 @@ Two signals take it out of the candidates:
   refreshes its record whatever the engine does, so the status looks live, the engine answers its
   probes (vLLM's /health asks whether the engine process lives, not whether it steps) and a request
   there never fails: it hangs. Out until a status shows it stepping again, then on probation.
+- **unadmitted** (full mode, `unadmitted`): a request sent to the engine that no status of it lists as
+  admitted for --engine-admission-seconds, while its statuses keep coming and it admits nothing sent after
+  the request (core.py judges that): an HTTP server that takes requests and passes none to its engine (a
+  hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind it and
+  /health answering. `UNADMITTED_IN_A_ROW` such requests eject it as upstream failures would (backoff,
+  then probation, where one more ejects it again); a request it serves to its end resets the count.
 - **active** (`HealthProber`, where discovery says nothing of readiness): GET each engine's
   health path every interval; `probe_failures` failed probes in a row eject it until a probe
   succeeds, after which it is on probation as above. A probe that succeeds after one failed
@@ -53,6 +59,10 @@ log = logging.getLogger(__name__)
 PASSIVE = "upstream_errors"  # the ejection reasons, as the metric's label
 PROBE = "health_probes"
 STALLED = "stalled"
+UNADMITTED = "unadmitted"
+# unadmitted requests in a row that eject an engine: one may be slow for a reason of its own (the server
+# still fetching its images), and the ranking already shuns an engine holding one
+UNADMITTED_IN_A_ROW = 2
 
 
 @dataclass(slots=True, eq=False)
@@ -65,6 +75,7 @@ class _State:
     probation: bool = False  # back after an ejection: one failure ejects it again
     down_seen: bool = False  # a probe failed during the passive ejection: a good one ends it
     stalled: bool = False  # its statuses show work and no step for the stall period (full mode)
+    unadmitted: int = 0  # requests in a row it did not admit in the admission period (full mode)
     total: Counter[str] = field(default_factory=Counter)  # ejections by reason, monotonic
     held: list[str] = field(default_factory=list)  # request ids released as failures, load kept
 
@@ -116,7 +127,7 @@ class EngineHealth:
         return instance_id in self._ejected
 
     def ejections(self, instance_id: str) -> Counter[str]:
-        """Ejections of one instance so far, by reason (PASSIVE, PROBE)."""
+        """Ejections of one instance so far, by reason (PASSIVE, PROBE, STALLED, UNADMITTED)."""
         state = self._states.get(instance_id)
         return state.total if state is not None else Counter()
 
@@ -157,6 +168,7 @@ class EngineHealth:
         if state is None:
             return []
         state.failures = 0
+        state.unadmitted = 0
         if not state.until:
             if state.probation:
                 log.info("instance %s is healthy again (a success on probation)", instance_id)
@@ -208,6 +220,19 @@ class EngineHealth:
         self._update(instance_id, state)
         return self._drop_holds(state) if stalled else []
 
+    def unadmitted(self, instance_id: str) -> list[str]:
+        """A request sent to the engine was not admitted within the admission period (full mode). Returns the
+        held request ids whose load to drop now."""
+        state = self._state(instance_id)
+        if state.until or state.probe_down:
+            return []  # already out: sent before the ejection
+        state.unadmitted += 1
+        if not state.probation and state.unadmitted < UNADMITTED_IN_A_ROW:
+            return []
+        why = "a request not admitted on probation" if state.probation else f"{state.unadmitted} requests not admitted"
+        self._eject_passive(instance_id, state, why, UNADMITTED)
+        return self._drop_holds(state)
+
     def tick(self) -> list[str]:
         """Let back the engines whose ejection ran out, and end holds past their deadline.
         Returns the held request ids whose load to drop now."""
@@ -258,14 +283,15 @@ class EngineHealth:
         held, state.held = state.held, []
         return held  # their heap entries find nothing held and are skipped
 
-    def _eject_passive(self, instance_id: str, state: _State, why: str) -> None:
+    def _eject_passive(self, instance_id: str, state: _State, why: str, reason: str = PASSIVE) -> None:
         state.ejections += 1
         seconds = min(self.base_s * state.ejections, self.max_s)
         state.until = self._clock() + seconds
         state.failures = 0
+        state.unadmitted = 0
         state.probation = False
         state.down_seen = False
-        state.total[PASSIVE] += 1
+        state.total[reason] += 1
         heapq.heappush(self._returns, (state.until, instance_id))
         log.warning(
             "instance %s ejected for %gs (%s; ejection %d in a row)", instance_id, seconds, why, state.ejections

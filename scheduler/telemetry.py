@@ -11,7 +11,7 @@ labelled `engine` (its instance id): `instance` is the target label Prometheus s
 | `pilotfish_scheduler_inflight_requests{engine}`, `..._inflight_tokens{engine}` | LRS: held requests, tokens |
 | `pilotfish_scheduler_account_size` | requests held (dispatched, not released) |
 | `pilotfish_scheduler_expired_total` | held requests dropped for staleness |
-| `pilotfish_scheduler_ejections_total{engine,reason}` | ejections: `upstream_errors`, `health_probes`, `stalled` |
+| `pilotfish_scheduler_ejections_total{engine,reason}` | ejections by reason (health.py: `upstream_errors`, ...) |
 | `pilotfish_scheduler_instance_ejected{engine}` | 1 while the engine is ejected (no candidate), else 0 |
 | `pilotfish_scheduler_engine_speed_scale{engine}` | the engine's latencies over the profile's: 1 unless found slow |
 | `pilotfish_scheduler_policy_<metric>{engine}` | each policy metric, a family each (the metric's `exported`) |
@@ -40,7 +40,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pilotfish.scheduler.health import PASSIVE, PROBE, STALLED
+from pilotfish.scheduler.health import PASSIVE, PROBE, STALLED, UNADMITTED
 from pilotfish.scheduler.view.types import RequestInfo
 
 if TYPE_CHECKING:
@@ -100,8 +100,9 @@ class _ViewCollector(Collector):
         ejections = CounterMetricFamily(
             "pilotfish_scheduler_ejections",
             "Engine ejections (scheduler/health.py), by engine and reason: upstream_errors (consecutive "
-            "failures the gateway reported), health_probes (failed probes in a row) or stalled (full mode: "
-            "work and no step for --engine-stall-seconds).",
+            "failures the gateway reported), health_probes (failed probes in a row), stalled (full mode: "
+            "work and no step for --engine-stall-seconds) or unadmitted (full mode: requests it did not admit "
+            "in --engine-admission-seconds).",
             labels=["engine", "reason"],
         )
         ejected = GaugeMetricFamily(
@@ -120,7 +121,7 @@ class _ViewCollector(Collector):
         for inst in core.instances():
             labels = [inst.instance_id]
             counts = health.ejections(inst.instance_id)
-            for reason in (PASSIVE, PROBE, STALLED):
+            for reason in (PASSIVE, PROBE, STALLED, UNADMITTED):
                 ejections.add_metric([inst.instance_id, reason], counts[reason])
             ejected.add_metric(labels, 1.0 if health.is_ejected(inst.instance_id) else 0.0)
             speed.add_metric(labels, inst.speed_scale)

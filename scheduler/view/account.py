@@ -12,8 +12,9 @@ count twice. The reconciliation rule, applied for every status of an instance:
    retried on a fallback). Applied for every status that decodes, *including ones older than
    the status held* (a reordered status still proves admission; only its load is ignored).
 2. **Gap**: the ids of an admission can be lost only if no status listing them was read:
-   statuses were skipped (update_id jumped past the last one applied) across at least the
-   writer's admitted-id window (--account-admitted-window-ms; cms_view.py decides). Then
+   statuses were skipped across at least the writer's admitted-id window
+   (--account-admitted-window-ms): its admitted_total grew by more than the new status lists, or,
+   for a writer that does not count, update_id jumped (cms_view.py decides). Then
    entries on this instance dispatched
    at least `admission_grace_seconds` before it arrived are taken as admitted (an engine admits
    a request within milliseconds of receiving it); younger ones are marked and go once they
@@ -21,6 +22,8 @@ count twice. The reconciliation rule, applied for every status of an instance:
 3. **Staleness**: an entry unconfirmed for `staleness_seconds` expires (the request never
    reached the engine and no Release came).
 4. **Release** removes a request's entries at once.
+5. **Overdue** (`overdue`): an entry on a neutral or prefill instance still unconfirmed after
+   `overdue_seconds` is handed to the core once, which judges its engine (health.py, unadmitted).
 
 Redis keeps only the newest status and the reader polls it, so a lost status is always
 followed by one that is read: rule 2 bounds double counting after a loss to the grace
@@ -35,7 +38,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -87,9 +90,16 @@ class InflightAccount:
         admission_grace_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[InstanceView], None] | None = None,
+        overdue_seconds: float = 0.0,
     ) -> None:
         self.staleness_seconds = staleness_seconds
         self.grace = admission_grace_seconds
+        # entries on neutral and prefill instances in dispatch order, judged once when `overdue_seconds`
+        # old (0: not kept); a decode engine may get its request only after a prefill elsewhere
+        self.overdue_seconds = overdue_seconds
+        self._watch: deque[AccountEntry] = deque()
+        # instance id -> when a status last named an entry of it (the engine admits what it is sent)
+        self.admitted_at: dict[str, float] = {}
         self._clock = clock
         self._on_change = on_change or (lambda inst: None)
         self._entries: OrderedDict[tuple[str, str], AccountEntry] = OrderedDict()
@@ -119,6 +129,8 @@ class InflightAccount:
         entry = AccountEntry(request_id, inst, self._clock(), requests, prefill, dec_req, dec_tok)
         self._entries[key] = entry
         self._by_request.setdefault(request_id, []).append(entry)
+        if self.overdue_seconds and inst.infer_type != InferType.DECODE:
+            self._watch.append(entry)
         load = inst.inflight
         load.requests += requests
         load.prefill_tokens += prefill
@@ -140,6 +152,8 @@ class InflightAccount:
             for entry in here:
                 self._remove(entry)
                 removed += 1
+        if removed:
+            self.admitted_at[instance_id] = self._clock()
         self.num_confirmed += removed
         if gap:
             removed += self._gap(inst)
@@ -178,7 +192,24 @@ class InflightAccount:
         gone = [e for e in self._entries.values() if e.inst.instance_id == instance_id]
         for entry in gone:
             self._remove(entry)
+        self.admitted_at.pop(instance_id, None)
         return len(gone)
+
+    def holds(self, entry: AccountEntry) -> bool:
+        """Whether the entry is still unconfirmed and unreleased."""
+        return self._entries.get(entry.key) is entry
+
+    def overdue(self) -> list[AccountEntry]:
+        """The entries that reached `overdue_seconds` since the last call and are still unconfirmed and
+        unreleased: requests their engine has not admitted in that time (each is returned once)."""
+        cutoff = self._clock() - self.overdue_seconds
+        found: list[AccountEntry] = []
+        watch = self._watch
+        while watch and watch[0].dispatched_at <= cutoff:
+            entry = watch.popleft()
+            if self._entries.get(entry.key) is entry:
+                found.append(entry)
+        return found
 
     def expire(self) -> int:
         """Rule 3, and the suspects of rule 2 that reached the grace age; returns how many went."""

@@ -66,7 +66,7 @@ class EngineConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, fro
 
 
 # --answer-faults: how an engine's completions fail fast ("ok": they do not)
-ANSWER_FAULTS = ("ok", "refuse", "empty", "cut")
+ANSWER_FAULTS = ("ok", "refuse", "empty", "cut", "hang")
 
 
 class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -111,7 +111,8 @@ class ServeConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, froz
         list[str],
         Meta(description="each engine's answers, a pattern repeated over the fleet: ok, or a fast failure behind a "
              "live server whose /health answers: refuse (429 to every completion), empty (200 streams with no "
-             "body), cut (one token, then the end without data: [DONE]); empty: ok for all"),
+             "body), cut (one token, then the end without data: [DONE]), hang (read the request, pass it to no "
+             "engine and answer nothing until the client goes); empty: ok for all"),
     ] = msgspec.field(default_factory=list)  # fmt: skip
     infer_types: Annotated[
         list[str],

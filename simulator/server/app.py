@@ -165,7 +165,10 @@ class EngineApp:
 
     async def _fail_fast(self, http: web.Request) -> web.StreamResponse:
         """--answer-faults: a broken engine behind a live server, failing each completion at once while its
-        /health answers (the black hole a gateway must not mistake for an idle, healthy engine)."""
+        /health answers (the black hole a gateway must not mistake for an idle, healthy engine), or taking it
+        and never passing it on (a hung server loop in front of an idle engine)."""
+        if self.fault == "hang":
+            await asyncio.Event().wait()  # until the client goes (aiohttp cancels the handler then)
         if self.fault == "refuse":
             raise ApiError(429, "the engine is overloaded", "TooManyRequestsError")
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})

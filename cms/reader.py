@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -68,6 +69,10 @@ NOTICE_SENDER = "notice_sender"
 # of it, so readers do not reconnect in step and one resumes within ~1 s of Redis returning.
 FIRST_BACKOFF = 0.05
 MAX_BACKOFF = 1.0
+# a failure this soon after Redis answered again continues the backoff (and says nothing new): a
+# Redis, proxy or load balancer that takes the connection and drops it at once is not retried (and
+# logged) twenty times a second
+STABLE_AFTER = 10.0
 CONNECT_TIMEOUT = 2.0
 CLOSE_TIMEOUT = 1.0
 # summaries of refused records kept (one per key, for `rejected()`); beyond this the oldest is
@@ -182,12 +187,16 @@ class CmsReader:
 
     async def _retrying(self, work: Any, what: str) -> None:
         backoff = FIRST_BACKOFF
-        state = {"failing": False}
+        failing = False
+        answered_at = -math.inf  # when Redis last answered again after failing (the clock's)
 
         def recovered() -> None:
-            if state["failing"]:
-                log.info("CMS %s: Redis answers again", what)
-                state["failing"] = False
+            nonlocal failing, answered_at
+            if failing:
+                if self._clock() - answered_at >= STABLE_AFTER:
+                    log.info("CMS %s: Redis answers again", what)
+                failing = False
+                answered_at = self._clock()
 
         while True:
             try:
@@ -198,10 +207,10 @@ class CmsReader:
             except Exception as exc:  # a Redis outage, a protocol error: never fatal
                 _raise_if_cancelling(exc)
                 self.num_redis_errors += 1
-                if not state["failing"]:
+                if not failing and self._clock() - answered_at >= STABLE_AFTER:
                     log.warning("CMS %s failed (%s); retrying with backoff", what, exc)
                     backoff = FIRST_BACKOFF
-                state["failing"] = True
+                failing = True
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, MAX_BACKOFF)
 

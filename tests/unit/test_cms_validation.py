@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import tracemalloc
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -524,3 +525,38 @@ async def test_a_bad_record_is_summarised_not_kept(caplog: pytest.LogCaptureFixt
 
 def test_reconnect_backoff_is_capped_near_a_second() -> None:
     assert MAX_BACKOFF <= 1.0
+
+
+async def test_a_redis_that_drops_each_connection_at_once_is_retried_with_a_growing_backoff(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A subscription that connects (Redis answered) and fails at once, over and over: the backoff went back to
+    50 ms on each answer, so the reader reconnected and logged twenty times a second. It grows to its cap, one
+    warning says so, and a connection that then stays up for STABLE_AFTER starts the next outage afresh."""
+    from pilotfish.cms import reader as reader_module
+
+    now = [0.0]
+    delays: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        delays.append(seconds)
+        now[0] += seconds
+
+    monkeypatch.setattr(reader_module.asyncio, "sleep", sleep)
+    reader = CmsReader("redis://127.0.0.1:1/0", "c", _Sink(), clock=lambda: now[0])
+    runs = iter(range(30))
+
+    async def flapping(recovered: Callable[[], None]) -> None:
+        if next(runs) == 29:
+            return
+        recovered()  # subscribed: Redis answered
+        if len(delays) == 20:
+            now[0] += reader_module.STABLE_AFTER  # this time the connection stays up a while
+        raise ConnectionError("connection reset by peer")
+
+    caplog.set_level(logging.INFO)
+    await reader._retrying(flapping, "notice subscription")
+    assert max(delays[:20]) <= reader_module.MAX_BACKOFF
+    assert min(delays[10:20]) >= reader_module.MAX_BACKOFF / 2  # at its cap, not back at 50 ms
+    assert delays[20] <= 2 * reader_module.FIRST_BACKOFF  # a new outage starts afresh
+    assert caplog.text.count("retrying with backoff") == 2 and caplog.text.count("answers again") == 2  # an outage each

@@ -335,8 +335,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             ge=0,
             description="full mode: a request sent to a neutral or prefill engine that no status of it lists as "
-            "admitted this long, while its statuses keep coming and it admits nothing sent after the request, "
-            "is unadmitted; two in a row eject the engine as upstream failures would (an HTTP server that takes "
+            "admitted this long, while its statuses keep coming and it admits no request at all in that time, is "
+            "unadmitted; two in a row eject the engine as upstream failures would (an HTTP server that takes "
             "requests and passes none to its engine); 0 = never",
         ),
     ] = 10.0

@@ -512,8 +512,9 @@ class SchedulerCore:
     def _judge_unadmitted(self) -> None:
         """Full mode: a request its engine has not admitted within --engine-admission-seconds counts against
         the engine once a status of the engine came after it was sent (the llumlet reports, and did not list
-        it), if the engine admitted nothing sent after it (one slow request, e.g. a prompt whose images the
-        server still fetches, does not stop the others). An HTTP server that takes requests and passes none
+        it), if the engine admitted no request at all since it was sent (one slow request, e.g. a prompt whose
+        images the server still fetches, does not stop the others; nor does a server slow to pass on every
+        request, which the ranking sees as load). An HTTP server that takes requests and passes none
         to its engine looks idle and healthy otherwise: its llumlet reports an idle engine, /health answers."""
         assert self.cms is not None
         now = self._clock()

@@ -17,8 +17,8 @@ Two signals take it out of the candidates:
   probes (vLLM's /health asks whether the engine process lives, not whether it steps) and a request
   there never fails: it hangs. Out until a status shows it stepping again, then on probation.
 - **unadmitted** (full mode, `unadmitted`): a request sent to the engine that no status of it lists as
-  admitted for --engine-admission-seconds, while its statuses keep coming and it admits nothing sent after
-  the request (core.py judges that): an HTTP server that takes requests and passes none to its engine (a
+  admitted for --engine-admission-seconds, while its statuses keep coming and it admits no request at all
+  since that one was sent (core.py judges that): an HTTP server that takes requests and passes none to its engine (a
   hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind it and
   /health answering. `UNADMITTED_IN_A_ROW` such requests eject it as upstream failures would (backoff,
   then probation, where one more ejects it again); a request it serves to its end resets the count.

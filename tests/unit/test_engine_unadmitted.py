@@ -1,7 +1,7 @@
 """Full mode finds an engine whose HTTP side takes requests and passes none to its engine (a hung API-server loop,
 a proxy in front of it): its llumlet keeps reporting an idle engine and /health answers, so it looks like the
 least loaded engine of all. A request its statuses do not list as admitted within --engine-admission-seconds,
-while they keep coming and it admits nothing sent after the request, counts against it; two in a row eject it."""
+while they keep coming and it admits no request at all since, counts against it; two in a row eject it."""
 
 from __future__ import annotations
 
@@ -82,6 +82,19 @@ def test_one_slow_request_among_admitted_ones_is_not_held_against_the_engine() -
     c.release("r1")
     wait(c, clocks, 2 * ADMISSION_S, a, b)
     assert not c.health.is_ejected("a") and ejections(c, "a") == 0
+
+
+def test_a_server_slow_to_pass_on_every_request_is_load_not_a_failure() -> None:
+    """Each request reaches the engine 12 s after it was sent: the engine admits requests all along, so only the
+    first (judged before anything was admitted) counts; the ranking sees the rest as load."""
+    c, clocks, a, b = fleet()
+    assert send(c, "r0") == "a"
+    wait(c, clocks, 5, a, b)
+    assert send(c, "r1") == "a"
+    wait(c, clocks, 6, a, b)  # r0 judged at 10 s: nothing admitted yet, it counts
+    wait(c, clocks, 6, a, b, a=["r0"])  # r0 admitted at 12 s; r1, still not, judged at 15 s: not counted
+    assert not c.health.is_ejected("a") and ejections(c, "a") == 0
+    assert c.account.holds(next(e for e in c.account if e.request_id == "r1"))  # still load on a
 
 
 def test_one_unadmitted_request_does_not_eject_and_a_served_request_forgets_it() -> None:

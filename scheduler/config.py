@@ -340,6 +340,16 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
             "requests and passes none to its engine); 0 = never",
         ),
     ] = 10.0
+    engine_first_token_seconds: Annotated[
+        float,
+        Meta(
+            ge=0,
+            description="lite mode: a streamed request with no first token this long, while the gateway reports "
+            "other engines' first tokens since it was sent and its engine gave none at all, is unanswered; two "
+            "in a row eject the engine as upstream failures would (an HTTP server that takes requests and "
+            "answers none while its /health answers); 0 = never",
+        ),
+    ] = 30.0
 
     # -- input bounds and listener limits (scheduler/limits.py, session_server.py; scheduler/README.md) --
     max_model_len: Annotated[

@@ -22,6 +22,7 @@ import logging
 import math
 import random
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -121,15 +122,23 @@ class SchedulerCore:
             clock,
             on_change=self._mark if reads_lrs else None,
             count_releases=not self.full_mode,  # full mode counts answers from the engines' records
-            on_first_token=None if self.full_mode or not config.slow_engine_ratio_lite else self._first_token,
+            on_first_token=None if self.full_mode else self._first_token,
         )
         # lite mode: the TTFT each dispatch predicts, unscaled, that its first token's time is judged against
-        self._lite_ttft = PredictedTtft(self.ctx) if self._lrs.observes_first_tokens else None
+        self._lite_ttft = PredictedTtft(self.ctx) if not self.full_mode and config.slow_engine_ratio_lite else None
+        # lite mode: when each engine, and any, last gave a first token; and streamed requests in dispatch
+        # order, judged when --engine-first-token-seconds old (health.py, unadmitted)
+        self._first_token_at: dict[str, float] = {}
+        self._fleet_first_token_at = -math.inf
+        self._first_token_due = config.engine_first_token_seconds if not self.full_mode else 0.0
+        self._streams: deque[RequestEntry] = deque()
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
         # full mode: in-flight entries past the admission period whose engine has sent no status since
         self._unjudged: list[AccountEntry] = []
         self._next_judgement = 0.0
+        self._unanswered: list[RequestEntry] = []  # lite: streamed requests due, waiting for a first token anywhere
+        self._next_answer_look = 0.0
         self.account = InflightAccount(
             config.request_local_account_staleness_seconds,
             config.account_admission_grace_seconds,
@@ -198,6 +207,7 @@ class SchedulerCore:
         self._lrs.drop_instance(instance_id)
         self.account.drop_instance(instance_id)
         self.health.forget(instance_id)
+        self._first_token_at.pop(instance_id, None)
         self.speeds.forget(instance_id)
         self._by_model.clear()
         self._dirty.discard(instance_id)
@@ -405,6 +415,8 @@ class SchedulerCore:
         predicted = self._predicted_ttft(req, target) if self._lite_ttft is not None else 0.0
         entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
         entry.predicted_ttft_ms = predicted
+        if self._first_token_due and req.stream:
+            self._streams.append(entry)
         if self.full_mode:
             cached = self.ctx.prefix_hits(req).get(target.instance_id, 0) if self.prefix_index is not None else 0
             self.account.dispatch(req.request_id, target, req.prompt_tokens, cached)
@@ -422,6 +434,9 @@ class SchedulerCore:
         return metric.evaluate((*metric.state(inst)[:3], 1.0), inst, req)
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
+        self._first_token_at[entry.instance_id] = self._fleet_first_token_at = now
+        if self._lite_ttft is None:
+            return
         inst = self._instances.get(entry.instance_id)
         if inst is not None:
             self.speeds.observe_ttft(inst, (now - entry.dispatched_at) * 1000.0, entry.predicted_ttft_ms)
@@ -536,6 +551,33 @@ class SchedulerCore:
             elif admitted.get(instance_id, -math.inf) <= entry.dispatched_at:
                 self._drop(self.health.unadmitted(instance_id))
 
+    def _judge_unanswered(self) -> None:
+        """Lite mode: a streamed request with no first token within --engine-first-token-seconds counts against
+        its engine once the gateway has reported a first token of any engine since it was sent (so it reports
+        them: a gateway that does not is never judged) and its engine gave none at all since. A streamed answer
+        starts with its headers at once and its first token after the queue and the prefill, which go on
+        giving other requests theirs; an engine that gives none while its /health answers (the prober's
+        signal) has a server that swallows its requests. Non-streamed answers come whole, at their end: not
+        judged."""
+        now = self._clock()
+        if now < self._next_answer_look:
+            return  # Schedule expires too: a look per JUDGE_EVERY_S is enough for a rule of seconds
+        self._next_answer_look = now + JUDGE_EVERY_S
+        cutoff = now - self._first_token_due
+        waiting, streams, held = self._unanswered, self._streams, self._lrs.get
+        while streams and streams[0].dispatched_at <= cutoff:
+            waiting.append(streams.popleft())
+        if not waiting:
+            return
+        self._unanswered = []
+        for entry in waiting:
+            if held(entry.request_id) is not entry or entry.decoding:
+                continue  # released, or answering
+            if self._fleet_first_token_at <= entry.dispatched_at:
+                self._unanswered.append(entry)  # no first token anywhere since: judged when one comes
+            elif self._first_token_at.get(entry.instance_id, -math.inf) <= entry.dispatched_at:
+                self._drop(self.health.unadmitted(entry.instance_id))
+
     def _drop(self, request_ids: list[str]) -> None:
         """Release requests whose load engine health had kept (held as failures)."""
         for request_id in request_ids:
@@ -555,6 +597,8 @@ class SchedulerCore:
                 dropped,
                 self._lrs.staleness_seconds,
             )
+        if self._first_token_due:
+            self._judge_unanswered()
         if self.full_mode:
             if self.account.overdue_seconds:
                 self._judge_unadmitted()

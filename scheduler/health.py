@@ -16,12 +16,14 @@ Two signals take it out of the candidates:
   refreshes its record whatever the engine does, so the status looks live, the engine answers its
   probes (vLLM's /health asks whether the engine process lives, not whether it steps) and a request
   there never fails: it hangs. Out until a status shows it stepping again, then on probation.
-- **unadmitted** (full mode, `unadmitted`): a request sent to the engine that no status of it lists as
-  admitted for --engine-admission-seconds, while its statuses keep coming and it admits no request at all
-  since that one was sent (core.py judges that): an HTTP server that takes requests and passes none to its engine (a
-  hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind it and
-  /health answering. `UNADMITTED_IN_A_ROW` such requests eject it as upstream failures would (backoff,
-  then probation, where one more ejects it again); a request it serves to its end resets the count.
+- **unadmitted** (`unadmitted`): a request sent to the engine that no status of it lists as admitted for
+  --engine-admission-seconds, while its statuses keep coming and it admits no request at all since that
+  one was sent (full mode; core.py judges it): an HTTP server that takes requests and passes none to its
+  engine (a hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind
+  it and /health answering. In lite mode (no statuses) the same for a streamed request that gets no
+  first token for --engine-first-token-seconds while the engine gives none at all and others do.
+  `UNADMITTED_IN_A_ROW` such requests eject it as upstream failures would (backoff, then probation,
+  where one more ejects it again); a request it serves to its end resets the count.
 - **active** (`HealthProber`, where discovery says nothing of readiness): GET each engine's
   health path every interval; `probe_failures` failed probes in a row eject it until a probe
   succeeds, after which it is on probation as above. A probe that succeeds after one failed

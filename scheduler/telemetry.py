@@ -101,8 +101,9 @@ class _ViewCollector(Collector):
             "pilotfish_scheduler_ejections",
             "Engine ejections (scheduler/health.py), by engine and reason: upstream_errors (consecutive "
             "failures the gateway reported), health_probes (failed probes in a row), stalled (full mode: "
-            "work and no step for --engine-stall-seconds) or unadmitted (full mode: requests it did not admit "
-            "in --engine-admission-seconds).",
+            "work and no step for --engine-stall-seconds) or unadmitted (requests it did not admit in "
+            "--engine-admission-seconds, full mode, or streams it gave no first token in "
+            "--engine-first-token-seconds, lite mode).",
             labels=["engine", "reason"],
         )
         ejected = GaugeMetricFamily(

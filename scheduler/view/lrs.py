@@ -82,11 +82,6 @@ class LocalRealtimeState:
     def __len__(self) -> int:
         return len(self._entries)
 
-    @property
-    def observes_first_tokens(self) -> bool:
-        """Someone is told each first token (the dispatch then records the TTFT it predicted)."""
-        return self._on_first_token is not None
-
     def __iter__(self) -> Iterator[RequestEntry]:
         return iter(self._entries.values())
 

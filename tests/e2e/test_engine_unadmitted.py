@@ -1,8 +1,9 @@
-"""An engine whose HTTP side takes requests and passes none to its engine, through the real stack in full mode
-(Redis, the llumlets' statuses, the scheduler, the ext_proc, Envoy): its llumlet keeps reporting an idle engine
-and its /health answers, so nothing but the requests it swallows says it is broken. The scheduler must eject it
-once its statuses fail to list what it was sent, send it nothing while it is out, and drain the account when the
-swallowed requests' clients give up."""
+"""An engine whose HTTP side takes requests and passes none to its engine, through the real stack (Envoy, the
+ext_proc, the scheduler; in full mode Redis and the llumlets' statuses): its /health answers, and in full mode its
+llumlet keeps reporting an idle engine, so nothing but the requests it swallows says it is broken. The scheduler
+must eject it once its statuses fail to list what it was sent (full) or it gives no stream a first token while the
+others do (lite), send it nothing while it is out, and drain the account when the swallowed requests' clients give
+up."""
 
 from __future__ import annotations
 
@@ -42,14 +43,33 @@ async def one(session: aiohttp.ClientSession, stack: Stack, tag: str) -> str:
 def test_an_engine_that_swallows_its_requests_is_ejected_and_the_account_drains(
     make_stack, redis_service: RunningService
 ) -> None:
-    stack = make_stack(
-        engines=3,
-        scheduler_metrics=True,
-        cms_url=redis_service.url,
-        engine_args=["--answer-faults", "hang,ok,ok"],
-        # a short admission period keeps the test short; a long backoff keeps the engine out while it runs
-        scheduler_args=["--engine-admission-seconds", "2", "--outlier-base-ejection-seconds", "60"],
+    """Full mode: its statuses list none of what it was sent."""
+    swallowed_and_ejected(
+        make_stack(
+            engines=3,
+            scheduler_metrics=True,
+            cms_url=redis_service.url,
+            engine_args=["--answer-faults", "hang,ok,ok"],
+            # a short admission period keeps the test short; a long backoff keeps the engine out while it runs
+            scheduler_args=["--engine-admission-seconds", "2", "--outlier-base-ejection-seconds", "60"],
+        )
     )
+
+
+def test_lite_an_engine_that_answers_no_stream_is_ejected_and_the_account_drains(make_stack) -> None:
+    """Lite mode: the ext_proc reads each stream to its first token; this engine gives none (its /health
+    answers, so the prober sees nothing)."""
+    swallowed_and_ejected(
+        make_stack(
+            engines=3,
+            scheduler_metrics=True,
+            engine_args=["--answer-faults", "hang,ok,ok"],
+            scheduler_args=["--engine-first-token-seconds", "2", "--outlier-base-ejection-seconds", "60"],
+        )
+    )
+
+
+def swallowed_and_ejected(stack: Stack) -> None:
     wait_until(
         lambda: metric(stack, "pilotfish_scheduler_instance_ejected") == 0
         and len(scrape(stack.scheduler_metrics_port).get("pilotfish_scheduler_instance_ejected", [])) == 3,

@@ -145,7 +145,6 @@ class SchedulerCore:
             clock,
             on_change=self._changed,
             overdue_seconds=config.engine_admission_seconds if self.full_mode else 0.0,
-            on_admitted=self._admitted,
         )
         self._models = frozenset(config.model)
         self._instances: dict[str, InstanceView] = {}
@@ -286,12 +285,11 @@ class SchedulerCore:
             if not serving and self.full_mode and not self._models:
                 # full mode learns models from the instances' metadata: none declares this one
                 raise UnknownModelError(f"model {model!r} is not served by any instance")
-            excluded = self.health.excluded
-            if excluded:
-                # ejected engines (and those on probation with a trial in flight) are no candidates, unless
-                # every one is (then all are: a pick that may fail beats refusing everything, as Envoy's panic
-                # threshold does)
-                serving = [i for i in serving if i.instance_id not in excluded] or serving
+            ejected = self.health.ejected
+            if ejected:
+                # ejected engines are no candidates, unless every one is (then all are: a pick
+                # that may fail beats refusing everything, as Envoy's panic threshold does)
+                serving = [i for i in serving if i.instance_id not in ejected] or serving
             groups = _ModelGroups()
             pipelines = self._policy.pipelines
             for inst in serving:
@@ -417,7 +415,6 @@ class SchedulerCore:
         predicted = self._predicted_ttft(req, target) if self._lite_ttft is not None else 0.0
         entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
         entry.predicted_ttft_ms = predicted
-        self.health.dispatched(target.instance_id, req.request_id)
         if self._first_token_due and req.stream:
             self._streams.append(entry)
         if self.full_mode:
@@ -438,7 +435,6 @@ class SchedulerCore:
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
         self._first_token_at[entry.instance_id] = self._fleet_first_token_at = now
-        self.health.admitted(entry.instance_id)
         if self._lite_ttft is None:
             return
         inst = self._instances.get(entry.instance_id)
@@ -496,7 +492,6 @@ class SchedulerCore:
         self._lrs.release(request_id, answer_tokens)
         if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
             self._drop(self.health.success(entry.instance_id))
-        self.health.released(entry.instance_id, request_id)  # a trial that ended with no verdict
         return True
 
     def orphan(self, request_ids: Iterable[str]) -> None:
@@ -524,10 +519,6 @@ class SchedulerCore:
         """One health probe of an engine (health.HealthProber); unknown instances are ignored."""
         if instance_id in self._instances:
             self._drop(self.health.probe(instance_id, ok))
-
-    def _admitted(self, instance_id: str) -> None:
-        """Full mode: a status named a request the engine admitted (health.py: a trial on probation passes)."""
-        self.health.admitted(instance_id)
 
     def _engine_stalled(self, inst: InstanceView, stalled: bool) -> None:
         """Full mode: the engine's statuses show it stalled, or stepping again (view/cms_view.py)."""

@@ -31,12 +31,6 @@ Two signals take it out of the candidates:
   `successful_active_health_check_uneject_host` does; an engine that answers its probes all
   along but fails requests sits out its whole backoff.
 
-*Probation is half-open*: an engine let back takes one request (its trial) and is no candidate again
-until that request shows the engine works (it is admitted or gives its first token, or it succeeds), is
-released without a verdict (the client went), or `TRIAL_SECONDS` pass; a failure ejects it again. So an
-engine that still swallows or fails its requests gets one request per ejection, not every pick until the
-next verdict (ten seconds of them, for the unadmitted rule).
-
 An engine is out while either says so. Failed-fast requests must not make an engine look idle:
 a request released as an upstream error keeps its load on its engine until that engine next
 succeeds, is ejected, or `base_s` passes (`EngineHealth.hold`), so the run of failures that ejects
@@ -71,8 +65,6 @@ UNADMITTED = "unadmitted"
 # unadmitted requests in a row that eject an engine: one may be slow for a reason of its own (the server
 # still fetching its images), and the ranking already shuns an engine holding one
 UNADMITTED_IN_A_ROW = 2
-# how long a trial request on probation keeps its engine from further picks without a verdict
-TRIAL_SECONDS = 30.0
 
 
 @dataclass(slots=True, eq=False)
@@ -110,10 +102,6 @@ class EngineHealth:
         self._on_change = on_change
         self._states: dict[str, _State] = {}
         self._ejected: set[str] = set()
-        # instance id -> the request it is trying on probation (half-open); ejected or trying: excluded
-        self._trials: dict[str, str] = {}
-        self._excluded: set[str] = set()
-        self._trial_deadlines: list[tuple[float, str, str]] = []  # heap of (deadline, instance id, request id)
         self._returns: list[tuple[float, str]] = []  # heap of (until, instance id) of passive ejections
         self._hold_deadlines: list[tuple[float, str, str]] = []  # heap of (deadline, instance id, request id)
 
@@ -137,12 +125,6 @@ class EngineHealth:
         """The ejected instance ids (live set: read it, do not keep it)."""
         return self._ejected
 
-    @property
-    def excluded(self) -> set[str]:
-        """The instance ids no policy may pick: ejected, or on probation with their trial request in flight
-        (live set: read it, do not keep it)."""
-        return self._excluded
-
     def is_ejected(self, instance_id: str) -> bool:
         return instance_id in self._ejected
 
@@ -158,34 +140,7 @@ class EngineHealth:
     def due(self) -> float:
         """When `tick` next has something to do (inf: nothing pending)."""
         first = self._returns[0][0] if self._returns else math.inf
-        if self._trial_deadlines:
-            first = min(first, self._trial_deadlines[0][0])
         return min(first, self._hold_deadlines[0][0]) if self._hold_deadlines else first
-
-    # -- the trial of an engine on probation ---------------------------------------------------------
-
-    def dispatched(self, instance_id: str, request_id: str) -> None:
-        """A request went to the engine: on probation with no trial in flight, it is the trial."""
-        state = self._states.get(instance_id)
-        if state is None or not state.probation or instance_id in self._trials:
-            return
-        self._trials[instance_id] = request_id
-        heapq.heappush(self._trial_deadlines, (self._clock() + TRIAL_SECONDS, instance_id, request_id))
-        self._sync(instance_id)
-
-    def admitted(self, instance_id: str) -> None:
-        """The engine admitted a request sent to it, or gave one its first token: it passes requests on."""
-        if instance_id in self._trials:
-            self._end_trial(instance_id)
-
-    def released(self, instance_id: str, request_id: str) -> None:
-        """A request on the engine was released (whatever the verdict, which came first)."""
-        if self._trials.get(instance_id) == request_id:
-            self._end_trial(instance_id)
-
-    def _end_trial(self, instance_id: str) -> None:
-        if self._trials.pop(instance_id, None) is not None:
-            self._sync(instance_id)
 
     # -- outcomes ----------------------------------------------------------------------------------
 
@@ -221,7 +176,6 @@ class EngineHealth:
                 log.info("instance %s is healthy again (a success on probation)", instance_id)
             state.probation = False
             state.ejections = 0
-            self._end_trial(instance_id)
         return self._drop_holds(state)
 
     def probe(self, instance_id: str, ok: bool) -> list[str]:
@@ -297,10 +251,6 @@ class EngineHealth:
             if not state.probe_down:
                 log.warning("instance %s ejection over: back on probation", instance_id)
             self._update(instance_id, state)
-        while self._trial_deadlines and self._trial_deadlines[0][0] <= now:
-            _, instance_id, request_id = heapq.heappop(self._trial_deadlines)
-            if self._trials.get(instance_id) == request_id:  # no verdict in time: another request may try
-                self._end_trial(instance_id)
         dropped: list[str] = []
         while self._hold_deadlines and self._hold_deadlines[0][0] <= now:
             _, instance_id, request_id = heapq.heappop(self._hold_deadlines)
@@ -313,11 +263,8 @@ class EngineHealth:
     def forget(self, instance_id: str) -> None:
         """The instance left the cluster (its held requests go with it)."""
         state = self._states.pop(instance_id, None)
-        self._trials.pop(instance_id, None)
         if state is not None and instance_id in self._ejected:
             self._ejected.discard(instance_id)
-        if instance_id in self._excluded:
-            self._excluded.discard(instance_id)
             self._on_change()
 
     # -- inside --------------------------------------------------------------------------------------
@@ -355,23 +302,12 @@ class EngineHealth:
 
     def _update(self, instance_id: str, state: _State) -> None:
         out = bool(state.until) or state.probe_down or state.stalled
-        if out or not state.probation:
-            self._trials.pop(instance_id, None)  # a verdict, or out again: the trial is over
+        if out == (instance_id in self._ejected):
+            return
         if out:
             self._ejected.add(instance_id)
         else:
             self._ejected.discard(instance_id)
-        self._sync(instance_id)
-
-    def _sync(self, instance_id: str) -> None:
-        """Keep `excluded` (ejected or trying) and tell `on_change` when it changes."""
-        out = instance_id in self._ejected or instance_id in self._trials
-        if out == (instance_id in self._excluded):
-            return
-        if out:
-            self._excluded.add(instance_id)
-        else:
-            self._excluded.discard(instance_id)
         self._on_change()
 
 

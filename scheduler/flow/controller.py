@@ -251,9 +251,9 @@ class FlowController:
         with a fresh status in full mode."""
         core = self.core
         serving = [i for i in core.instances() if i.serves(model)]  # type: ignore[attr-defined]
-        excluded = core.health.excluded  # type: ignore[attr-defined]
-        if excluded:
-            serving = [i for i in serving if i.instance_id not in excluded] or serving
+        ejected = core.health.ejected  # type: ignore[attr-defined]
+        if ejected:
+            serving = [i for i in serving if i.instance_id not in ejected] or serving
         cms = core.cms  # type: ignore[attr-defined]
         if cms is not None and serving:
             now = self._wall_clock()

@@ -345,7 +345,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             ge=0,
             description="lite mode: a streamed request with no first token this long, while the gateway reports "
-            "other engines' first tokens since it was sent and its engine gave none at all, is unanswered; two "
+            "other engines' first tokens since it was sent and its engine neither gave one nor finished a "
+            "request, is unanswered; two "
             "in a row eject the engine as upstream failures would (an HTTP server that takes requests and "
             "answers none while its /health answers); 0 = never",
         ),

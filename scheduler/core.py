@@ -126,9 +126,10 @@ class SchedulerCore:
         )
         # lite mode: the TTFT each dispatch predicts, unscaled, that its first token's time is judged against
         self._lite_ttft = PredictedTtft(self.ctx) if not self.full_mode and config.slow_engine_ratio_lite else None
-        # lite mode: when each engine, and any, last gave a first token; and streamed requests in dispatch
-        # order, judged when --engine-first-token-seconds old (health.py, unadmitted)
-        self._first_token_at: dict[str, float] = {}
+        # lite mode: when each engine last gave a first token or finished a request, and when any engine last
+        # gave a first token; and streamed requests in dispatch order, judged when --engine-first-token-seconds
+        # old (health.py, unadmitted)
+        self._progress_at: dict[str, float] = {}
         self._fleet_first_token_at = -math.inf
         self._first_token_due = config.engine_first_token_seconds if not self.full_mode else 0.0
         self._streams: deque[RequestEntry] = deque()
@@ -138,6 +139,7 @@ class SchedulerCore:
         self._unjudged: list[AccountEntry] = []
         self._next_judgement = 0.0
         self._unanswered: list[RequestEntry] = []  # lite: streamed requests due, waiting for a first token anywhere
+        self._unanswered_seen_at = -math.inf  # the fleet's first token they were last looked at for
         self._next_answer_look = 0.0
         self.account = InflightAccount(
             config.request_local_account_staleness_seconds,
@@ -207,7 +209,7 @@ class SchedulerCore:
         self._lrs.drop_instance(instance_id)
         self.account.drop_instance(instance_id)
         self.health.forget(instance_id)
-        self._first_token_at.pop(instance_id, None)
+        self._progress_at.pop(instance_id, None)
         self.speeds.forget(instance_id)
         self._by_model.clear()
         self._dirty.discard(instance_id)
@@ -434,7 +436,7 @@ class SchedulerCore:
         return metric.evaluate((*metric.state(inst)[:3], 1.0), inst, req)
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
-        self._first_token_at[entry.instance_id] = self._fleet_first_token_at = now
+        self._progress_at[entry.instance_id] = self._fleet_first_token_at = now
         if self._lite_ttft is None:
             return
         inst = self._instances.get(entry.instance_id)
@@ -492,6 +494,8 @@ class SchedulerCore:
         self._lrs.release(request_id, answer_tokens)
         if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
             self._drop(self.health.success(entry.instance_id))
+            if self._first_token_due:
+                self._progress_at[entry.instance_id] = self._clock()
         return True
 
     def orphan(self, request_ids: Iterable[str]) -> None:
@@ -549,34 +553,36 @@ class SchedulerCore:
             if received.get(instance_id, -math.inf) < entry.dispatched_at + grace:
                 self._unjudged.append(entry)  # no status since it was sent: judged when one comes
             elif admitted.get(instance_id, -math.inf) <= entry.dispatched_at:
-                self._drop(self.health.unadmitted(instance_id))
+                self._drop(self.health.unadmitted(instance_id, entry.dispatched_at))
 
     def _judge_unanswered(self) -> None:
         """Lite mode: a streamed request with no first token within --engine-first-token-seconds counts against
         its engine once the gateway has reported a first token of any engine since it was sent (so it reports
-        them: a gateway that does not is never judged) and its engine gave none at all since. A streamed answer
-        starts with its headers at once and its first token after the queue and the prefill, which go on
-        giving other requests theirs; an engine that gives none while its /health answers (the prober's
-        signal) has a server that swallows its requests. Non-streamed answers come whole, at their end: not
-        judged."""
+        them: a gateway that does not is never judged) and its engine has neither given a first token nor
+        finished a request since. A busy engine does one or the other: its queue and prefills give first
+        tokens, and when its KV is full its running answers finish to make room; an engine that does neither
+        while its /health answers (the prober's signal) has a server that swallows its requests.
+        Non-streamed answers come whole, at their end: not judged."""
         now = self._clock()
         if now < self._next_answer_look:
             return  # Schedule expires too: a look per JUDGE_EVERY_S is enough for a rule of seconds
         self._next_answer_look = now + JUDGE_EVERY_S
         cutoff = now - self._first_token_due
-        waiting, streams, held = self._unanswered, self._streams, self._lrs.get
+        due, streams, held = [], self._streams, self._lrs.get
         while streams and streams[0].dispatched_at <= cutoff:
-            waiting.append(streams.popleft())
-        if not waiting:
-            return
-        self._unanswered = []
-        for entry in waiting:
+            due.append(streams.popleft())
+        if self._fleet_first_token_at > self._unanswered_seen_at:
+            # those kept waiting for a first token anywhere: looked at again only once one came
+            self._unanswered_seen_at = self._fleet_first_token_at
+            due += self._unanswered
+            self._unanswered = []
+        for entry in due:
             if held(entry.request_id) is not entry or entry.decoding:
                 continue  # released, or answering
             if self._fleet_first_token_at <= entry.dispatched_at:
                 self._unanswered.append(entry)  # no first token anywhere since: judged when one comes
-            elif self._first_token_at.get(entry.instance_id, -math.inf) <= entry.dispatched_at:
-                self._drop(self.health.unadmitted(entry.instance_id))
+            elif self._progress_at.get(entry.instance_id, -math.inf) <= entry.dispatched_at:
+                self._drop(self.health.unadmitted(entry.instance_id, entry.dispatched_at))
 
     def _drop(self, request_ids: list[str]) -> None:
         """Release requests whose load engine health had kept (held as failures)."""

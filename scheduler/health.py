@@ -21,7 +21,9 @@ Two signals take it out of the candidates:
   one was sent (full mode; core.py judges it): an HTTP server that takes requests and passes none to its
   engine (a hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind
   it and /health answering. In lite mode (no statuses) the same for a streamed request that gets no
-  first token for --engine-first-token-seconds while the engine gives none at all and others do.
+  first token for --engine-first-token-seconds while the engine neither gives one nor finishes a request
+  and others answer. A request sent before the engine's last ejection is not judged (the engine may have
+  recovered while out), nor one on an engine stalled already.
   `UNADMITTED_IN_A_ROW` such requests eject it as upstream failures would (backoff, then probation,
   where one more ejects it again); a request it serves to its end resets the count.
 - **active** (`HealthProber`, where discovery says nothing of readiness): GET each engine's
@@ -77,7 +79,8 @@ class _State:
     probation: bool = False  # back after an ejection: one failure ejects it again
     down_seen: bool = False  # a probe failed during the passive ejection: a good one ends it
     stalled: bool = False  # its statuses show work and no step for the stall period (full mode)
-    unadmitted: int = 0  # requests in a row it did not admit in the admission period (full mode)
+    unadmitted: int = 0  # requests in a row it did not admit in the admission period
+    ejected_at: float = -math.inf  # when it was last ejected: requests sent before say nothing of it since
     total: Counter[str] = field(default_factory=Counter)  # ejections by reason, monotonic
     held: list[str] = field(default_factory=list)  # request ids released as failures, load kept
 
@@ -213,6 +216,7 @@ class EngineHealth:
             return []
         state.stalled = stalled
         if stalled:
+            state.ejected_at = self._clock()
             state.total[STALLED] += 1
             log.warning("instance %s ejected: requests on it, and no step for the stall period", instance_id)
         else:
@@ -222,12 +226,12 @@ class EngineHealth:
         self._update(instance_id, state)
         return self._drop_holds(state) if stalled else []
 
-    def unadmitted(self, instance_id: str) -> list[str]:
-        """A request sent to the engine was not admitted within the admission period (full mode). Returns the
-        held request ids whose load to drop now."""
+    def unadmitted(self, instance_id: str, sent_at: float) -> list[str]:
+        """A request sent to the engine at `sent_at` was not admitted (or answered) within the period. Returns
+        the held request ids whose load to drop now."""
         state = self._state(instance_id)
-        if state.until or state.probe_down:
-            return []  # already out: sent before the ejection
+        if state.until or state.probe_down or state.stalled or sent_at <= state.ejected_at:
+            return []  # out, or sent before its last ejection (on probation: judged by what it gets since)
         state.unadmitted += 1
         if not state.probation and state.unadmitted < UNADMITTED_IN_A_ROW:
             return []
@@ -288,7 +292,8 @@ class EngineHealth:
     def _eject_passive(self, instance_id: str, state: _State, why: str, reason: str = PASSIVE) -> None:
         state.ejections += 1
         seconds = min(self.base_s * state.ejections, self.max_s)
-        state.until = self._clock() + seconds
+        state.ejected_at = self._clock()
+        state.until = state.ejected_at + seconds
         state.failures = 0
         state.unadmitted = 0
         state.probation = False

@@ -319,7 +319,8 @@ class CmsView:
             and held is not None
             and not new_epoch
             and (
-                admitted_total - held_total > len(status.admitted_request_ids)
+                # fewer than held: a writer that started over (a respawned export process) lost what it had
+                not 0 <= admitted_total - held_total <= len(status.admitted_request_ids)
                 if admitted_total is not None and held_total is not None
                 else update_id > held.update_id + 1 and timestamp_ms - held.timestamp_ms >= self._window_ms
             )

@@ -61,6 +61,19 @@ def test_an_engine_that_admits_nothing_it_is_sent_is_ejected_and_back_on_probati
     assert c.health.is_ejected("a") and ejections(c, "a") == 2
 
 
+def test_a_request_sent_before_the_ejection_does_not_eject_it_again_on_probation() -> None:
+    """The server recovered while out; a request it swallowed before, judged once it is back, says nothing of it
+    since (the ejection's backoff would otherwise double for nothing)."""
+    c, clocks, a, b = fleet()
+    assert send(c, "r0") == "a" and send(c, "r1") == "a"
+    wait(c, clocks, 6, a, b)
+    assert send(c, "r2") == "a"  # swallowed too, but due only after the ejection's 5 s
+    wait(c, clocks, 5, a, b)
+    assert c.health.is_ejected("a") and ejections(c, "a") == 1
+    wait(c, clocks, 7, a, b)  # back on probation; r2 judged now
+    assert not c.health.is_ejected("a") and ejections(c, "a") == 1
+
+
 def test_an_engine_that_admits_what_it_is_sent_is_never_ejected_however_long_its_requests_run() -> None:
     c, clocks, a, b = fleet()
     assert send(c, "r0") == "a"

@@ -13,17 +13,10 @@ from pilotfish.scheduler.config import SchedulerConfig
 from pilotfish.scheduler.core import SchedulerCore
 from pilotfish.scheduler.health import UNADMITTED
 from pilotfish.scheduler.view.types import RequestInfo
+from tests.unit.test_scheduler_health import Clock
 
 DUE_S = 30.0
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def lite(clock: Clock, **overrides: object) -> SchedulerCore:
@@ -86,6 +79,22 @@ def test_an_engine_that_gives_first_tokens_is_never_judged_however_long_its_requ
         rid = traffic.to("a")  # a gives first tokens all along, to requests sent later
         core.report(rid, 1, prefill_done=True)
     assert all(core._lrs.get(rid) is not None for rid in waiting) and ejections(core) == 0
+
+
+def test_a_busy_engine_that_finishes_requests_is_not_judged() -> None:
+    """Its KV full of long answers, new streams wait there past the period with no first token while the other
+    engine gives them; its answers finishing say it works."""
+    clock = Clock()
+    core = lite(clock)
+    traffic = Traffic(core, clock)
+    running = [traffic.to("a") for _ in range(20)]
+    for rid in running:
+        core.report(rid, 1, prefill_done=True)
+    queued = [traffic.to("a") for _ in range(2)]
+    for _ in range(int(3 * DUE_S / 5)):
+        traffic.wait(5)
+        core.release(running.pop(), FINISHED)  # one answer ends every 5 s; the queued ones still wait
+    assert all(core._lrs.get(rid) is not None for rid in queued) and ejections(core) == 0
 
 
 def test_non_streamed_requests_are_not_judged() -> None:

@@ -382,6 +382,7 @@ def test_gap_needs_a_skip_longer_than_the_admitted_window(skip_ms: int, gap: boo
         (0, [], False),  # an idle engine's refresh, seconds later: nothing admitted, nothing lost
         (2, ["x", "y"], False),  # every id admitted since is listed
         (3, ["x", "y"], True),  # one admitted since was listed only by statuses never read
+        (-5, [], True),  # fewer than held: a writer that started over (its export process respawned)
     ],
 )
 def test_a_counting_writer_says_whether_a_pause_lost_ids(admitted_since: int, listed: list[str], gap: bool) -> None:

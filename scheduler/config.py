@@ -288,7 +288,8 @@ class SchedulerConfig(DiscoveryConfig, kw_only=True, forbid_unknown_fields=True)
         Meta(
             gt=0,
             description="an engine's k-th ejection in a row lasts k times this (capped), then it is let back "
-            "on probation: one failure ejects it again, one success forgives its ejections",
+            "on probation: one trial request at a time until one is admitted, answers or succeeds; one failure "
+            "ejects it again, one success forgives its ejections",
         ),
     ] = 5.0
     outlier_max_ejection_seconds: Annotated[

@@ -147,6 +147,7 @@ class SchedulerCore:
             clock,
             on_change=self._changed,
             overdue_seconds=config.engine_admission_seconds if self.full_mode else 0.0,
+            on_admitted=self._admitted,
         )
         self._models = frozenset(config.model)
         self._instances: dict[str, InstanceView] = {}
@@ -378,6 +379,14 @@ class SchedulerCore:
             raise NoSchedulableInstanceError(
                 f"policy {self._policy.name!r} has no pipeline for {kind.name.lower()} instances"
             )
+        trials = self.health.trials
+        if trials:  # engines on probation with a trial running: passed over where another will do
+            ranked = self._pick(stage, kind, req, count + len(trials))
+            return ([i for i in ranked if i.instance_id not in trials] or ranked)[:count]
+        return self._pick(stage, kind, req, count)
+
+    def _pick(self, stage: _Stage, kind: InferType, req: RequestInfo, count: int) -> list[InstanceView]:
+        assert stage.pipeline is not None
         subset = req.candidate_addresses
         if subset:  # the gateway's subset hint: a scan of the few it allows, never a pick outside
             allowed = [inst for inst in stage.instances if in_subset(inst.endpoint.address, subset)]
@@ -417,6 +426,7 @@ class SchedulerCore:
         predicted = self._predicted_ttft(req, target) if self._lite_ttft is not None else 0.0
         entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
         entry.predicted_ttft_ms = predicted
+        self.health.dispatched(target.instance_id, req.request_id)
         if self._first_token_due and req.stream:
             self._streams.append(entry)
         if self.full_mode:
@@ -437,6 +447,7 @@ class SchedulerCore:
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
         self._progress_at[entry.instance_id] = self._fleet_first_token_at = now
+        self.health.admitted(entry.instance_id)
         if self._lite_ttft is None:
             return
         inst = self._instances.get(entry.instance_id)
@@ -490,12 +501,14 @@ class SchedulerCore:
             return inflight
         if reason in _ENGINE_FAILURES:
             self._drop(self.health.failure(entry.instance_id, request_id))
+            self.health.released(entry.instance_id, request_id)  # (with outlier detection off no verdict ends it)
             return True
         self._lrs.release(request_id, answer_tokens)
         if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
             self._drop(self.health.success(entry.instance_id))
             if self._first_token_due:
                 self._progress_at[entry.instance_id] = self._clock()
+        self.health.released(entry.instance_id, request_id)  # a trial that ended with no verdict
         return True
 
     def orphan(self, request_ids: Iterable[str]) -> None:
@@ -523,6 +536,10 @@ class SchedulerCore:
         """One health probe of an engine (health.HealthProber); unknown instances are ignored."""
         if instance_id in self._instances:
             self._drop(self.health.probe(instance_id, ok))
+
+    def _admitted(self, instance_id: str) -> None:
+        """Full mode: a status named a request the engine admitted (health.py: a trial on probation passes)."""
+        self.health.admitted(instance_id)
 
     def _engine_stalled(self, inst: InstanceView, stalled: bool) -> None:
         """Full mode: the engine's statuses show it stalled, or stepping again (view/cms_view.py)."""

@@ -33,6 +33,13 @@ Two signals take it out of the candidates:
   `successful_active_health_check_uneject_host` does; an engine that answers its probes all
   along but fails requests sits out its whole backoff.
 
+*Probation is half-open*: an engine let back takes one request at a time (its trial) until that request
+shows the engine works (it is admitted or gives its first token, or it succeeds), is released without a
+verdict (the client went), or `TRIAL_SECONDS` pass; a failure ejects it again. Meanwhile the core passes it
+over where another engine will do (`trials`); it is not ejected, and the candidate groups stay as they are.
+So an engine that still swallows or fails its requests gets one per ejection, not every pick it wins until
+the next verdict (the unadmitted rule's takes seconds).
+
 An engine is out while either says so. Failed-fast requests must not make an engine look idle:
 a request released as an upstream error keeps its load on its engine until that engine next
 succeeds, is ejected, or `base_s` passes (`EngineHealth.hold`), so the run of failures that ejects
@@ -67,6 +74,8 @@ UNADMITTED = "unadmitted"
 # unadmitted requests in a row that eject an engine: one may be slow for a reason of its own (the server
 # still fetching its images), and the ranking already shuns an engine holding one
 UNADMITTED_IN_A_ROW = 2
+# how long a trial request on probation keeps its engine passed over without a verdict
+TRIAL_SECONDS = 30.0
 
 
 @dataclass(slots=True, eq=False)
@@ -105,6 +114,9 @@ class EngineHealth:
         self._on_change = on_change
         self._states: dict[str, _State] = {}
         self._ejected: set[str] = set()
+        # instance id -> the request it is trying on probation (half-open): passed over while it runs
+        self.trials: dict[str, str] = {}
+        self._trial_deadlines: list[tuple[float, str, str]] = []  # heap of (deadline, instance id, request id)
         self._returns: list[tuple[float, str]] = []  # heap of (until, instance id) of passive ejections
         self._hold_deadlines: list[tuple[float, str, str]] = []  # heap of (deadline, instance id, request id)
 
@@ -143,7 +155,28 @@ class EngineHealth:
     def due(self) -> float:
         """When `tick` next has something to do (inf: nothing pending)."""
         first = self._returns[0][0] if self._returns else math.inf
+        if self._trial_deadlines:
+            first = min(first, self._trial_deadlines[0][0])
         return min(first, self._hold_deadlines[0][0]) if self._hold_deadlines else first
+
+    # -- the trial of an engine on probation ---------------------------------------------------------
+
+    def dispatched(self, instance_id: str, request_id: str) -> None:
+        """A request went to the engine: on probation with no trial running, it is the trial."""
+        state = self._states.get(instance_id)
+        if state is None or not state.probation or instance_id in self.trials:
+            return
+        self.trials[instance_id] = request_id
+        heapq.heappush(self._trial_deadlines, (self._clock() + TRIAL_SECONDS, instance_id, request_id))
+
+    def admitted(self, instance_id: str) -> None:
+        """The engine admitted a request sent to it, or gave one its first token: it passes requests on."""
+        self.trials.pop(instance_id, None)
+
+    def released(self, instance_id: str, request_id: str) -> None:
+        """A request on the engine was released (whatever the verdict, which came first)."""
+        if self.trials.get(instance_id) == request_id:
+            del self.trials[instance_id]
 
     # -- outcomes ----------------------------------------------------------------------------------
 
@@ -179,6 +212,7 @@ class EngineHealth:
                 log.info("instance %s is healthy again (a success on probation)", instance_id)
             state.probation = False
             state.ejections = 0
+            self.trials.pop(instance_id, None)
         return self._drop_holds(state)
 
     def probe(self, instance_id: str, ok: bool) -> list[str]:
@@ -255,6 +289,9 @@ class EngineHealth:
             if not state.probe_down:
                 log.warning("instance %s ejection over: back on probation", instance_id)
             self._update(instance_id, state)
+        while self._trial_deadlines and self._trial_deadlines[0][0] <= now:
+            _, instance_id, request_id = heapq.heappop(self._trial_deadlines)
+            self.released(instance_id, request_id)  # no verdict in time: another request may try
         dropped: list[str] = []
         while self._hold_deadlines and self._hold_deadlines[0][0] <= now:
             _, instance_id, request_id = heapq.heappop(self._hold_deadlines)
@@ -267,6 +304,7 @@ class EngineHealth:
     def forget(self, instance_id: str) -> None:
         """The instance left the cluster (its held requests go with it)."""
         state = self._states.pop(instance_id, None)
+        self.trials.pop(instance_id, None)
         if state is not None and instance_id in self._ejected:
             self._ejected.discard(instance_id)
             self._on_change()
@@ -307,6 +345,8 @@ class EngineHealth:
 
     def _update(self, instance_id: str, state: _State) -> None:
         out = bool(state.until) or state.probe_down or state.stalled
+        if out or not state.probation:
+            self.trials.pop(instance_id, None)  # a verdict, or out again: the trial is over
         if out == (instance_id in self._ejected):
             return
         if out:

@@ -91,6 +91,7 @@ class InflightAccount:
         clock: Callable[[], float] = time.monotonic,
         on_change: Callable[[InstanceView], None] | None = None,
         overdue_seconds: float = 0.0,
+        on_admitted: Callable[[str], None] | None = None,
     ) -> None:
         self.staleness_seconds = staleness_seconds
         self.grace = admission_grace_seconds
@@ -100,6 +101,7 @@ class InflightAccount:
         self._watch: deque[AccountEntry] = deque()
         # instance id -> when a status last named an entry of it (the engine admits what it is sent)
         self.admitted_at: dict[str, float] = {}
+        self._on_admitted = on_admitted or (lambda instance_id: None)  # told the instance id of each
         self._clock = clock
         self._on_change = on_change or (lambda inst: None)
         self._entries: OrderedDict[tuple[str, str], AccountEntry] = OrderedDict()
@@ -154,6 +156,7 @@ class InflightAccount:
                 removed += 1
         if removed:
             self.admitted_at[instance_id] = self._clock()
+            self._on_admitted(instance_id)
         self.num_confirmed += removed
         if gap:
             removed += self._gap(inst)

@@ -15,7 +15,7 @@ from pilotfish.config import ConfigError
 from pilotfish.protos import scheduler_pb2
 from pilotfish.scheduler.config import SchedulerConfig, probes_enabled, validate
 from pilotfish.scheduler.core import SchedulerCore
-from pilotfish.scheduler.health import PASSIVE, PROBE, EngineHealth, HealthProber
+from pilotfish.scheduler.health import PASSIVE, PROBE, TRIAL_SECONDS, EngineHealth, HealthProber
 from pilotfish.scheduler.view.types import RequestInfo
 
 FINISHED = scheduler_pb2.RELEASE_REASON_FINISHED
@@ -400,3 +400,63 @@ def test_prober_ejects_an_engine_that_stops_answering_and_lets_it_back() -> None
             await runner.cleanup()
 
     asyncio.run(run())
+
+
+# -- half-open probation: one trial request at a time --------------------------------------------------
+
+
+def on_probation(clock: Clock, **overrides: object) -> SchedulerCore:
+    core = make_core(clock, **overrides)
+    fail_on(core, "a", 3)
+    clock.now += 5.0
+    core.expire()
+    assert core.health.on_probation("a") and not core.health.is_ejected("a")
+    return core
+
+
+def test_an_engine_on_probation_takes_one_trial_request_until_a_verdict() -> None:
+    clock = Clock()
+    core = on_probation(clock)
+    trial, target = schedule(core)
+    assert target == "a"  # the least loaded takes its trial
+    picks = [schedule(core)[1] for _ in range(10)]
+    assert set(picks) == {"b"}, "no second request while the trial runs"
+    assert not core.health.is_ejected("a")  # passed over, not ejected (the metric says so)
+    core.release(trial, FINISHED)  # the trial succeeds: a takes its share again
+    assert not core.health.on_probation("a")
+    assert schedule(core)[1] == "a"
+
+
+def test_a_trial_that_fails_ejects_again_and_one_the_client_drops_lets_another_try() -> None:
+    clock = Clock()
+    core = on_probation(clock)
+    trial, _ = schedule(core)
+    core.release(trial, ABORT)  # no verdict: the next request may try
+    trial, target = schedule(core)
+    assert target == "a"
+    core.release(trial, UPSTREAM)
+    assert core.health.is_ejected("a") and core.health.ejections("a")[PASSIVE] == 2
+
+
+def test_a_trial_the_engine_passes_on_ends_it_and_one_without_a_verdict_ends_after_a_while() -> None:
+    clock = Clock()
+    core = on_probation(clock)
+    schedule(core)
+    core.health.admitted("a")  # a status names it admitted (full mode) or it gives its first token (lite)
+    assert schedule(core)[1] == "a" and core.health.on_probation("a")  # the next one is a new trial
+    assert schedule(core)[1] == "b"
+    clock.now += TRIAL_SECONDS
+    core.expire()  # the trial got no verdict in time: another may try
+    assert schedule(core)[1] == "a"
+
+
+def test_an_engine_on_trial_never_lets_an_ejected_one_back_in() -> None:
+    """Passed over is not ejected: with a on trial and b ejected, a takes every pick (the all-ejected rule would
+    have made b, the dead one, a candidate again)."""
+    clock = Clock()
+    core = on_probation(clock)
+    schedule(core)  # a's trial
+    for _ in range(3):
+        core.health.failure("b")
+    assert core.health.is_ejected("b")
+    assert {schedule(core)[1] for _ in range(6)} == {"a"}

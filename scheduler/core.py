@@ -19,10 +19,8 @@ Not thread-safe: one owner (an event loop) calls it.
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -44,8 +42,9 @@ from pilotfish.scheduler.policy.base import Pipeline, Policy
 from pilotfish.scheduler.policy.index import LoadIndex, load_index
 from pilotfish.scheduler.policy.metrics.latency import PredictedTtft
 from pilotfish.scheduler.policy.registry import build_policy, context_from_config
+from pilotfish.scheduler.swallowing import SwallowingWatch
 from pilotfish.scheduler.telemetry import Telemetry
-from pilotfish.scheduler.view.account import AccountEntry, InflightAccount
+from pilotfish.scheduler.view.account import InflightAccount
 from pilotfish.scheduler.view.cms_view import CmsTrust, CmsView
 from pilotfish.scheduler.view.lrs import LocalRealtimeState, RequestEntry
 from pilotfish.scheduler.view.prefix_index import PrefixIndex
@@ -57,8 +56,6 @@ log = logging.getLogger(__name__)
 # below this many candidates a scan is as fast as keeping an index up to date
 INDEX_MIN_INSTANCES = 16
 _ENGINE_FAILURES = (scheduler_pb2.RELEASE_REASON_UPSTREAM_ERROR, scheduler_pb2.RELEASE_REASON_UPSTREAM_RESET)
-# how often in-flight entries past --engine-admission-seconds are looked at (health.py, unadmitted)
-JUDGE_EVERY_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,21 +123,8 @@ class SchedulerCore:
         )
         # lite mode: the TTFT each dispatch predicts, unscaled, that its first token's time is judged against
         self._lite_ttft = PredictedTtft(self.ctx) if not self.full_mode and config.slow_engine_ratio_lite else None
-        # lite mode: when each engine last gave a first token or finished a request, and when any engine last
-        # gave a first token; and streamed requests in dispatch order, judged when --engine-first-token-seconds
-        # old (health.py, unadmitted)
-        self._progress_at: dict[str, float] = {}
-        self._fleet_first_token_at = -math.inf
-        self._first_token_due = config.engine_first_token_seconds if not self.full_mode else 0.0
-        self._streams: deque[RequestEntry] = deque()
         # requests whose gateway's Session ended with them held: id -> (drop after, last touch then)
         self._orphans: dict[str, tuple[float, float]] = {}
-        # full mode: in-flight entries past the admission period whose engine has sent no status since
-        self._unjudged: list[AccountEntry] = []
-        self._next_judgement = 0.0
-        self._unanswered: list[RequestEntry] = []  # lite: streamed requests due, waiting for a first token anywhere
-        self._unanswered_seen_at = -math.inf  # the fleet's first token they were last looked at for
-        self._next_answer_look = 0.0
         self.account = InflightAccount(
             config.request_local_account_staleness_seconds,
             config.account_admission_grace_seconds,
@@ -183,6 +167,16 @@ class SchedulerCore:
                 stalled=self._engine_stalled,
                 stall_seconds=config.engine_stall_seconds,
             )
+        # an engine whose server swallows its requests (swallowing.py)
+        self.swallowing = SwallowingWatch(
+            self.health,
+            self.account,
+            self._lrs.get,
+            self._drop,
+            clock,
+            received_at=self.cms.received_at if self.cms is not None else None,
+            first_token_due_s=config.engine_first_token_seconds,
+        )
         for instance_id, address in static:
             self.add_instance(InstanceView(Endpoint(instance_id, address), models=self._models))
         # a registry per core, never the global one, so several cores can live in one process
@@ -210,7 +204,7 @@ class SchedulerCore:
         self._lrs.drop_instance(instance_id)
         self.account.drop_instance(instance_id)
         self.health.forget(instance_id)
-        self._progress_at.pop(instance_id, None)
+        self.swallowing.forget(instance_id)
         self.speeds.forget(instance_id)
         self._by_model.clear()
         self._dirty.discard(instance_id)
@@ -427,8 +421,7 @@ class SchedulerCore:
         entry = self._lrs.dispatch(req.request_id, req.model, target, req.prompt_tokens, decision)
         entry.predicted_ttft_ms = predicted
         self.health.dispatched(target.instance_id, req.request_id)
-        if self._first_token_due and req.stream:
-            self._streams.append(entry)
+        self.swallowing.sent(entry, req.stream)
         if self.full_mode:
             cached = self.ctx.prefix_hits(req).get(target.instance_id, 0) if self.prefix_index is not None else 0
             self.account.dispatch(req.request_id, target, req.prompt_tokens, cached)
@@ -446,7 +439,7 @@ class SchedulerCore:
         return metric.evaluate((*metric.state(inst)[:3], 1.0), inst, req)
 
     def _first_token(self, entry: RequestEntry, now: float) -> None:
-        self._progress_at[entry.instance_id] = self._fleet_first_token_at = now
+        self.swallowing.first_token(entry.instance_id, now)
         self.health.admitted(entry.instance_id)
         if self._lite_ttft is None:
             return
@@ -506,8 +499,7 @@ class SchedulerCore:
         self._lrs.release(request_id, answer_tokens)
         if reason == scheduler_pb2.RELEASE_REASON_FINISHED:
             self._drop(self.health.success(entry.instance_id))
-            if self._first_token_due:
-                self._progress_at[entry.instance_id] = self._clock()
+            self.swallowing.finished(entry.instance_id)
         self.health.released(entry.instance_id, request_id)  # a trial that ended with no verdict
         return True
 
@@ -545,62 +537,6 @@ class SchedulerCore:
         """Full mode: the engine's statuses show it stalled, or stepping again (view/cms_view.py)."""
         self._drop(self.health.stall(inst.instance_id, stalled))
 
-    def _judge_unadmitted(self) -> None:
-        """Full mode: a request its engine has not admitted within --engine-admission-seconds counts against
-        the engine once a status of the engine came after it was sent (the llumlet reports, and did not list
-        it), if the engine admitted no request at all since it was sent (one slow request, e.g. a prompt whose
-        images the server still fetches, does not stop the others; nor does a server slow to pass on every
-        request, which the ranking sees as load). An HTTP server that takes requests and passes none
-        to its engine looks idle and healthy otherwise: its llumlet reports an idle engine, /health answers."""
-        assert self.cms is not None
-        now = self._clock()
-        if now < self._next_judgement:
-            return  # Schedule expires too: a look per JUDGE_EVERY_S is enough for a rule of seconds
-        self._next_judgement = now + JUDGE_EVERY_S
-        received, admitted, grace = self.cms.received_at, self.account.admitted_at, self.account.grace
-        waiting = self._unjudged
-        waiting += self.account.overdue()
-        if not waiting:
-            return
-        self._unjudged = []
-        for entry in waiting:
-            if not self.account.holds(entry):
-                continue  # released or confirmed meanwhile
-            instance_id = entry.inst.instance_id
-            if received.get(instance_id, -math.inf) < entry.dispatched_at + grace:
-                self._unjudged.append(entry)  # no status since it was sent: judged when one comes
-            elif admitted.get(instance_id, -math.inf) <= entry.dispatched_at:
-                self._drop(self.health.unadmitted(instance_id, entry.dispatched_at))
-
-    def _judge_unanswered(self) -> None:
-        """Lite mode: a streamed request with no first token within --engine-first-token-seconds counts against
-        its engine once the gateway has reported a first token of any engine since it was sent (so it reports
-        them: a gateway that does not is never judged) and its engine has neither given a first token nor
-        finished a request since. A busy engine does one or the other: its queue and prefills give first
-        tokens, and when its KV is full its running answers finish to make room; an engine that does neither
-        while its /health answers (the prober's signal) has a server that swallows its requests.
-        Non-streamed answers come whole, at their end: not judged."""
-        now = self._clock()
-        if now < self._next_answer_look:
-            return  # Schedule expires too: a look per JUDGE_EVERY_S is enough for a rule of seconds
-        self._next_answer_look = now + JUDGE_EVERY_S
-        cutoff = now - self._first_token_due
-        due, streams, held = [], self._streams, self._lrs.get
-        while streams and streams[0].dispatched_at <= cutoff:
-            due.append(streams.popleft())
-        if self._fleet_first_token_at > self._unanswered_seen_at:
-            # those kept waiting for a first token anywhere: looked at again only once one came
-            self._unanswered_seen_at = self._fleet_first_token_at
-            due += self._unanswered
-            self._unanswered = []
-        for entry in due:
-            if held(entry.request_id) is not entry or entry.decoding:
-                continue  # released, or answering
-            if self._fleet_first_token_at <= entry.dispatched_at:
-                self._unanswered.append(entry)  # no first token anywhere since: judged when one comes
-            elif self._progress_at.get(entry.instance_id, -math.inf) <= entry.dispatched_at:
-                self._drop(self.health.unadmitted(entry.instance_id, entry.dispatched_at))
-
     def _drop(self, request_ids: list[str]) -> None:
         """Release requests whose load engine health had kept (held as failures)."""
         for request_id in request_ids:
@@ -620,11 +556,9 @@ class SchedulerCore:
                 dropped,
                 self._lrs.staleness_seconds,
             )
-        if self._first_token_due:
-            self._judge_unanswered()
+        if self.swallowing.active:
+            self.swallowing.judge()
         if self.full_mode:
-            if self.account.overdue_seconds:
-                self._judge_unadmitted()
             unconfirmed = self.account.expire()
             if unconfirmed:
                 log.warning(

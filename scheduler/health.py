@@ -18,7 +18,7 @@ Two signals take it out of the candidates:
   there never fails: it hangs. Out until a status shows it stepping again, then on probation.
 - **unadmitted** (`unadmitted`): a request sent to the engine that no status of it lists as admitted for
   --engine-admission-seconds, while its statuses keep coming and it admits no request at all since that
-  one was sent (full mode; core.py judges it): an HTTP server that takes requests and passes none to its
+  one was sent (full mode; swallowing.py judges it): an HTTP server that takes requests and passes none to its
   engine (a hung API-server loop or proxy) looks idle and healthy otherwise, with an idle engine behind
   it and /health answering. In lite mode (no statuses) the same for a streamed request that gets no
   first token for --engine-first-token-seconds while the engine neither gives one nor finishes a request
